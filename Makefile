@@ -1,0 +1,48 @@
+# consumer-proxy: every target installs what it needs (idempotently) into .venv.
+#   make demo   - a local Kafka, example service instances, the proxy and sample traffic
+#   make test   - ruff, mypy --strict, stale-stub check and the whole pytest suite (real Kafka)
+#   make bench  - the benchmarks in bench/ (not part of the test suite)
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: install test lint typecheck demo bench protos kafka-start kafka-stop clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[dev,pipeline]"
+	@rm -f $(VENV)/.installed-* && touch $@
+
+install: $(STAMP)
+
+lint: install
+	$(VENV)/bin/ruff check consumer_proxy tests bench scripts examples
+
+typecheck: install
+	$(VENV)/bin/mypy
+
+test: lint typecheck
+	$(PY) scripts/gen_protos.py --check
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: install
+	$(PY) scripts/demo.py $(DEMO_ARGS)
+
+bench: install
+	$(PY) bench/run_all.py
+
+protos: install
+	$(PY) scripts/gen_protos.py
+
+kafka-start:
+	scripts/kafka start
+
+kafka-stop:
+	scripts/kafka stop
+
+clean:
+	rm -rf $(VENV) .kafka .demo build *.egg-info

@@ -1,0 +1,476 @@
+"""Onboarding configuration: pydantic models, the YAML loader and offline validation.
+
+One YAML file, or a directory of them (one per service, each adding ``groups``), is validated
+once at start-up and passed down. Environment variables override the files through
+pydantic-settings: ``CONSUMER_PROXY_`` prefix, ``__`` between nested names, e.g.
+``CONSUMER_PROXY_KAFKA__BOOTSTRAP_SERVERS=broker:9092``. Every duration name carries its unit.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import grpc
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from .errors import ConfigError
+
+OutcomeName = Literal["ack", "retry", "dead_letter", "drop", "outage"]
+STATUS_NAMES = frozenset(code.name for code in grpc.StatusCode)
+_TOPIC_RE = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+_HOSTPORT_RE = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})$")
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+def _check_topic(name: str) -> str:
+    if not _TOPIC_RE.match(name) or name in {".", ".."}:
+        raise ValueError(
+            f"{name!r} is not a valid Kafka topic name (1-249 of letters, digits, '.', '_', '-')"
+        )
+    return name
+
+
+def check_endpoint(target: str) -> str:
+    """Accept ``host:port``, ``dns:///host:port``, ``ipv4:``/``ipv6:`` lists and ``unix:`` paths."""
+    if target.startswith(("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:")):
+        scheme, _, rest = target.partition(":")
+        if not rest.strip("/"):
+            raise ValueError(f"{target!r} names the {scheme} scheme but no address")
+        return target
+    match = _HOSTPORT_RE.match(target)
+    if not match or not 0 < int(match["port"]) < 65536:
+        raise ValueError(
+            f"{target!r} is not an endpoint; use host:port (port 1-65535) or dns:///host:port"
+        )
+    return target
+
+
+class BackoffConfig(BaseModel):
+    """Exponential backoff with jitter between counted retries of one message."""
+
+    model_config = _FROZEN
+    initial_ms: int = Field(100, ge=1, le=3_600_000, description="First retry delay.")
+    max_ms: int = Field(30_000, ge=1, le=86_400_000, description="Upper bound of a retry delay.")
+    multiplier: float = Field(2.0, ge=1.0, le=10.0, description="Growth factor per attempt.")
+    jitter: float = Field(
+        0.2, ge=0.0, le=1.0, description="Fraction of each delay that is randomised."
+    )
+
+    @model_validator(mode="after")
+    def _max_not_below_initial(self) -> BackoffConfig:
+        if self.max_ms < self.initial_ms:
+            raise ValueError(f"max_ms ({self.max_ms}) is below initial_ms ({self.initial_ms})")
+        return self
+
+
+class TlsConfig(BaseModel):
+    """TLS to the service instances; a client certificate and key give mTLS."""
+
+    model_config = _FROZEN
+    ca_file: Path | None = Field(None, description="PEM CA bundle that signed the servers.")
+    cert_file: Path | None = Field(None, description="PEM client certificate for mTLS.")
+    key_file: Path | None = Field(None, description="PEM private key of cert_file.")
+    server_name: str | None = Field(
+        None, description="Name to verify in the server certificate, if not the endpoint host."
+    )
+
+    @model_validator(mode="after")
+    def _cert_and_key_together(self) -> TlsConfig:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together (both for mTLS, or neither)")
+        return self
+
+
+class ServiceConfig(BaseModel):
+    """The service instances the group's messages are pushed to."""
+
+    model_config = _FROZEN
+    endpoints: list[Annotated[str, Field(min_length=1)]] = Field(
+        ..., min_length=1, description="host:port of each instance, or one dns:/// target."
+    )
+    timeout_ms: int = Field(5000, ge=1, le=3_600_000, description="Deadline of one push call.")
+    tls: TlsConfig | None = Field(None, description="TLS / mTLS settings; plaintext when absent.")
+
+    @field_validator("endpoints")
+    @classmethod
+    def _endpoints_parse(cls, value: list[str]) -> list[str]:
+        for target in value:
+            check_endpoint(target)
+        if len(set(value)) != len(value):
+            raise ValueError("the same endpoint is listed twice")
+        return value
+
+
+class AdaptiveConfig(BaseModel):
+    """Bounds of the adaptive concurrency limit (used with ``concurrency: adaptive``)."""
+
+    model_config = _FROZEN
+    min: int = Field(1, ge=1, le=100_000, description="Lowest concurrency the limit may reach.")
+    max: int = Field(500, ge=1, le=100_000, description="Highest concurrency the limit may reach.")
+    initial: int = Field(20, ge=1, le=100_000, description="Concurrency at start.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> AdaptiveConfig:
+        if not self.min <= self.initial <= self.max:
+            raise ValueError(
+                f"need min <= initial <= max, got {self.min}, {self.initial}, {self.max}"
+            )
+        return self
+
+
+class DeliveryConfig(BaseModel):
+    """How messages are delivered, retried and committed."""
+
+    model_config = _FROZEN
+    max_in_flight: int = Field(
+        1000, ge=1, le=100_000, description="Per partition: offsets fetched and not committed."
+    )
+    max_in_flight_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=1024,
+        description="Per group: bytes of fetched messages held in memory before intake pauses.",
+    )
+    concurrency: int | Literal["adaptive"] = Field(
+        100, description="In-flight calls for the group (1-10000), or 'adaptive'."
+    )
+    adaptive: AdaptiveConfig = Field(
+        default_factory=AdaptiveConfig, description="Bounds for concurrency: adaptive."
+    )
+    max_attempts: int = Field(
+        5, ge=1, le=1000, description="Counted attempts before a message is dead-lettered."
+    )
+    backoff: BackoffConfig = Field(
+        default_factory=BackoffConfig, description="Delay between counted retries."
+    )
+    rate_limit_per_s: float | None = Field(
+        None, gt=0, description="Optional cap on messages pushed per second for the group."
+    )
+    status_overrides: dict[str, OutcomeName] = Field(
+        default_factory=dict,
+        description="gRPC status name -> ack|retry|dead_letter|drop|outage (over the defaults).",
+    )
+    commit_interval_ms: int = Field(
+        1000, ge=10, le=600_000, description="How often the done prefix is committed."
+    )
+    metadata_budget_bytes: int = Field(
+        4000,
+        ge=64,
+        le=1_048_576,
+        description="Size limit of the ack state stored in commit metadata "
+        "(keep under the broker's offset.metadata.max.bytes, 4096 by default).",
+    )
+    revoke_grace_ms: int = Field(
+        3000,
+        ge=0,
+        le=600_000,
+        description="On partition revoke, wait this long for in-flight calls.",
+    )
+    fetch_batch: int = Field(
+        500, ge=1, le=100_000, description="Messages taken from the consumer in one poll."
+    )
+
+    @field_validator("concurrency")
+    @classmethod
+    def _concurrency_range(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and not 1 <= value <= 10_000:
+            raise ValueError(f"must be 1-10000 or 'adaptive', got {value}")
+        return value
+
+    @field_validator("status_overrides")
+    @classmethod
+    def _known_codes(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if name not in STATUS_NAMES:
+                known = ", ".join(sorted(STATUS_NAMES))
+                raise ValueError(f"{name!r} is not a gRPC status code; use one of {known}")
+            if name == "OK":
+                raise ValueError("OK cannot be overridden: it follows the response's action")
+        return value
+
+
+class DlqConfig(BaseModel):
+    """The group's dead-letter topic and the redrive topic that merges it back."""
+
+    model_config = _FROZEN
+    topic: str | None = Field(None, description="DLQ topic; '<group>.dlq' when absent.")
+    redrive_topic: str | None = Field(
+        None, description="Topic 'dlq merge' writes to and the proxy consumes; '<group>.redrive'."
+    )
+    create: bool = Field(True, description="Create missing DLQ and redrive topics at start.")
+    partitions: int | None = Field(
+        None, ge=1, le=10_000, description="Partitions of created topics; the source topic's count."
+    )
+    replication_factor: int | None = Field(
+        None, ge=1, le=32, description="Replication of created topics; the broker default."
+    )
+    write_timeout_ms: int = Field(
+        30_000, ge=100, le=3_600_000, description="One DLQ write attempt's limit before a retry."
+    )
+
+    @field_validator("topic", "redrive_topic")
+    @classmethod
+    def _topic_ok(cls, value: str | None) -> str | None:
+        return None if value is None else _check_topic(value)
+
+
+class CircuitBreakerConfig(BaseModel):
+    """Stops pushing while the service is down, so an outage never dead-letters."""
+
+    model_config = _FROZEN
+    failure_threshold: int = Field(
+        20, ge=1, le=100_000, description="Consecutive service-level failures that open it."
+    )
+    reset_timeout_s: float = Field(
+        10.0, gt=0, le=3600, description="Time open before a half-open probe."
+    )
+
+
+class GroupConfig(BaseModel):
+    """One onboarded service: a Kafka consumer group pushing to one gRPC service."""
+
+    model_config = _FROZEN
+    name: str = Field(..., min_length=1, max_length=200, description="Kafka consumer group id.")
+    topics: list[str] = Field(..., min_length=1, description="Source topics of the group.")
+    service: ServiceConfig = Field(..., description="Where messages are pushed.")
+    delivery: DeliveryConfig = Field(default_factory=DeliveryConfig, description="Delivery knobs.")
+    dlq: DlqConfig = Field(default_factory=DlqConfig, description="Dead letters and redrive.")
+    circuit_breaker: CircuitBreakerConfig = Field(
+        default_factory=CircuitBreakerConfig, description="Outage protection."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _name_chars(cls, value: str) -> str:
+        _check_topic(value)  # the group name prefixes the default DLQ/redrive topic names
+        return value
+
+    @field_validator("topics")
+    @classmethod
+    def _topics_ok(cls, value: list[str]) -> list[str]:
+        for topic in value:
+            _check_topic(topic)
+        if len(set(value)) != len(value):
+            raise ValueError("a topic is listed twice")
+        return value
+
+    @model_validator(mode="after")
+    def _dlq_not_a_source(self) -> GroupConfig:
+        for label, topic in (
+            ("dlq.topic", self.dlq_topic),
+            ("dlq.redrive_topic", self.redrive_topic),
+        ):
+            if topic in self.topics:
+                raise ValueError(f"{label} {topic!r} is also a source topic of the group")
+        if self.dlq_topic == self.redrive_topic:
+            raise ValueError("dlq.topic and dlq.redrive_topic must differ")
+        return self
+
+    @property
+    def dlq_topic(self) -> str:
+        """The DLQ topic, defaulting to ``<group>.dlq``."""
+        return self.dlq.topic or f"{self.name}.dlq"
+
+    @property
+    def redrive_topic(self) -> str:
+        """The redrive topic, defaulting to ``<group>.redrive``."""
+        return self.dlq.redrive_topic or f"{self.name}.redrive"
+
+
+class KafkaConfig(BaseModel):
+    """The Kafka cluster and librdkafka properties passed through to every client."""
+
+    model_config = _FROZEN
+    bootstrap_servers: str = Field(..., min_length=1, description="host:port[,host:port...].")
+    client: dict[str, str | int | float | bool] = Field(
+        default_factory=dict,
+        description="librdkafka properties (security.protocol, sasl.*, ssl.*) for all clients.",
+    )
+
+    @field_validator("bootstrap_servers")
+    @classmethod
+    def _servers_parse(cls, value: str) -> str:
+        for server in value.split(","):
+            server = server.strip()
+            server = server.split("://", 1)[-1]
+            if not _HOSTPORT_RE.match(server):
+                raise ValueError(f"{server!r} is not host:port")
+        return value
+
+    @field_validator("client")
+    @classmethod
+    def _not_owned_by_proxy(cls, value: dict[str, Any]) -> dict[str, Any]:
+        owned = {
+            "group.id",
+            "enable.auto.commit",
+            "bootstrap.servers",
+            "partition.assignment.strategy",
+        }
+        clash = sorted(owned & set(value))
+        if clash:
+            raise ValueError(f"{', '.join(clash)} are set by the proxy and cannot be overridden")
+        return value
+
+
+class MetricsConfig(BaseModel):
+    """The HTTP endpoint serving /metrics, /healthz and /readyz."""
+
+    model_config = _FROZEN
+    enabled: bool = Field(True, description="Serve metrics and health over HTTP.")
+    host: str = Field("0.0.0.0", description="Address to bind.")
+    port: int = Field(9464, ge=0, le=65535, description="Port to bind (0: any free port).")
+
+
+class HealthConfig(BaseModel):
+    """The proxy's own grpc.health.v1 service."""
+
+    model_config = _FROZEN
+    grpc_port: int | None = Field(
+        None, ge=0, le=65535, description="Serve grpc.health.v1 on this port (absent: off)."
+    )
+
+
+class ProxyConfig(BaseSettings):
+    """The whole onboarding configuration of one proxy deployment."""
+
+    model_config = SettingsConfigDict(
+        frozen=True,
+        extra="forbid",
+        env_prefix="CONSUMER_PROXY_",
+        env_nested_delimiter="__",
+        nested_model_default_partial_update=True,
+    )
+    kafka: KafkaConfig = Field(..., description="The Kafka cluster.")
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="HTTP endpoint.")
+    health: HealthConfig = Field(default_factory=HealthConfig, description="gRPC health.")
+    groups: list[GroupConfig] = Field(..., min_length=1, description="The onboarded services.")
+    shutdown_grace_s: float = Field(
+        25.0, ge=0, le=3600, description="On SIGTERM, time to drain in-flight calls."
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Environment first: it overrides what the YAML files (passed as init values) say.
+        return (env_settings, init_settings)
+
+    @model_validator(mode="after")
+    def _unique_groups(self) -> ProxyConfig:
+        seen: set[str] = set()
+        for group in self.groups:
+            if group.name in seen:
+                raise ValueError(f"group name {group.name!r} is used twice")
+            seen.add(group.name)
+        return self
+
+    def group(self, name: str) -> GroupConfig:
+        """The group called ``name``; ConfigError naming the known ones otherwise."""
+        for group in self.groups:
+            if group.name == name:
+                return group
+        known = ", ".join(g.name for g in self.groups)
+        raise ConfigError([f"unknown group {name!r}; configured groups: {known}"])
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError([f"{path}: cannot read: {exc.strerror or exc}"]) from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError([f"{path}: {where}YAML syntax error: {problem}"]) from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"{path}: the top level must be a mapping, got {type(data).__name__}"])
+    return data
+
+
+def _collect(path: Path) -> tuple[dict[str, Any], dict[str, Path], list[Path]]:
+    """Merge one file or a directory of files; remember which file each part came from."""
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix in {".yaml", ".yml"} and p.is_file())
+        if not files:
+            raise ConfigError([f"{path}: no .yaml or .yml files in this directory"])
+    elif path.exists():
+        files = [path]
+    else:
+        raise ConfigError([f"{path}: no such file or directory"])
+    merged: dict[str, Any] = {}
+    origin: dict[str, Path] = {}
+    group_files: list[Path] = []
+    problems: list[str] = []
+    for file in files:
+        data = _read_yaml(file)
+        for key, value in data.items():
+            if key == "groups":
+                if not isinstance(value, list):
+                    problems.append(f"{file}: groups: must be a list of groups")
+                    continue
+                merged.setdefault("groups", []).extend(value)
+                group_files.extend([file] * len(value))
+            elif key in merged:
+                problems.append(f"{file}: {key}: already set in {origin[key]}; set it in one file")
+            else:
+                merged[key] = value
+                origin[key] = file
+    if problems:
+        raise ConfigError(problems)
+    return merged, origin, group_files
+
+
+def _format_error(
+    err: Any, path: Path, origin: dict[str, Path], group_files: list[Path], data: dict[str, Any]
+) -> str:
+    loc = [str(part) for part in err["loc"]]
+    file = path
+    if loc and loc[0] == "groups" and len(loc) > 1 and loc[1].isdigit():
+        index = int(loc[1])
+        if index < len(group_files):
+            file = group_files[index]
+        groups = data.get("groups") or []
+        name = (
+            groups[index].get("name")
+            if index < len(groups) and isinstance(groups[index], dict)
+            else None
+        )
+        if name:
+            loc[1] = f"{loc[1]}({name})"
+    elif loc and loc[0] in origin:
+        file = origin[loc[0]]
+    field = ".".join(loc) or "(top level)"
+    message = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        message = "unknown field (check the spelling; see consumer-proxy validate --help)"
+    elif err["type"] == "missing":
+        message = "required field is missing"
+    shown = err.get("input")
+    suffix = ""
+    if err["type"] not in {"missing", "extra_forbidden"} and not isinstance(shown, dict | list):
+        suffix = f" (got {shown!r})"
+    return f"{file}: {field}: {message}{suffix}"
+
+
+def load_config(path: str | Path) -> ProxyConfig:
+    """Load and validate a file or directory of onboarding YAML; ConfigError lists every problem."""
+    path = Path(path)
+    data, origin, group_files = _collect(path)
+    try:
+        return ProxyConfig(**data)
+    except ValidationError as exc:
+        problems = [_format_error(err, path, origin, group_files, data) for err in exc.errors()]
+        raise ConfigError(problems) from exc

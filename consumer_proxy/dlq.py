@@ -1,0 +1,283 @@
+"""Dead letters: the DLQ record format, the confirmed (acks=all, idempotent) writer, topic setup.
+
+An offset whose message is dead-lettered becomes done only when the broker confirms the DLQ
+write. A failed write is retried with backoff for as long as it takes; meanwhile the offset
+stays pending, so the commit cannot pass it (a DLQ outage holds the partition, it never loses
+the message).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+from .config import GroupConfig, KafkaConfig
+from .errors import DeadLetterWriteError, TopicSetupError
+from .outcomes import clip_reason
+
+log = logging.getLogger(__name__)
+
+CP_PREFIX = "cp-"
+H_TOPIC = "cp-original-topic"
+H_PARTITION = "cp-original-partition"
+H_OFFSET = "cp-original-offset"
+H_TIMESTAMP = "cp-original-timestamp"
+H_ATTEMPT = "cp-attempt"
+H_STATUS = "cp-status"
+H_REASON = "cp-reason"
+H_ENDPOINT = "cp-endpoint"
+H_GROUP = "cp-group"
+H_DEAD_LETTERED_AT = "cp-dead-lettered-at"
+
+UserHeaders = list[tuple[str, bytes]]
+Headers = list[tuple[str, str | bytes | None]]  # what the producer takes
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """The original coordinates of a message (kept across DLQ and redrive)."""
+
+    topic: str
+    partition: int
+    offset: int
+    timestamp_ms: int
+    attempt: int  # counted attempts already made before this record was written
+
+
+def split_headers(headers: Any) -> tuple[UserHeaders, dict[str, str]]:
+    """User headers (in order, ``cp-*`` removed) and the proxy's ``cp-*`` headers decoded.
+
+    Accepts what confluent-kafka returns (a list of pairs, or None) or a dict.
+    """
+    user: UserHeaders = []
+    ours: dict[str, str] = {}
+    pairs: Iterable[tuple[str, str | bytes | None]] = (
+        headers.items() if isinstance(headers, dict) else headers or ()
+    )
+    for key, value in pairs:
+        data = value.encode() if isinstance(value, str) else value or b""
+        if key.startswith(CP_PREFIX):
+            ours[key] = data.decode("utf-8", "replace")
+        else:
+            user.append((key, data))
+    return user, ours
+
+
+def origin_from_headers(ours: dict[str, str]) -> Origin | None:
+    """The origin recorded in a DLQ or redrive record, or None when the headers are incomplete."""
+    try:
+        return Origin(
+            ours[H_TOPIC],
+            int(ours[H_PARTITION]),
+            int(ours[H_OFFSET]),
+            int(ours.get(H_TIMESTAMP, "0") or 0),
+            int(ours.get(H_ATTEMPT, "0") or 0),
+        )
+    except (KeyError, ValueError):
+        return None
+
+
+def dlq_headers(
+    user_headers: UserHeaders,
+    origin: Origin,
+    *,
+    attempt: int,
+    status: str,
+    reason: str,
+    endpoint: str,
+    group: str,
+    now_ms: int | None = None,
+) -> Headers:
+    """The DLQ record's headers: the user's, then the ``cp-*`` contract headers (UTF-8 text)."""
+    ours = {
+        H_TOPIC: origin.topic,
+        H_PARTITION: str(origin.partition),
+        H_OFFSET: str(origin.offset),
+        H_TIMESTAMP: str(origin.timestamp_ms),
+        H_ATTEMPT: str(attempt),
+        H_STATUS: status,
+        H_REASON: clip_reason(reason),
+        H_ENDPOINT: endpoint,
+        H_GROUP: group,
+        H_DEAD_LETTERED_AT: str(now_ms if now_ms is not None else int(time.time() * 1000)),
+    }
+    return [*user_headers, *((k, v.encode("utf-8")) for k, v in ours.items())]
+
+
+def producer_config(kafka: KafkaConfig, write_timeout_ms: int) -> dict[str, Any]:
+    """A safe producer: idempotent, acks=all; user passthrough may add security settings."""
+    conf: dict[str, Any] = {"linger.ms": 5, "compression.type": "lz4"}
+    conf.update(kafka.client)
+    for consumer_only in ("isolation.level", "auto.offset.reset", "session.timeout.ms"):
+        conf.pop(consumer_only, None)
+    conf.update(
+        {
+            "bootstrap.servers": kafka.bootstrap_servers,
+            "enable.idempotence": True,
+            "acks": "all",
+            "message.timeout.ms": write_timeout_ms,
+        }
+    )
+    return conf
+
+
+class DeadLetterWriter:
+    """Writes DLQ records and resolves when the broker has confirmed each one."""
+
+    def __init__(
+        self,
+        conf: dict[str, Any],
+        loop: asyncio.AbstractEventLoop,
+        retry_initial_s: float = 0.5,
+        retry_max_s: float = 10.0,
+    ) -> None:
+        self._producer = Producer(conf, logger=log)
+        self._loop = loop
+        self._retry_initial_s = retry_initial_s
+        self._retry_max_s = retry_max_s
+        self._stop = threading.Event()
+        # librdkafka fires delivery reports from poll(); a thread of its own keeps polling.
+        self._poller = threading.Thread(target=self._poll, name="dlq-poller", daemon=True)
+        self._poller.start()
+        self.failures = 0
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self._producer.poll(0.1)
+
+    async def _produce_once(
+        self, topic: str, key: bytes | None, value: bytes | None, headers: Headers
+    ) -> None:
+        future: asyncio.Future[None] = self._loop.create_future()
+
+        def report(err: KafkaError | None, _msg: Any) -> None:
+            def settle() -> None:
+                if future.done():
+                    return
+                if err is None:
+                    future.set_result(None)
+                else:
+                    future.set_exception(DeadLetterWriteError(str(err)))
+
+            self._loop.call_soon_threadsafe(settle)
+
+        try:
+            self._producer.produce(topic, value=value, key=key, headers=headers, on_delivery=report)
+        except BufferError as exc:
+            raise DeadLetterWriteError("the DLQ producer queue is full") from exc
+        except KafkaException as exc:
+            raise DeadLetterWriteError(str(exc)) from exc
+        await future
+
+    async def write(
+        self,
+        topic: str,
+        key: bytes | None,
+        value: bytes | None,
+        headers: Headers,
+        on_failure: Any = None,
+    ) -> int:
+        """Write one record and return once confirmed; retries until then (or cancellation).
+
+        Returns how many attempts failed before the write was confirmed.
+        """
+        delay = self._retry_initial_s
+        failed = 0
+        while True:
+            try:
+                await self._produce_once(topic, key, value, headers)
+                return failed
+            except DeadLetterWriteError as exc:
+                failed += 1
+                self.failures += 1
+                if on_failure is not None:
+                    on_failure(exc)
+                log.warning(
+                    "DLQ write to %s failed (attempt %d), retrying in %.1fs; the offset stays "
+                    "uncommitted: %s",
+                    topic,
+                    failed,
+                    delay,
+                    exc,
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self._retry_max_s)
+
+    async def close(self, timeout_s: float = 10.0) -> None:
+        """Flush what is queued, then stop the poller."""
+        await asyncio.to_thread(self._producer.flush, timeout_s)
+        self._stop.set()
+        await asyncio.to_thread(self._poller.join, 5)
+
+
+def ensure_topics(kafka: KafkaConfig, group: GroupConfig, timeout_s: float = 30.0) -> list[str]:
+    """Create the group's missing DLQ and redrive topics (blocking; call off the loop).
+
+    Returns the names created. Raises TopicSetupError saying what failed and how to fix it.
+    """
+    conf: dict[str, Any] = dict(kafka.client)
+    conf["bootstrap.servers"] = kafka.bootstrap_servers
+    for consumer_only in ("isolation.level", "auto.offset.reset", "session.timeout.ms"):
+        conf.pop(consumer_only, None)
+    admin = AdminClient(conf)
+    try:
+        metadata = admin.list_topics(timeout=timeout_s)
+    except KafkaException as exc:
+        raise TopicSetupError(f"cannot reach Kafka at {kafka.bootstrap_servers}: {exc}") from exc
+    existing = metadata.topics
+    wanted = [group.dlq_topic, group.redrive_topic]
+    missing = [t for t in wanted if t not in existing]
+    absent_sources = [t for t in group.topics if t not in existing]
+    if absent_sources:
+        log.warning(
+            "group %s: source topics %s do not exist yet; the proxy waits for them",
+            group.name,
+            ", ".join(absent_sources),
+        )
+    if not missing:
+        return []
+    if not group.dlq.create:
+        raise TopicSetupError(
+            f"group {group.name}: topics {', '.join(missing)} do not exist and dlq.create is "
+            "false; create them or set dlq.create: true"
+        )
+    partitions = group.dlq.partitions
+    if partitions is None:
+        counts = [len(existing[t].partitions) for t in group.topics if t in existing]
+        partitions = max(counts, default=1)
+    replication = group.dlq.replication_factor or -1
+    futures = admin.create_topics(
+        [NewTopic(t, num_partitions=partitions, replication_factor=replication) for t in missing],
+        request_timeout=timeout_s,
+    )
+    created = []
+    for name, future in futures.items():
+        try:
+            future.result(timeout=timeout_s)
+            created.append(name)
+            log.info("group %s: created topic %s (%d partitions)", group.name, name, partitions)
+        except KafkaException as exc:
+            error = exc.args[0] if exc.args else None
+            if isinstance(error, KafkaError) and error.code() == KafkaError.TOPIC_ALREADY_EXISTS:
+                continue
+            raise TopicSetupError(
+                f"group {group.name}: cannot create topic {name}: {exc}; create it by hand "
+                "or grant the proxy's principal CREATE on it"
+            ) from exc
+    with contextlib.suppress(Exception):
+        # Metadata propagation: wait until the new topics are visible before consuming them.
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if all(t in admin.list_topics(timeout=5).topics for t in created):
+                break
+            time.sleep(0.1)
+    return created

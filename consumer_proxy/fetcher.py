@@ -1,0 +1,221 @@
+"""The Kafka side of a group: one confluent-kafka consumer, driven from a thread of its own.
+
+Every blocking client call (consume, commit, pause, committed, close) runs on one dedicated
+thread, never on the event loop. Running them all on the same thread also orders them: the
+rebalance callbacks fire inside ``consume()`` on that thread, so a commit queued after a
+revocation sees the revocation (see ``commit``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+
+from .config import KafkaConfig
+
+log = logging.getLogger(__name__)
+
+TP = tuple[str, int]
+
+
+class RebalanceListener(Protocol):
+    """What the group runner does when partitions come and go (runs on the event loop)."""
+
+    async def partitions_assigned(self, committed: Sequence[TopicPartition]) -> None:
+        """New partitions with their committed offsets and metadata."""
+
+    async def partitions_revoked(
+        self, partitions: Sequence[TopicPartition]
+    ) -> list[TopicPartition]:
+        """Partitions leaving; return the final offsets to commit for them."""
+
+    async def partitions_lost(self, partitions: Sequence[TopicPartition]) -> None:
+        """Partitions taken away without a chance to commit."""
+
+
+def consumer_config(
+    kafka: KafkaConfig, group: str, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """librdkafka settings of a group consumer: user passthrough first, the proxy's own last."""
+    conf: dict[str, Any] = {
+        "auto.offset.reset": "earliest",
+        "isolation.level": "read_committed",
+        "session.timeout.ms": 45000,
+        "queued.max.messages.kbytes": 16384,
+        "enable.partition.eof": False,
+    }
+    conf.update(kafka.client)
+    conf.update(extra or {})
+    conf.update(
+        {
+            "bootstrap.servers": kafka.bootstrap_servers,
+            "group.id": group,
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "partition.assignment.strategy": "cooperative-sticky",
+        }
+    )
+    return conf
+
+
+class Fetcher:
+    """Async facade over one consumer; all calls are serialised on one thread."""
+
+    def __init__(
+        self,
+        conf: dict[str, Any],
+        topics: Sequence[str],
+        listener: RebalanceListener,
+        loop: asyncio.AbstractEventLoop,
+        callback_timeout_s: float = 60.0,
+    ) -> None:
+        self._conf = conf
+        self._topics = list(topics)
+        self._listener = listener
+        self._loop = loop
+        self._callback_timeout_s = callback_timeout_s
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"kafka-{conf['group.id']}"
+        )
+        self._consumer: Consumer | None = None
+        self.closed = False
+        self.last_error: str | None = None
+
+    async def _run(self, fn: Callable[[], Any]) -> Any:
+        return await self._loop.run_in_executor(self._executor, fn)
+
+    async def start(self) -> None:
+        """Create the consumer and subscribe (the group join happens in the first consume)."""
+
+        def create() -> None:
+            consumer = Consumer(self._conf, logger=log)
+            consumer.subscribe(
+                self._topics,
+                on_assign=self._on_assign,
+                on_revoke=self._on_revoke,
+                on_lost=self._on_lost,
+            )
+            self._consumer = consumer
+
+        await self._run(create)
+
+    # -- rebalance callbacks: consumer thread, inside consume() ---------------------------
+
+    def _call_listener(self, coro: Awaitable[Any]) -> Any:
+        future: concurrent.futures.Future[Any] = asyncio.run_coroutine_threadsafe(
+            coro,  # type: ignore[arg-type]
+            self._loop,
+        )
+        return future.result(timeout=self._callback_timeout_s)
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        if not partitions:
+            return
+        committed = consumer.committed(partitions, timeout=30)
+        self._call_listener(self._listener.partitions_assigned(committed))
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        if not partitions:
+            return
+        offsets = self._call_listener(self._listener.partitions_revoked(partitions))
+        if offsets:
+            try:
+                consumer.commit(offsets=offsets, asynchronous=False)
+            except KafkaException as exc:
+                log.warning("commit on revoke failed (acked messages may be redelivered): %s", exc)
+
+    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        if partitions:
+            self._call_listener(self._listener.partitions_lost(partitions))
+
+    # -- calls ---------------------------------------------------------------------------
+
+    async def consume(self, max_messages: int, timeout_s: float) -> list[Any]:
+        """Up to ``max_messages`` messages (rebalance callbacks run in here)."""
+
+        def consume() -> list[Any]:
+            assert self._consumer is not None
+            messages: list[Any] = self._consumer.consume(max_messages, timeout_s)
+            return messages
+
+        result: list[Any] = await self._run(consume)
+        return result
+
+    async def set_paused(self, pause: Sequence[TP], resume: Sequence[TP]) -> None:
+        """Pause and resume partitions (only those still assigned)."""
+
+        def apply() -> None:
+            assert self._consumer is not None
+            assigned = {(tp.topic, tp.partition) for tp in self._consumer.assignment()}
+            to_pause = [TopicPartition(t, p) for t, p in pause if (t, p) in assigned]
+            to_resume = [TopicPartition(t, p) for t, p in resume if (t, p) in assigned]
+            if to_pause:
+                self._consumer.pause(to_pause)
+            if to_resume:
+                self._consumer.resume(to_resume)
+
+        await self._run(apply)
+
+    async def commit(self, offsets: Callable[[], list[TopicPartition]]) -> list[TopicPartition]:
+        """Commit synchronously the offsets ``offsets()`` returns when the call gets its turn.
+
+        ``offsets`` is evaluated on the consumer thread after any rebalance callback that was
+        queued before it, so it can leave out partitions revoked in between: a stale commit
+        could otherwise move a partition that another member now owns backwards.
+        """
+
+        def commit() -> list[TopicPartition]:
+            assert self._consumer is not None
+            chosen = offsets()
+            if not chosen:
+                return []
+            result: list[TopicPartition] = self._consumer.commit(offsets=chosen, asynchronous=False)
+            return result
+
+        result: list[TopicPartition] = await self._run(commit)
+        return result
+
+    async def watermarks(self, partitions: Sequence[TP]) -> dict[TP, int]:
+        """High watermarks from the consumer's cached fetch state (no broker round trip)."""
+
+        def read() -> dict[TP, int]:
+            assert self._consumer is not None
+            result: dict[TP, int] = {}
+            for topic, partition in partitions:
+                try:
+                    _, high = self._consumer.get_watermark_offsets(
+                        TopicPartition(topic, partition), cached=True
+                    )
+                except KafkaException:
+                    continue
+                if high is not None and high >= 0:
+                    result[(topic, partition)] = high
+            return result
+
+        result: dict[TP, int] = await self._run(read)
+        return result
+
+    async def close(self) -> None:
+        """Leave the group (the revoke callback commits what is done) and release the thread."""
+        if self.closed:
+            return
+        self.closed = True
+
+        def close() -> None:
+            if self._consumer is not None:
+                self._consumer.close()
+
+        try:
+            await self._run(close)
+        finally:
+            self._executor.shutdown(wait=False)
+
+
+def is_fatal(error: KafkaError) -> bool:
+    """A consumer error the proxy cannot continue after."""
+    return bool(error.fatal())

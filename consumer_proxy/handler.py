@@ -1,0 +1,640 @@
+"""The handler SDK: write a consumer-proxy service as one ``async`` function.
+
+The proxy pushes every Kafka message to ``consumerproxy.v1.MessageHandler/HandleMessage``.
+This module implements that gRPC service around a plain Python handler::
+
+    from consumer_proxy import handler as cp
+
+    async def handle(message: cp.Message) -> cp.Result | None:
+        if message.value is None:
+            return cp.drop()                      # a tombstone: nothing to do
+        await save(message.value)                 # raise cp.PoisonPill(...) for bad input
+        return None                               # None means ack
+
+    cp.run(handle, port=50051)                    # blocks; stops cleanly on SIGINT/SIGTERM
+
+A handler is an ``async def handle(message) -> Result | None`` function, or any object with
+such a ``handle`` method. Delivery is at-least-once: handlers must be idempotent.
+
+What the handler does, and what the proxy then does with the message (the proxy's default
+status table, see DESIGN.md; each group may override it):
+
+================================  =====================  ====================================
+handler                           wire                   proxy outcome
+================================  =====================  ====================================
+``return None`` / ``ack()``       OK, ACK (or empty)     ACK: done
+``retry(after_ms, reason)``       OK, RETRY              RETRY, counted towards max_attempts
+``dead_letter(reason)``           OK, DEAD_LETTER        written to the DLQ, then done
+``drop()``                        OK, DROP               done, no DLQ copy
+``raise PoisonPill(msg)``         INVALID_ARGUMENT       DEAD_LETTER, no retry
+``raise AlreadyProcessed(msg)``   ALREADY_EXISTS         ACK
+``raise Overloaded(msg)``         RESOURCE_EXHAUSTED     RETRY, and the group slows down
+``raise Unavailable(msg)``        UNAVAILABLE            RETRY not counted; breaker failure
+``raise HandlerError(code, msg)`` ``code``               per the table (FAILED_PRECONDITION,
+                                                         OUT_OF_RANGE, DATA_LOSS, NOT_FOUND
+                                                         dead-letter; UNIMPLEMENTED,
+                                                         UNAUTHENTICATED, PERMISSION_DENIED
+                                                         are outages like UNAVAILABLE)
+any other exception               INTERNAL               RETRY, counted; logged with its
+                                  ("TypeName: text")     traceback here
+================================  =====================  ====================================
+
+``HandleMessageBatch`` is served too: it calls the handler concurrently for every message of
+the batch and answers one result per message, in order. A batch result can only carry an
+action, so a raised error becomes the action its status would have led to: PoisonPill (and
+the other dead-letter codes) -> DEAD_LETTER, AlreadyProcessed -> ACK, anything else -> RETRY,
+each with the error as the reason. (A RETRY in a batch is counted: batch mode cannot signal
+an outage per message.)
+
+``serve()`` / :class:`Server` also serve the standard ``grpc.health.v1.Health`` service,
+SERVING for ``""`` and ``"consumerproxy.v1.MessageHandler"``, NOT_SERVING once stopping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import inspect
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Final, Literal, Protocol, TypeAlias, runtime_checkable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from consumer_proxy.proto.v1 import handler_pb2, handler_pb2_grpc
+
+__all__ = [
+    "SERVICE_NAME",
+    "Action",
+    "AlreadyProcessed",
+    "Handler",
+    "HandlerError",
+    "HandlerFunc",
+    "HandlerObject",
+    "Message",
+    "Overloaded",
+    "PoisonPill",
+    "Result",
+    "Server",
+    "Source",
+    "Unavailable",
+    "ack",
+    "dead_letter",
+    "drop",
+    "retry",
+    "run",
+    "serve",
+]
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME: Final = "consumerproxy.v1.MessageHandler"
+"""The fully qualified gRPC service name, also the health-check service name."""
+
+MAX_REASON_BYTES: Final = 1024
+"""Reasons and error details are cut to this many UTF-8 bytes (the DLQ keeps at most 1 KiB)."""
+
+Source: TypeAlias = Literal["primary", "redrive"]
+"""Where a delivery comes from: the group's topics, or merged back from its DLQ."""
+
+_Pb = handler_pb2.HandleMessageResponse
+
+
+# --------------------------------------------------------------------------------------------
+# Messages
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One Kafka record as the proxy delivers it (mirrors ``consumerproxy.v1.Message``).
+
+    ``topic``, ``partition`` and ``offset`` are always the record's original coordinates, also
+    when it is redelivered from the DLQ (``source == "redrive"``). ``key`` and ``value`` are
+    ``None`` for a null key / a tombstone, distinct from empty bytes. ``headers`` keeps the
+    record's order and repeated keys. ``attempt`` is 1 on first delivery and counts retries,
+    carrying on across DLQ redrive.
+    """
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None = None
+    value: bytes | None = None
+    headers: tuple[tuple[str, bytes], ...] = ()
+    timestamp_ms: int = 0
+    consumer_group: str = ""
+    attempt: int = 1
+    source: Source = "primary"
+
+    @classmethod
+    def from_proto(cls, message: handler_pb2.Message) -> Message:
+        """Build a :class:`Message` from the wire message.
+
+        An unspecified delivery source is read as ``"primary"``.
+        """
+        redrive = message.source == handler_pb2.DELIVERY_SOURCE_REDRIVE
+        return cls(
+            topic=message.topic,
+            partition=message.partition,
+            offset=message.offset,
+            key=message.key if message.has_key else None,
+            value=message.value if message.has_value else None,
+            headers=tuple((h.key, h.value) for h in message.headers),
+            timestamp_ms=message.timestamp_ms,
+            consumer_group=message.consumer_group,
+            attempt=message.attempt,
+            source="redrive" if redrive else "primary",
+        )
+
+    def to_proto(self) -> handler_pb2.Message:
+        """The wire form of this message (handy for tests and tools)."""
+        return handler_pb2.Message(
+            topic=self.topic,
+            partition=self.partition,
+            offset=self.offset,
+            key=self.key or b"",
+            has_key=self.key is not None,
+            value=self.value or b"",
+            has_value=self.value is not None,
+            headers=[handler_pb2.Header(key=k, value=v) for k, v in self.headers],
+            timestamp_ms=self.timestamp_ms,
+            consumer_group=self.consumer_group,
+            attempt=self.attempt,
+            source=(
+                handler_pb2.DELIVERY_SOURCE_REDRIVE
+                if self.source == "redrive"
+                else handler_pb2.DELIVERY_SOURCE_PRIMARY
+            ),
+        )
+
+    def header(self, name: str) -> bytes | None:
+        """The value of the *first* header called ``name`` (case-sensitive), or ``None``.
+
+        Kafka headers may repeat; use :meth:`header_values` to see every value.
+        """
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+    def header_values(self, name: str) -> list[bytes]:
+        """Every value of the headers called ``name``, in record order."""
+        return [value for key, value in self.headers if key == name]
+
+
+# --------------------------------------------------------------------------------------------
+# Results
+
+
+class Action(enum.Enum):
+    """What the proxy should do with a message that the handler processed without error."""
+
+    ACK = "ack"
+    RETRY = "retry"
+    DEAD_LETTER = "dead_letter"
+    DROP = "drop"
+
+
+_ACTION_TO_PROTO: Final = {
+    Action.ACK: _Pb.ACK,
+    Action.RETRY: _Pb.RETRY,
+    Action.DEAD_LETTER: _Pb.DEAD_LETTER,
+    Action.DROP: _Pb.DROP,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """A handler's explicit answer; build one with :func:`ack`, :func:`retry`,
+    :func:`dead_letter` or :func:`drop`."""
+
+    action: Action
+    retry_after_ms: int = 0
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.retry_after_ms < 0:
+            raise ValueError(f"retry_after_ms must be >= 0, got {self.retry_after_ms}")
+
+    def to_proto(self) -> handler_pb2.HandleMessageResponse:
+        """The wire response for this result."""
+        return handler_pb2.HandleMessageResponse(
+            action=_ACTION_TO_PROTO[self.action],
+            retry_after_ms=self.retry_after_ms,
+            reason=_truncate(self.reason),
+        )
+
+
+def ack() -> Result:
+    """The message is done (the same as returning ``None``)."""
+    return Result(Action.ACK)
+
+
+def retry(after_ms: int = 0, reason: str = "") -> Result:
+    """Deliver the message again, no sooner than ``after_ms`` (0 = the proxy's backoff).
+
+    Counted towards the group's ``max_attempts``; after the last attempt the proxy
+    dead-letters the message.
+    """
+    return Result(Action.RETRY, retry_after_ms=after_ms, reason=reason)
+
+
+def dead_letter(reason: str) -> Result:
+    """Write the message to the group's DLQ now, with ``reason`` (cut to 1 KiB); no retries."""
+    return Result(Action.DEAD_LETTER, reason=reason)
+
+
+def drop() -> Result:
+    """The message is done without processing and without a DLQ copy."""
+    return Result(Action.DROP)
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+
+
+class HandlerError(Exception):
+    """Raise to answer the call with gRPC status ``code`` and ``message`` as its details.
+
+    The proxy classifies the status with its status table (see the module docstring).
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str = "") -> None:
+        if code == grpc.StatusCode.OK:
+            raise ValueError("HandlerError needs a non-OK status code")
+        super().__init__(message)
+        self.code: grpc.StatusCode = code
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.code.name}, {self.message!r})"
+
+
+class PoisonPill(HandlerError):
+    """The message can never be processed: INVALID_ARGUMENT, the proxy dead-letters it."""
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+class AlreadyProcessed(HandlerError):
+    """The message was handled before (a duplicate): ALREADY_EXISTS, the proxy acks it."""
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(grpc.StatusCode.ALREADY_EXISTS, message)
+
+
+class Overloaded(HandlerError):
+    """Too busy right now: RESOURCE_EXHAUSTED, the proxy retries and slows the group down."""
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+
+
+class Unavailable(HandlerError):
+    """A dependency is down: UNAVAILABLE, the proxy retries without counting an attempt and
+    counts a failure towards its circuit breaker."""
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
+
+
+# In a batch a raised error can only become an action: the one its status would have led to.
+_DEAD_LETTER_CODES: Final = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.DATA_LOSS,
+        grpc.StatusCode.NOT_FOUND,
+    }
+)
+
+
+def _truncate(text: str, limit: int = MAX_REASON_BYTES) -> str:
+    raw = text.encode()
+    if len(raw) <= limit:
+        return text
+    return raw[:limit].decode(errors="ignore")
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+# --------------------------------------------------------------------------------------------
+# Handlers
+
+
+HandlerFunc: TypeAlias = Callable[[Message], Awaitable[Result | None]]
+"""``async def handle(message: Message) -> Result | None``."""
+
+
+@runtime_checkable
+class HandlerObject(Protocol):
+    """An object whose ``async def handle(message)`` is the handler."""
+
+    def handle(self, message: Message) -> Awaitable[Result | None]:
+        """Handle one message; return ``None`` to ack."""
+        ...
+
+
+Handler: TypeAlias = HandlerFunc | HandlerObject
+"""What :func:`serve`, :class:`Server` and :func:`run` accept."""
+
+
+def _as_function(handler: Handler) -> HandlerFunc:
+    if isinstance(handler, HandlerObject):
+        return handler.handle
+    if callable(handler):
+        return handler
+    raise TypeError(f"a handler is an async function or has a handle() method, got {handler!r}")
+
+
+async def _call_handler(handle: HandlerFunc, message: Message) -> Result | None:
+    pending = handle(message)
+    if not inspect.isawaitable(pending):
+        raise TypeError(f"the handler must be async; it returned {type(pending).__name__}")
+    result = await pending
+    if result is not None and not isinstance(result, Result):
+        raise TypeError(f"the handler must return a Result or None, got {type(result).__name__}")
+    return result
+
+
+def _where(message: Message) -> str:
+    return f"{message.topic}[{message.partition}]@{message.offset}"
+
+
+class _MessageHandlerServicer(handler_pb2_grpc.MessageHandlerServicer):
+    """Adapts a Python handler to the generated servicer."""
+
+    def __init__(self, handle: HandlerFunc, max_concurrency: int | None) -> None:
+        self._handle = handle
+        self._max_concurrency = max_concurrency
+        self._in_flight = 0
+
+    async def HandleMessage(
+        self, request: handler_pb2.HandleMessageRequest, context: Any
+    ) -> handler_pb2.HandleMessageResponse:
+        message = Message.from_proto(request.message)
+        code, details = grpc.StatusCode.OK, ""
+        result: Result | None = None
+        with self._admit() as admitted:
+            if not admitted:
+                code = grpc.StatusCode.RESOURCE_EXHAUSTED
+                details = f"over max_concurrency={self._max_concurrency}"
+            else:
+                try:
+                    result = await _call_handler(self._handle, message)
+                except HandlerError as exc:
+                    log.debug("%s: handler raised %r", _where(message), exc)
+                    code, details = exc.code, exc.message
+                except Exception as exc:
+                    log.exception("%s: handler failed", _where(message))
+                    code, details = grpc.StatusCode.INTERNAL, _describe(exc)
+        if code != grpc.StatusCode.OK:
+            await context.abort(code, _truncate(details))
+        return handler_pb2.HandleMessageResponse() if result is None else result.to_proto()
+
+    async def HandleMessageBatch(
+        self, request: handler_pb2.HandleMessageBatchRequest, context: Any
+    ) -> handler_pb2.HandleMessageBatchResponse:
+        with self._admit() as admitted:
+            if admitted:
+                async with asyncio.TaskGroup() as group:
+                    tasks = [
+                        group.create_task(self._batch_item(Message.from_proto(m)))
+                        for m in request.messages
+                    ]
+                return handler_pb2.HandleMessageBatchResponse(results=[t.result() for t in tasks])
+        await context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED, f"over max_concurrency={self._max_concurrency}"
+        )
+        raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
+
+    async def _batch_item(self, message: Message) -> handler_pb2.HandleMessageResponse:
+        try:
+            result = await _call_handler(self._handle, message)
+        except HandlerError as exc:
+            log.debug("%s: handler raised %r", _where(message), exc)
+            reason = f"{exc.code.name}: {exc.message}" if exc.message else exc.code.name
+            if exc.code == grpc.StatusCode.ALREADY_EXISTS:
+                result = ack()
+            elif exc.code in _DEAD_LETTER_CODES:
+                result = dead_letter(reason)
+            else:
+                result = retry(reason=reason)
+        except Exception as exc:
+            log.exception("%s: handler failed", _where(message))
+            result = retry(reason=f"INTERNAL: {_describe(exc)}")
+        return handler_pb2.HandleMessageResponse() if result is None else result.to_proto()
+
+    @contextlib.contextmanager
+    def _admit(self) -> Iterator[bool]:
+        # One event loop runs every call, so a plain counter is enough.
+        if self._max_concurrency is not None and self._in_flight >= self._max_concurrency:
+            yield False
+            return
+        self._in_flight += 1
+        try:
+            yield True
+        finally:
+            self._in_flight -= 1
+
+
+# --------------------------------------------------------------------------------------------
+# Serving
+
+
+class Server:
+    """A running (or ready to run) handler service: MessageHandler plus grpc.health.v1.
+
+    Use ``async with Server(handle, port=50051) as server: ...``, or ``await serve(...)``
+    which returns a started server, then ``await server.stop()``.
+
+    ``max_concurrency`` rejects calls beyond that many in flight with RESOURCE_EXHAUSTED (the
+    proxy retries them later and slows the group down) instead of queueing them behind the
+    proxy's deadline; a batch call counts as one call. ``credentials`` (from
+    ``grpc.ssl_server_credentials``) serves TLS / mTLS instead of plaintext.
+    """
+
+    def __init__(
+        self,
+        handler: Handler,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        *,
+        max_concurrency: int | None = None,
+        credentials: grpc.ServerCredentials | None = None,
+        grace_s: float = 5.0,
+    ) -> None:
+        if max_concurrency is not None and max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        self._servicer = _MessageHandlerServicer(_as_function(handler), max_concurrency)
+        self._requested_port = port
+        self._host = host
+        self._credentials = credentials
+        self._grace_s = grace_s
+        self._server: Any = None
+        self._port: int | None = None
+        self._stopping: asyncio.Future[None] | None = None
+        self.health = health_aio.HealthServicer()
+        """The health servicer; ``await server.health.set(name, status)`` changes a status."""
+
+    @property
+    def port(self) -> int:
+        """The bound port (the real one when started with port 0)."""
+        if self._port is None:
+            raise RuntimeError("the server is not started")
+        return self._port
+
+    @property
+    def address(self) -> str:
+        """``host:port`` to dial, e.g. ``127.0.0.1:50051`` (IPv6 hosts in brackets)."""
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"{host}:{self.port}"
+
+    async def start(self) -> Server:
+        """Bind and start serving; returns ``self``."""
+        if self._server is not None:
+            raise RuntimeError("the server was already started")
+        # so_reuseport=0: a second instance on a taken port fails instead of sharing it.
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        handler_pb2_grpc.add_MessageHandlerServicer_to_server(self._servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        target = f"{self._host}:{self._requested_port}"
+        if ":" in self._host:
+            target = f"[{self._host}]:{self._requested_port}"
+        try:
+            if self._credentials is None:
+                port = server.add_insecure_port(target)
+            else:
+                port = server.add_secure_port(target, self._credentials)
+        except RuntimeError as exc:
+            raise OSError(f"cannot listen on {target}: {exc}") from exc
+        if port == 0:
+            raise OSError(f"cannot listen on {target}")
+        await self.set_serving(True)
+        await server.start()
+        self._server, self._port = server, port
+        return self
+
+    async def set_serving(self, serving: bool) -> None:
+        """Report SERVING or NOT_SERVING for ``""`` and the MessageHandler service."""
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stop: report NOT_SERVING, refuse new calls, let in-flight calls finish within
+        ``grace_s`` seconds (default: the constructor's), then cancel them.
+
+        Idempotent; concurrent callers all wait for the same shutdown.
+        """
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(
+                self._stop(self._grace_s if grace_s is None else grace_s)
+            )
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self, grace_s: float) -> None:
+        await self.health.enter_graceful_shutdown()
+        if self._server is not None:
+            await self._server.stop(grace_s)
+
+    async def wait_for_termination(self) -> None:
+        """Return when the server has stopped."""
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+    async def __aenter__(self) -> Server:
+        return await self.start()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+
+async def serve(
+    handler: Handler,
+    port: int = 0,
+    host: str = "127.0.0.1",
+    *,
+    max_concurrency: int | None = None,
+    credentials: grpc.ServerCredentials | None = None,
+    grace_s: float = 5.0,
+) -> Server:
+    """Start serving ``handler`` and return the started :class:`Server`.
+
+    ``port=0`` picks a free port (read it back from ``server.port``). Call
+    ``await server.stop()`` when done.
+    """
+    server = Server(
+        handler,
+        port,
+        host,
+        max_concurrency=max_concurrency,
+        credentials=credentials,
+        grace_s=grace_s,
+    )
+    return await server.start()
+
+
+def run(
+    handler: Handler,
+    port: int = 0,
+    host: str = "127.0.0.1",
+    *,
+    max_concurrency: int | None = None,
+    credentials: grpc.ServerCredentials | None = None,
+    grace_s: float = 5.0,
+) -> None:
+    """Serve ``handler`` until SIGINT or SIGTERM, then stop gracefully and return.
+
+    Logs ``serving on HOST:PORT`` at INFO once listening. For scripts; in an application
+    that already runs an event loop use :func:`serve` or :class:`Server`.
+    """
+    asyncio.run(
+        _run_until_signalled(
+            Server(
+                handler,
+                port,
+                host,
+                max_concurrency=max_concurrency,
+                credentials=credentials,
+                grace_s=grace_s,
+            )
+        )
+    )
+
+
+async def _run_until_signalled(server: Server) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        async with server:
+            log.info("serving on %s", server.address)
+            await stop.wait()
+            log.info("stopping: draining in-flight calls")
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+    log.info("stopped")

@@ -1,0 +1,196 @@
+"""Prometheus metrics on an injected registry, and the HTTP endpoint for metrics and probes.
+
+Labels stay low-cardinality: group, outcome, topic and partition (bounded by the assignment).
+A failing metrics call never breaks delivery: hot-path updates are plain prometheus-client
+operations that do not raise, and the HTTP server runs apart from the delivery loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+log = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class ProxyMetrics:
+    """Every metric the proxy exports, registered on one registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.messages = Counter(
+            "consumer_proxy_messages",
+            "Push results by outcome (ack, retry, dead_letter, drop).",
+            ["group", "outcome"],
+            registry=r,
+        )
+        self.push_duration = Histogram(
+            "consumer_proxy_push_duration_seconds",
+            "Duration of one push call to the service.",
+            ["group"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "consumer_proxy_in_flight", "Push calls under way.", ["group"], registry=r
+        )
+        self.uncommitted = Gauge(
+            "consumer_proxy_uncommitted_messages",
+            "Offsets fetched and not yet committed (the tracker window).",
+            ["group", "topic", "partition"],
+            registry=r,
+        )
+        self.committed_offset = Gauge(
+            "consumer_proxy_committed_offset",
+            "Last committed offset.",
+            ["group", "topic", "partition"],
+            registry=r,
+        )
+        self.lag = Gauge(
+            "consumer_proxy_lag_messages",
+            "High watermark minus committed offset.",
+            ["group", "topic", "partition"],
+            registry=r,
+        )
+        self.circuit_open = Gauge(
+            "consumer_proxy_circuit_open",
+            "1 while the group's circuit breaker is open or half-open.",
+            ["group"],
+            registry=r,
+        )
+        self.partitions_paused = Gauge(
+            "consumer_proxy_partitions_paused",
+            "Partitions paused (window full, breaker open, metadata budget, byte budget).",
+            ["group"],
+            registry=r,
+        )
+        self.dlq_writes = Counter(
+            "consumer_proxy_dlq_writes",
+            "DLQ writes by result (ok, error).",
+            ["group", "result"],
+            registry=r,
+        )
+        self.commits = Counter(
+            "consumer_proxy_commits",
+            "Offset commits by result (ok, error).",
+            ["group", "result"],
+            registry=r,
+        )
+        self.metadata_over_budget = Counter(
+            "consumer_proxy_metadata_over_budget",
+            "Commits whose ack state did not fit the metadata budget (partition paused).",
+            ["group"],
+            registry=r,
+        )
+        self.concurrency_limit = Gauge(
+            "consumer_proxy_concurrency_limit", "Current concurrency limit.", ["group"], registry=r
+        )
+        self.endpoints_ejected = Gauge(
+            "consumer_proxy_endpoints_ejected",
+            "Service instances taken out of rotation.",
+            ["group"],
+            registry=r,
+        )
+        self.breaker_transitions = Counter(
+            "consumer_proxy_circuit_transitions",
+            "Circuit breaker state changes by new state.",
+            ["group", "state"],
+            registry=r,
+        )
+
+    def forget_partition(self, group: str, topic: str, partition: int) -> None:
+        """Drop a revoked partition's series so label sets stay bounded by the assignment."""
+        labels = (group, topic, str(partition))
+        for gauge in (self.uncommitted, self.committed_offset, self.lag):
+            with contextlib.suppress(KeyError):
+                gauge.remove(*labels)
+
+    def exposition(self) -> bytes:
+        """The text exposition of every metric."""
+        return generate_latest(self.registry)
+
+
+class HttpEndpoint:
+    """A minimal asyncio HTTP/1.0 server: GET /metrics, /healthz (alive), /readyz (ready).
+
+    ``ready`` returns (ok, detail); /readyz answers 503 with the detail while not ready.
+    """
+
+    def __init__(
+        self,
+        metrics: ProxyMetrics,
+        ready: Callable[[], tuple[bool, str]],
+        host: str,
+        port: int,
+    ) -> None:
+        self._metrics = metrics
+        self._ready = ready
+        self._host = host
+        self._port = port
+        self._server: asyncio.Server | None = None
+
+    @property
+    def port(self) -> int:
+        """The bound port (useful with port 0)."""
+        if self._server is None:
+            raise RuntimeError("not started")
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def start(self) -> None:
+        """Bind and serve in the background of the running loop."""
+        self._server = await asyncio.start_server(self._handle, self._host, self._port)
+        log.info("serving /metrics, /healthz, /readyz on %s:%d", self._host, self.port)
+
+    async def close(self) -> None:
+        """Stop serving."""
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = await asyncio.wait_for(reader.readline(), timeout=10)
+            while (await asyncio.wait_for(reader.readline(), timeout=10)) not in (
+                b"\r\n",
+                b"\n",
+                b"",
+            ):
+                pass
+            parts = request.decode("latin-1").split()
+            path = parts[1].split("?", 1)[0] if len(parts) >= 2 else ""
+            status, ctype, body = self._route(path)
+            head = (
+                f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            )
+            writer.write(head.encode("latin-1") + body)
+            await writer.drain()
+        except (TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+    def _route(self, path: str) -> tuple[str, str, bytes]:
+        if path == "/metrics":
+            return "200 OK", CONTENT_TYPE_LATEST, self._metrics.exposition()
+        if path == "/healthz":
+            return "200 OK", "text/plain", b"ok\n"
+        if path == "/readyz":
+            ok, detail = self._ready()
+            return (
+                ("200 OK" if ok else "503 Service Unavailable"),
+                "text/plain",
+                f"{detail}\n".encode(),
+            )
+        return "404 Not Found", "text/plain", b"not found; try /metrics, /healthz, /readyz\n"

@@ -1,0 +1,1 @@
+"""Generated from protos/consumerproxy/v1 (do not edit)."""

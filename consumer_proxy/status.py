@@ -1,0 +1,127 @@
+"""``consumer-proxy status``: the state of each group read straight from Kafka.
+
+No running proxy is needed: committed offsets and their ack-state metadata come from the group
+coordinator, end offsets and DLQ depth from the partition leaders. Nothing is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaException, TopicPartition
+
+from .codec import CodecError, decode
+from .config import GroupConfig, KafkaConfig
+from .errors import KafkaUnavailableError
+
+
+def _client_conf(kafka: KafkaConfig, group: str) -> dict[str, Any]:
+    conf: dict[str, Any] = dict(kafka.client)
+    conf.update(
+        {
+            "bootstrap.servers": kafka.bootstrap_servers,
+            "group.id": group,
+            "enable.auto.commit": False,
+            "enable.partition.eof": False,
+        }
+    )
+    return conf
+
+
+def _partitions(consumer: Consumer, topic: str) -> list[int]:
+    meta = consumer.list_topics(topic, timeout=10).topics.get(topic)
+    if meta is None or meta.error is not None:
+        return []
+    return sorted(meta.partitions)
+
+
+def collect_status(kafka: KafkaConfig, groups: Sequence[GroupConfig]) -> dict[str, Any]:
+    """A JSON-ready report: per group, per partition offsets, lag and ack state; DLQ depth."""
+    report: dict[str, Any] = {"groups": []}
+    for group in groups:
+        # A consumer that never subscribes never joins the group: reading is side-effect free.
+        consumer = Consumer(_client_conf(kafka, group.name))
+        try:
+            entry = _group_status(consumer, group)
+        except KafkaException as exc:
+            raise KafkaUnavailableError(
+                f"cannot read group {group.name} from {kafka.bootstrap_servers}: {exc}"
+            ) from exc
+        finally:
+            consumer.close()
+        report["groups"].append(entry)
+    return report
+
+
+def _group_status(consumer: Consumer, group: GroupConfig) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
+    missing: list[str] = []
+    for topic in [*group.topics, group.redrive_topic]:
+        parts = _partitions(consumer, topic)
+        if not parts:
+            missing.append(topic)
+            continue
+        committed = consumer.committed([TopicPartition(topic, p) for p in parts], timeout=10)
+        for tp in committed:
+            low, high = consumer.get_watermark_offsets(tp, timeout=10)
+            offset = tp.offset if tp.offset is not None and tp.offset >= 0 else None
+            acked_above = 0
+            state = "none"
+            if offset is not None and tp.metadata:
+                try:
+                    ack = decode(tp.metadata)
+                    acked_above = sum(ack.runs[1::2]) if ack.base == offset else 0
+                    state = "ok" if ack.base == offset else "stale"
+                except CodecError:
+                    state = "foreign"
+            lag = high - (offset if offset is not None else low)
+            rows.append(
+                {
+                    "topic": topic,
+                    "partition": tp.partition,
+                    "committed": offset,
+                    "end": high,
+                    "lag": max(0, lag),
+                    "acked_above_commit": acked_above,
+                    "ack_state": state,
+                    "metadata_bytes": len(tp.metadata or ""),
+                }
+            )
+    dlq_depth = 0
+    dlq_parts = _partitions(consumer, group.dlq_topic)
+    for p in dlq_parts:
+        low, high = consumer.get_watermark_offsets(TopicPartition(group.dlq_topic, p), timeout=10)
+        dlq_depth += max(0, high - low)
+    return {
+        "group": group.name,
+        "partitions": rows,
+        "total_lag": sum(r["lag"] for r in rows),
+        "dlq_topic": group.dlq_topic,
+        "dlq_depth": dlq_depth if dlq_parts else None,
+        "missing_topics": missing,
+    }
+
+
+def render_status(report: dict[str, Any]) -> str:
+    """A plain table per group."""
+    lines: list[str] = []
+    for group in report["groups"]:
+        depth = "missing" if group["dlq_depth"] is None else str(group["dlq_depth"])
+        lines.append(
+            f"group {group['group']}: lag {group['total_lag']}, "
+            f"DLQ {group['dlq_topic']} depth {depth}"
+        )
+        if group["missing_topics"]:
+            lines.append(f"  missing topics: {', '.join(group['missing_topics'])}")
+        lines.append(
+            f"  {'topic':<32} {'part':>4} {'committed':>10} {'end':>10} {'lag':>8} "
+            f"{'acked>commit':>12} {'state':>7}"
+        )
+        for r in group["partitions"]:
+            committed = "-" if r["committed"] is None else str(r["committed"])
+            lines.append(
+                f"  {r['topic']:<32} {r['partition']:>4} {committed:>10} {r['end']:>10} "
+                f"{r['lag']:>8} {r['acked_above_commit']:>12} {r['ack_state']:>7}"
+            )
+    return "\n".join(lines)

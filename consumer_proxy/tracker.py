@@ -1,0 +1,226 @@
+"""Out-of-order commit tracker: which fetched offsets of one partition are done.
+
+Messages are pushed in parallel and finish in any order, but Kafka only stores one committed
+offset per partition. The tracker keeps the window of offsets fetched and not yet committed,
+each pending or done, and answers two questions: up to where may we commit (the first
+tracked offset that is not done), and which acks above that point must travel in the commit
+metadata so that a rebalance or a restart does not redeliver them.
+
+Pure logic, no I/O, not thread-safe: one owner per partition.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+
+from consumer_proxy.codec import AckState, encode
+
+__all__ = ["DEFAULT_METADATA_BUDGET", "PartitionTracker"]
+
+DEFAULT_METADATA_BUDGET = 4000
+"""Characters of commit metadata, under the broker's default 4096-byte limit."""
+
+
+class PartitionTracker:
+    """Pending / done state of one partition's fetched offsets, and the committable offset.
+
+    The committable offset C is the first tracked offset that is not done; when every
+    tracked offset is done it is the last tracked offset + 1, and before anything is tracked
+    it is ``committed``. A restored ack state can move C further: past offsets it marks done
+    that have not been fetched again yet. Fetched offsets need not be contiguous (compaction
+    and transaction markers leave gaps); a gap never holds C back. C never goes backwards.
+
+    ``max_in_flight`` does not make :meth:`track` refuse anything: messages already fetched
+    must still be tracked. It drives :attr:`is_full`, which tells the caller to pause fetching.
+    """
+
+    __slots__ = ("_committed", "_last", "_max_in_flight", "_offsets", "_pending", "_restored")
+
+    def __init__(
+        self, committed: int, max_in_flight: int, restored: AckState | None = None
+    ) -> None:
+        """Start tracking at the ``committed`` offset.
+
+        ``restored`` is the ack state decoded from the commit metadata; it is used only when
+        it starts at ``committed``. Otherwise someone moved the committed offset (an offset
+        reset) and the state describes a different position, so it is ignored.
+        """
+        if committed < 0:
+            raise ValueError(f"committed offset must be >= 0, got {committed}")
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        self._committed = committed
+        self._max_in_flight = max_in_flight
+        # Tracked offsets in fetch order, from C upwards. Done offsets at the left end are
+        # dropped lazily by committable(), so done() stays a single set operation.
+        self._offsets: deque[int] = deque()
+        self._pending: set[int] = set()
+        # committed - 1 before anything is tracked, so one comparison in track() rejects both
+        # duplicates and offsets below C.
+        self._last = committed - 1
+        self._restored = restored if restored is not None and restored.base == committed else None
+
+    def track(self, offset: int) -> bool:
+        """Record a fetched offset; return True if its message must be delivered.
+
+        Returns False without tracking it for a duplicate fetch (an offset at or below the
+        last tracked one, which includes everything below C). Returns False and tracks it as
+        done when the restored ack state says it was already acked, so C can move past it.
+        """
+        if offset <= self._last:
+            return False
+        self._last = offset
+        self._offsets.append(offset)
+        restored = self._restored
+        if restored is not None:
+            if offset < restored.end:
+                if restored.is_done(offset):
+                    return False
+            else:
+                # Fetches only move forward, so the restored state has nothing more to say.
+                self._restored = None
+        self._pending.add(offset)
+        return True
+
+    def done(self, offset: int) -> None:
+        """Mark a tracked offset done; unknown or already done offsets are ignored.
+
+        Late results for offsets that are no longer tracked (after a rebalance, or below C)
+        are harmless, so they are not errors.
+        """
+        self._pending.discard(offset)
+
+    def committable(self) -> int:
+        """Return the offset to commit: the first offset that is not known to be done.
+
+        That is the first tracked offset that is not done, else the offset after the last
+        tracked one (moved past any offsets a restored state marks done). Amortised O(1):
+        each tracked offset is dropped from the window exactly once.
+        """
+        offsets = self._offsets
+        pending = self._pending
+        while offsets:
+            head = offsets[0]
+            if head in pending:
+                return head
+            offsets.popleft()
+        restored = self._restored
+        if restored is None:
+            return self._last + 1
+        # Offsets the restored state marks done need not be fetched again before the commit
+        # moves past them: committing them early is exactly what their acks allowed.
+        return restored.next_pending(self._last + 1)
+
+    @property
+    def in_flight(self) -> int:
+        """Number of tracked offsets at or above C, done or not: the window's size."""
+        self.committable()
+        return len(self._offsets)
+
+    @property
+    def pending(self) -> int:
+        """Number of tracked offsets not yet done."""
+        return len(self._pending)
+
+    @property
+    def is_full(self) -> bool:
+        """True when the window holds ``max_in_flight`` offsets: pause fetching."""
+        return self.in_flight >= self._max_in_flight
+
+    @property
+    def max_in_flight(self) -> int:
+        """The window size at which :attr:`is_full` turns True."""
+        return self._max_in_flight
+
+    @property
+    def last_tracked(self) -> int | None:
+        """The highest tracked offset, or None if nothing was tracked since the start."""
+        # Tracked offsets are >= committed, so _last is still committed - 1 iff none was.
+        return None if self._last < self._committed else self._last
+
+    def metadata(self, budget: int = DEFAULT_METADATA_BUDGET) -> tuple[str, bool]:
+        """Return the commit metadata for a commit at :meth:`committable` and whether it is whole.
+
+        The metadata records which offsets above C are done: acks in the window, and acks of
+        a restored state for offsets not fetched again yet (so a second rebalance soon after
+        the first does not forget them). Call it right after :meth:`committable` with no
+        :meth:`done` in between, so both describe the same C.
+
+        The string is never longer than ``budget``. When the whole state does not fit, the
+        longest prefix of it that fits is returned with False: acks above the prefix would be
+        redelivered after a crash (never lost), and the caller should stop fetching the
+        partition until the state fits again. With no done offset above C the metadata is ""
+        and the flag True.
+        """
+        base = self.committable()
+        runs = self._runs(base)
+        if not runs:
+            return "", True
+        text = encode(AckState(base, runs))
+        if len(text) <= budget:
+            return text, True
+        return self._longest_prefix(base, runs, budget), False
+
+    def _runs(self, base: int) -> tuple[int, ...]:
+        """Pending/done run lengths from ``base`` (which is C) up to the last done offset.
+
+        A gap (an offset never fetched) joins the run before it: it will never be fetched,
+        so its state does not matter, and joining a neighbour never adds a run. The trailing
+        pending run is left out because offsets past the state's end are redelivered anyway.
+        """
+        offsets = self._offsets
+        pending = self._pending
+        restored = self._restored
+        fetched_end = self._last + 1
+        if restored is None and len(offsets) == len(pending):
+            return ()
+        runs: list[int] = []
+        if offsets:
+            run_start = base
+            in_done_run = False
+            for offset in offsets:
+                if (offset not in pending) != in_done_run:
+                    runs.append(offset - run_start)
+                    run_start = offset
+                    in_done_run = not in_done_run
+            runs.append(fetched_end - run_start)
+        if restored is not None:
+            for is_done, length in _segments_from(restored, max(base, fetched_end)):
+                # Runs alternate, so a run at an odd index is a done run.
+                if is_done == (len(runs) % 2 == 1):
+                    runs.append(length)
+                else:
+                    runs[-1] += length
+        if len(runs) % 2 == 1:
+            runs.pop()
+        return tuple(runs)
+
+    @staticmethod
+    def _longest_prefix(base: int, runs: tuple[int, ...], budget: int) -> str:
+        # Binary search over whole pending+done run pairs: a prefix ending in a pending run
+        # says nothing more than the shorter one. The compressed size is not strictly monotonic
+        # in the prefix length, but every returned candidate is checked against the budget.
+        best = ""
+        low, high = 1, len(runs) // 2 - 2
+        while low <= high:
+            pairs = (low + high) // 2
+            text = encode(AckState(base, runs[: 2 * pairs]))
+            if len(text) <= budget:
+                best = text
+                low = pairs + 1
+            else:
+                high = pairs - 1
+        return best
+
+
+def _segments_from(state: AckState, start: int) -> Iterator[tuple[bool, int]]:
+    """Yield (is_done, length) for the runs of ``state`` clipped to offsets >= ``start``."""
+    run_start = state.base
+    is_done = False
+    for length in state.runs:
+        run_end = run_start + length
+        if run_end > start:
+            yield is_done, run_end - max(run_start, start)
+        run_start = run_end
+        is_done = not is_done

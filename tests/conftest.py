@@ -1,0 +1,25 @@
+"""Shared fixtures. Logic lives in tests/support/; keep this file to wiring."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from tests.support.kafka import Broker, BrokerError, start_broker, stop_broker
+
+
+@pytest.fixture(scope="session")
+def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
+    """One real Kafka broker for the whole session, on a free port. Fails, never skips."""
+    directory = tmp_path_factory.mktemp("kafka")
+    try:
+        # watch_pid: the broker stops itself should this session die without its teardown.
+        broker = start_broker(directory, watch_pid=os.getpid())
+    except (BrokerError, OSError) as exc:
+        pytest.fail(f"the Kafka test broker did not start (needs Java 17+ and Maven):\n{exc}")
+    try:
+        yield broker
+    finally:
+        stop_broker(directory)

@@ -1,0 +1,1 @@
+"""Test harness: the real local Kafka broker, Kafka helpers and polling waits."""

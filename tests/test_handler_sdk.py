@@ -1,0 +1,426 @@
+"""The handler SDK, called over real gRPC with the generated stubs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from consumer_proxy import handler as cp
+from consumer_proxy.proto.v1 import handler_pb2, handler_pb2_grpc
+
+Response = handler_pb2.HandleMessageResponse
+
+
+def wire_message(offset: int = 0, **fields: Any) -> handler_pb2.Message:
+    values: dict[str, Any] = {
+        "topic": "orders",
+        "partition": 3,
+        "offset": offset,
+        "has_value": True,
+        "value": b"v",
+        "attempt": 1,
+        "consumer_group": "billing",
+        "source": handler_pb2.DELIVERY_SOURCE_PRIMARY,
+    }
+    values.update(fields)
+    return handler_pb2.Message(**values)
+
+
+def request(offset: int = 0, **fields: Any) -> handler_pb2.HandleMessageRequest:
+    return handler_pb2.HandleMessageRequest(message=wire_message(offset, **fields))
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    handler: cp.Handler, **options: Any
+) -> AsyncIterator[tuple[cp.Server, handler_pb2_grpc.MessageHandlerAsyncStub]]:
+    async with (
+        cp.Server(handler, **options) as server,
+        grpc.aio.insecure_channel(server.address) as channel,
+    ):
+        yield server, handler_pb2_grpc.MessageHandlerStub(channel)  # type: ignore[misc]
+
+
+async def eventually(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.005)
+
+
+async def acks(_message: cp.Message) -> None:
+    return None
+
+
+def answer(result: cp.Result | None) -> Callable[[cp.Message], Awaitable[cp.Result | None]]:
+    async def handle(_message: cp.Message) -> cp.Result | None:
+        return result
+
+    return handle
+
+
+def raising(exc: BaseException) -> Callable[[cp.Message], Awaitable[cp.Result | None]]:
+    async def handle(_message: cp.Message) -> cp.Result | None:
+        raise exc
+
+    return handle
+
+
+# -------------------------------------------------------------------------- single messages
+
+
+def test_returning_none_answers_an_empty_response_which_means_ack() -> None:
+    async def scenario() -> None:
+        async with serving(acks) as (_server, stub):
+            response = await stub.HandleMessage(request(), timeout=5)
+        assert response == Response()
+        assert response.action == Response.ACTION_UNSPECIFIED
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("result", "action", "retry_after_ms", "reason"),
+    [
+        (cp.ack(), Response.ACK, 0, ""),
+        (cp.retry(), Response.RETRY, 0, ""),
+        (cp.retry(after_ms=250, reason="db busy"), Response.RETRY, 250, "db busy"),
+        (cp.dead_letter("unknown currency"), Response.DEAD_LETTER, 0, "unknown currency"),
+        (cp.drop(), Response.DROP, 0, ""),
+    ],
+)
+def test_result_helpers_set_the_action_and_its_fields(
+    result: cp.Result, action: int, retry_after_ms: int, reason: str
+) -> None:
+    async def scenario() -> None:
+        async with serving(answer(result)) as (_server, stub):
+            response = await stub.HandleMessage(request(), timeout=5)
+        assert (response.action, response.retry_after_ms, response.reason) == (
+            action,
+            retry_after_ms,
+            reason,
+        )
+
+    asyncio.run(scenario())
+
+
+def test_a_long_reason_is_cut_to_one_kib() -> None:
+    async def scenario() -> None:
+        async with serving(answer(cp.dead_letter("é" * 1000))) as (_server, stub):
+            response = await stub.HandleMessage(request(), timeout=5)
+        assert response.reason == "é" * 512
+        assert len(response.reason.encode()) == 1024
+
+    asyncio.run(scenario())
+
+
+def test_a_negative_retry_delay_is_refused() -> None:
+    with pytest.raises(ValueError, match="retry_after_ms"):
+        cp.retry(after_ms=-1)
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (cp.PoisonPill("cannot parse"), grpc.StatusCode.INVALID_ARGUMENT),
+        (cp.AlreadyProcessed("seen it"), grpc.StatusCode.ALREADY_EXISTS),
+        (cp.Overloaded("too busy"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (cp.Unavailable("db down"), grpc.StatusCode.UNAVAILABLE),
+        (cp.HandlerError(grpc.StatusCode.NOT_FOUND, "no such account"), grpc.StatusCode.NOT_FOUND),
+    ],
+)
+def test_handler_errors_become_their_grpc_status(
+    error: cp.HandlerError, code: grpc.StatusCode
+) -> None:
+    async def scenario() -> None:
+        async with serving(raising(error)) as (_server, stub):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.HandleMessage(request(), timeout=5)
+        assert caught.value.code() == code
+        assert caught.value.details() == error.message
+
+    asyncio.run(scenario())
+
+
+def test_a_handler_error_needs_a_non_ok_code() -> None:
+    with pytest.raises(ValueError, match="non-OK"):
+        cp.HandlerError(grpc.StatusCode.OK, "fine")
+
+
+def test_any_other_exception_is_internal_with_its_type_name(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def scenario() -> None:
+        async with serving(raising(KeyError("account"))) as (_server, stub):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.HandleMessage(request(offset=7), timeout=5)
+        assert caught.value.code() == grpc.StatusCode.INTERNAL
+        assert caught.value.details() == "KeyError: 'account'"
+
+    asyncio.run(scenario())
+    assert "orders[3]@7: handler failed" in caplog.text
+
+
+def test_a_handler_that_is_not_async_is_an_internal_error() -> None:
+    def not_async(_message: cp.Message) -> None:
+        return None
+
+    async def scenario() -> None:
+        async with serving(not_async) as (_server, stub):  # type: ignore[arg-type]
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.HandleMessage(request(), timeout=5)
+        assert caught.value.code() == grpc.StatusCode.INTERNAL
+        assert "must be async" in (caught.value.details() or "")
+
+    asyncio.run(scenario())
+
+
+def test_every_message_field_reaches_the_handler() -> None:
+    seen: list[cp.Message] = []
+
+    async def record(message: cp.Message) -> None:
+        seen.append(message)
+
+    headers = [
+        handler_pb2.Header(key="trace", value=b"t1"),
+        handler_pb2.Header(key="tenant", value=b"acme"),
+        handler_pb2.Header(key="trace", value=b"t2"),
+    ]
+
+    async def scenario() -> None:
+        async with serving(record) as (_server, stub):
+            await stub.HandleMessage(
+                request(
+                    offset=42,
+                    key=b"k",
+                    has_key=True,
+                    value=b"",
+                    has_value=True,
+                    headers=headers,
+                    timestamp_ms=1_700_000_000_123,
+                    attempt=4,
+                    source=handler_pb2.DELIVERY_SOURCE_REDRIVE,
+                ),
+                timeout=5,
+            )
+            await stub.HandleMessage(request(offset=43, has_value=False, value=b""), timeout=5)
+
+    asyncio.run(scenario())
+    first, tombstone = seen
+    assert first == cp.Message(
+        topic="orders",
+        partition=3,
+        offset=42,
+        key=b"k",
+        value=b"",
+        headers=(("trace", b"t1"), ("tenant", b"acme"), ("trace", b"t2")),
+        timestamp_ms=1_700_000_000_123,
+        consumer_group="billing",
+        attempt=4,
+        source="redrive",
+    )
+    assert first.header("trace") == b"t1"
+    assert first.header_values("trace") == [b"t1", b"t2"]
+    assert first.header("missing") is None
+    assert (tombstone.key, tombstone.value, tombstone.source) == (None, None, "primary")
+    assert cp.Message.from_proto(first.to_proto()) == first
+
+
+def test_an_object_with_a_handle_method_is_a_handler() -> None:
+    class Counter:
+        def __init__(self) -> None:
+            self.seen = 0
+
+        async def handle(self, message: cp.Message) -> cp.Result | None:
+            self.seen += 1
+            return cp.retry(after_ms=message.offset)
+
+    counter = Counter()
+
+    async def scenario() -> None:
+        async with serving(counter) as (_server, stub):
+            response = await stub.HandleMessage(request(offset=9), timeout=5)
+        assert (response.action, response.retry_after_ms) == (Response.RETRY, 9)
+
+    asyncio.run(scenario())
+    assert counter.seen == 1
+
+
+# -------------------------------------------------------------------------- batches
+
+
+def test_a_batch_runs_concurrently_and_answers_in_request_order() -> None:
+    # Each message finishes only after the next one did: completion runs in reverse order,
+    # and the batch would hang if the handler were called one message at a time.
+    done = {offset: asyncio.Event() for offset in range(5)}
+
+    async def reverse(message: cp.Message) -> cp.Result:
+        following = done.get(message.offset + 1)
+        if following is not None:
+            await following.wait()
+        done[message.offset].set()
+        return cp.retry(after_ms=message.offset)
+
+    async def scenario() -> None:
+        async with serving(reverse) as (_server, stub):
+            response = await stub.HandleMessageBatch(
+                handler_pb2.HandleMessageBatchRequest(
+                    messages=[wire_message(offset) for offset in range(5)]
+                ),
+                timeout=5,
+            )
+        assert [r.retry_after_ms for r in response.results] == [0, 1, 2, 3, 4]
+
+    asyncio.run(scenario())
+
+
+def test_errors_in_a_batch_become_the_action_their_status_leads_to(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def mixed(message: cp.Message) -> cp.Result | None:
+        match message.offset:
+            case 1:
+                raise cp.PoisonPill("cannot parse")
+            case 2:
+                raise cp.AlreadyProcessed()
+            case 3:
+                raise cp.Overloaded("too busy")
+            case 4:
+                raise RuntimeError("boom")
+            case 5:
+                return cp.drop()
+        return None
+
+    async def scenario() -> None:
+        async with serving(mixed) as (_server, stub):
+            response = await stub.HandleMessageBatch(
+                handler_pb2.HandleMessageBatchRequest(
+                    messages=[wire_message(offset) for offset in range(6)]
+                ),
+                timeout=5,
+            )
+        assert [(r.action, r.reason) for r in response.results] == [
+            (Response.ACTION_UNSPECIFIED, ""),
+            (Response.DEAD_LETTER, "INVALID_ARGUMENT: cannot parse"),
+            (Response.ACK, ""),
+            (Response.RETRY, "RESOURCE_EXHAUSTED: too busy"),
+            (Response.RETRY, "INTERNAL: RuntimeError: boom"),
+            (Response.DROP, ""),
+        ]
+
+    asyncio.run(scenario())
+    assert "orders[3]@4: handler failed" in caplog.text
+
+
+# -------------------------------------------------------------------------- serving
+
+
+def test_health_reports_serving_and_can_be_flipped() -> None:
+    async def scenario() -> None:
+        async with (
+            cp.Server(acks) as server,
+            grpc.aio.insecure_channel(server.address) as channel,
+        ):
+            health = health_pb2_grpc.HealthStub(channel)
+
+            async def status(service: str) -> int:
+                request = health_pb2.HealthCheckRequest(service=service)
+                return int((await health.Check(request, timeout=5)).status)
+
+            assert await status("") == health_pb2.HealthCheckResponse.SERVING
+            assert await status(cp.SERVICE_NAME) == health_pb2.HealthCheckResponse.SERVING
+
+            await server.set_serving(False)
+            assert await status("") == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert await status(cp.SERVICE_NAME) == health_pb2.HealthCheckResponse.NOT_SERVING
+
+    asyncio.run(scenario())
+
+
+def test_serve_returns_a_started_server_on_a_free_port() -> None:
+    async def scenario() -> None:
+        server = await cp.serve(acks)
+        try:
+            assert server.port > 0
+            assert server.address == f"127.0.0.1:{server.port}"
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                stub = handler_pb2_grpc.MessageHandlerStub(channel)
+                assert await stub.HandleMessage(request(), timeout=5) == Response()
+        finally:
+            await server.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_taken_port_is_an_error_not_a_shared_port() -> None:
+    async def scenario() -> None:
+        async with cp.Server(acks) as first:
+            with pytest.raises(OSError, match="cannot listen"):
+                await cp.serve(acks, port=first.port)
+
+    asyncio.run(scenario())
+
+
+def test_max_concurrency_refuses_calls_beyond_the_limit() -> None:
+    release = asyncio.Event()
+    started: list[int] = []
+
+    async def blocking(message: cp.Message) -> None:
+        started.append(message.offset)
+        await release.wait()
+
+    async def scenario() -> None:
+        async with serving(blocking, max_concurrency=1) as (_server, stub):
+            first = asyncio.ensure_future(stub.HandleMessage(request(offset=1), timeout=5))
+            await eventually(lambda: started == [1])
+
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.HandleMessage(request(offset=2), timeout=5)
+            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+            release.set()
+            assert await first == Response()
+            assert await stub.HandleMessage(request(offset=3), timeout=5) == Response()
+        assert started == [1, 3]
+
+    asyncio.run(scenario())
+
+
+def test_stop_reports_not_serving_and_lets_in_flight_calls_finish() -> None:
+    release = asyncio.Event()
+    started = asyncio.Event()
+
+    async def blocking(_message: cp.Message) -> cp.Result:
+        started.set()
+        await release.wait()
+        return cp.drop()
+
+    async def scenario() -> None:
+        server = await cp.serve(blocking)
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = handler_pb2_grpc.MessageHandlerStub(channel)
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+            assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+            call = asyncio.ensure_future(stub.HandleMessage(request(), timeout=10))
+            await asyncio.wait_for(started.wait(), 5)
+
+            stopping = asyncio.ensure_future(server.stop(grace_s=10))
+            also_stopping = asyncio.ensure_future(server.stop())  # idempotent: same shutdown
+            update = await asyncio.wait_for(watch.read(), 5)
+            assert update.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            watch.cancel()
+            assert not stopping.done()
+
+            release.set()
+            assert (await call).action == Response.DROP
+            await asyncio.wait_for(asyncio.gather(stopping, also_stopping), 10)
+
+    asyncio.run(scenario())

@@ -1,0 +1,443 @@
+"""Out-of-order commit tracker: the committed offset, the window, and the ack state it carries."""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from consumer_proxy.codec import AckState, decode, encode
+from consumer_proxy.tracker import DEFAULT_METADATA_BUDGET, PartitionTracker
+
+TOP = 2**63 - 1  # the largest Kafka offset
+
+
+def naive_committable(start: int, tracked: list[int], done: set[int]) -> int:
+    """The committable offset straight from its definition."""
+    for offset in tracked:
+        if offset not in done:
+            return offset
+    return tracked[-1] + 1 if tracked else start
+
+
+def restart(tracker: PartitionTracker, budget: int = DEFAULT_METADATA_BUDGET) -> PartitionTracker:
+    """What a new owner of the partition builds from the commit the old one made."""
+    committed = tracker.committable()
+    metadata, _ = tracker.metadata(budget)
+    return PartitionTracker(committed, 100, decode(metadata) if metadata else None)
+
+
+# -- examples ------------------------------------------------------------------------------
+
+
+def test_nothing_tracked_commits_at_the_start() -> None:
+    # Given a fresh tracker at offset 42 / Then it commits where it started, with no state
+    tracker = PartitionTracker(42, 10)
+    assert tracker.committable() == 42
+    assert tracker.metadata() == ("", True)
+    assert tracker.last_tracked is None
+    assert (tracker.in_flight, tracker.pending, tracker.is_full) == (0, 0, False)
+
+
+def test_commit_stops_at_the_first_pending_offset() -> None:
+    # Given offsets 10-14 fetched
+    tracker = PartitionTracker(10, 100)
+    assert all(tracker.track(offset) for offset in range(10, 15))
+
+    # When 11, 12 and 14 finish first
+    for offset in (11, 12, 14):
+        tracker.done(offset)
+
+    # Then the commit waits for 10; once 10 is done it waits for 13
+    assert tracker.committable() == 10
+    tracker.done(10)
+    assert tracker.committable() == 13
+    tracker.done(13)
+    assert tracker.committable() == 15
+
+
+def test_gaps_in_fetched_offsets_never_stall_the_commit() -> None:
+    # Given a compacted partition: offsets 5, 9 and 20 exist, the rest were compacted away
+    tracker = PartitionTracker(0, 100)
+    for offset in (5, 9, 20):
+        tracker.track(offset)
+
+    # When all three are done / Then the commit moves past every gap
+    assert tracker.committable() == 5
+    for offset in (9, 5, 20):
+        tracker.done(offset)
+    assert tracker.committable() == 21
+
+
+def test_duplicates_and_late_results_are_ignored() -> None:
+    # Given offsets 0-2 fetched and 0 done
+    tracker = PartitionTracker(0, 100)
+    for offset in range(3):
+        tracker.track(offset)
+    tracker.done(0)
+
+    # When the fetcher returns 0 and 1 again and a late result arrives for an unknown offset
+    # Then neither re-fetch is delivered, and nothing changes
+    assert tracker.track(0) is False
+    assert tracker.track(1) is False
+    tracker.done(99)
+    tracker.done(0)
+    assert (tracker.committable(), tracker.pending, tracker.in_flight) == (1, 2, 2)
+
+
+def test_window_accounting_and_full() -> None:
+    # Given a window of 3
+    tracker = PartitionTracker(0, 3)
+    for offset in range(3):
+        tracker.track(offset)
+
+    # Then it is full, also when a later offset is done (it still occupies the window)
+    assert tracker.is_full
+    tracker.done(2)
+    assert (tracker.in_flight, tracker.pending, tracker.is_full) == (3, 2, True)
+
+    # When the head is done / Then the window shrinks and has room again
+    tracker.done(0)
+    assert (tracker.in_flight, tracker.pending, tracker.is_full) == (2, 1, False)
+    assert tracker.last_tracked == 2
+
+
+def test_metadata_records_acks_above_the_commit() -> None:
+    # Given 100-109 fetched, 100 and 104 still pending, 109 pending at the top
+    tracker = PartitionTracker(100, 100)
+    for offset in range(100, 110):
+        tracker.track(offset)
+    for offset in (101, 102, 103, 105, 106, 107, 108):
+        tracker.done(offset)
+
+    # When the commit is prepared
+    metadata, whole = tracker.metadata()
+
+    # Then it commits 100 and says which offsets above it are done; the pending tail is left
+    # out because it would be redelivered anyway
+    assert whole
+    assert decode(metadata) == AckState(100, (1, 3, 1, 4))
+    assert tracker.committable() == 100
+
+
+def test_restart_skips_exactly_the_acked_messages() -> None:
+    # Given 0-9 fetched, the even offsets done except 0
+    tracker = PartitionTracker(0, 100)
+    for offset in range(10):
+        tracker.track(offset)
+    for offset in (2, 4, 6, 8):
+        tracker.done(offset)
+
+    # When the partition moves to a new owner that fetches 0-9 again
+    successor = restart(tracker)
+    delivered = [offset for offset in range(10) if successor.track(offset)]
+
+    # Then only the odd offsets and 0 are delivered again
+    assert delivered == [0, 1, 3, 5, 7, 9]
+    assert successor.committable() == 0
+    for offset in delivered:
+        successor.done(offset)
+    assert successor.committable() == 10
+
+
+def test_restored_state_is_ignored_after_an_offset_reset() -> None:
+    # Given ack state written at offset 10, but the committed offset was reset to 5
+    state = AckState(10, (1, 5))
+
+    # When a tracker starts at 5 with it / Then every message is delivered
+    tracker = PartitionTracker(5, 100, state)
+    assert all(tracker.track(offset) for offset in range(5, 20))
+
+
+def test_a_second_rebalance_before_refetching_keeps_the_acks() -> None:
+    # Given a restored state (10 pending, 11-15 done) and nothing fetched again yet
+    state = AckState(10, (1, 5))
+    metadata = encode(state)
+    tracker = PartitionTracker(10, 100, decode(metadata))
+
+    # When the partition is revoked right away / Then the commit carries the same state
+    assert tracker.committable() == 10
+    assert tracker.metadata() == (metadata, True)
+
+    # When 10 is fetched and done / Then the commit moves past the restored acks at once
+    assert tracker.track(10)
+    tracker.done(10)
+    assert tracker.committable() == 16
+    assert tracker.metadata() == ("", True)
+    assert tracker.track(12) is False
+
+
+def test_over_budget_state_is_truncated_and_says_so() -> None:
+    # Given 1000 offsets with a fifth of them, at random, still pending
+    randoms = random.Random(7)
+    tracker = PartitionTracker(0, 10_000)
+    for offset in range(1000):
+        tracker.track(offset)
+        if offset and randoms.random() > 0.2:
+            tracker.done(offset)
+    full, whole = tracker.metadata(10**6)
+    assert whole
+
+    # When the budget is smaller than the state
+    metadata, whole = tracker.metadata(60)
+
+    # Then the metadata fits, the flag says it is partial, and it is a prefix of the state
+    assert not whole
+    assert 0 < len(metadata) <= 60 < len(full)
+    prefix, state = decode(metadata), decode(full)
+    assert prefix.base == state.base == 0
+    assert prefix.runs == state.runs[: len(prefix.runs)]
+
+
+def test_a_budget_too_small_for_anything_gives_empty_partial_metadata() -> None:
+    # Given some acks above a pending offset / When the budget cannot hold even one run pair
+    tracker = PartitionTracker(0, 10)
+    tracker.track(0)
+    tracker.track(1)
+    tracker.done(1)
+
+    # Then nothing is written and the caller is told
+    assert tracker.metadata(5) == ("", False)
+
+
+def test_offsets_near_the_top_of_the_int64_range() -> None:
+    # Given the last offsets a partition can have
+    tracker = PartitionTracker(TOP - 3, 10)
+    for offset in range(TOP - 3, TOP + 1):
+        tracker.track(offset)
+    tracker.done(TOP)
+
+    # When restarted / Then the ack of the very last offset survives
+    successor = restart(tracker)
+    assert [o for o in range(TOP - 3, TOP + 1) if successor.track(o)] == [TOP - 3, TOP - 2, TOP - 1]
+
+
+def test_invalid_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="committed"):
+        PartitionTracker(-1, 10)
+    with pytest.raises(ValueError, match="max_in_flight"):
+        PartitionTracker(0, 0)
+
+
+# -- properties ----------------------------------------------------------------------------
+
+
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("track"), st.integers(0, 3)),  # next offset after a gap of 0-3
+        st.tuples(st.just("done"), st.integers(0, 10**6)),  # index into what was tracked
+        st.tuples(st.just("late"), st.integers(-5, 400)),  # any offset at all
+    ),
+    max_size=300,
+)
+
+
+@given(st.integers(0, 1000), operations)
+def test_committable_matches_the_definition(start: int, ops: list[tuple[str, int]]) -> None:
+    # Given random fetches with gaps and acks in any order
+    tracker = PartitionTracker(start, 50)
+    tracked: list[int] = []
+    done: set[int] = set()
+    previous = start
+    for op, value in ops:
+        # When each operation is applied
+        if op == "track":
+            offset = (tracked[-1] + 1 if tracked else start) + value
+            assert tracker.track(offset)
+            tracked.append(offset)
+        elif op == "done" and tracked:
+            offset = tracked[value % len(tracked)]
+            tracker.done(offset)
+            done.add(offset)
+        elif op == "late":
+            tracker.done(value)
+            if value in tracked:
+                done.add(value)
+        committable = tracker.committable()
+
+        # Then it is the definition, it never goes backwards nor passes a pending offset
+        assert committable == naive_committable(start, tracked, done)
+        assert committable >= previous
+        assert all(offset >= committable for offset in tracked if offset not in done)
+        previous = committable
+        window = [offset for offset in tracked if offset >= committable]
+        assert tracker.in_flight == len(window)
+        assert tracker.pending == len(set(tracked) - done)
+        assert tracker.is_full == (len(window) >= 50)
+
+
+@st.composite
+def windows(draw: st.DrawFn) -> PartitionTracker:
+    """A tracker holding up to 3000 offsets with random holes, gaps and a restored state."""
+    start = draw(st.sampled_from([0, 1_000_000, TOP - 20_000]))
+    hole_rate = draw(st.sampled_from([0.01, 0.1, 0.5]))
+    count = draw(st.integers(0, 3000))
+    randoms = draw(st.randoms(use_true_random=False))
+    tracker = PartitionTracker(start, 10**6)
+    offset = start
+    for _ in range(count):
+        offset += 1 + (randoms.random() < 0.05) * randoms.randrange(1, 5)
+        tracker.track(offset)
+        if randoms.random() >= hole_rate:
+            tracker.done(offset)
+    return tracker
+
+
+@given(windows(), st.one_of(st.integers(0, 4000), st.integers(-3, -1)))
+@settings(max_examples=80, deadline=None)
+def test_metadata_fits_the_budget_and_flags_truncation(
+    tracker: PartitionTracker, budget: int
+) -> None:
+    # Given a window and the whole state it would like to write
+    full, whole = tracker.metadata(10**9)
+    assert whole
+    if budget < 0:
+        # A budget just short of the whole state: the longest prefix is then the hardest case
+        budget = max(0, len(full) + budget)
+
+    # When the commit is prepared within a budget
+    metadata, whole = tracker.metadata(budget)
+
+    # Then it fits, and it is partial exactly when the whole state does not fit
+    assert len(metadata) <= budget
+    assert whole == (len(full) <= budget)
+    if whole:
+        assert metadata == full
+    elif metadata:
+        # And what was kept is the longest prefix of whole run pairs that fits
+        state, prefix = decode(full), decode(metadata)
+        kept = len(prefix.runs)
+        assert kept % 2 == 0
+        assert prefix.runs == state.runs[:kept]
+        longer = AckState(state.base, state.runs[: kept + 2])
+        assert len(encode(longer)) > budget
+
+
+class TrackerLifecycle(RuleBasedStateMachine):
+    """Fetch, ack, re-fetch and restart a partition at random, against a model of the truth.
+
+    The model records every offset that exists (the log) and whether its message is done as
+    far as the current owner may know. A restart keeps an ack only if the commit metadata
+    carried it; acks above a truncated prefix are forgotten and must be redelivered.
+    """
+
+    @initialize(
+        start=st.sampled_from([0, 7, TOP - 5_000]),
+        max_in_flight=st.integers(1, 20),
+        budget=st.sampled_from([0, 16, 24, 40, 80, DEFAULT_METADATA_BUDGET]),
+    )
+    def begin(self, start: int, max_in_flight: int, budget: int) -> None:
+        self.max_in_flight = max_in_flight
+        self.budget = budget
+        self.start = start
+        self.tracker = PartitionTracker(start, max_in_flight)
+        self.log: list[int] = []  # every offset ever fetched
+        self.status: dict[int, bool] = {}  # offset -> done, as the current owner may know it
+        self.tracked: list[int] = []  # fetched by the current owner
+        self.refetch: deque[int] = deque()  # fetched before the restart, not yet again
+        self.previous = start
+
+    @precondition(lambda self: not self.refetch)
+    @rule(gap=st.integers(0, 3))
+    def fetch_new(self, gap: int) -> None:
+        offset = (self.log[-1] + 1 if self.log else self.start) + gap
+        assert self.tracker.track(offset), "a new message is always delivered"
+        self.log.append(offset)
+        self.status[offset] = False
+        self.tracked.append(offset)
+
+    @precondition(lambda self: self.refetch)
+    @rule()
+    def fetch_again(self) -> None:
+        offset = self.refetch.popleft()
+        assert self.tracker.track(offset) == (not self.status[offset])
+        self.tracked.append(offset)
+
+    @precondition(lambda self: self.tracked)
+    @rule(data=st.data())
+    def duplicate_fetch(self, data: st.DataObject) -> None:
+        offset = data.draw(st.sampled_from(self.tracked))
+        assert self.tracker.track(offset) is False
+
+    @precondition(lambda self: self.tracked)
+    @rule(data=st.data())
+    def ack(self, data: st.DataObject) -> None:
+        offset = data.draw(st.sampled_from(self.tracked))
+        self.tracker.done(offset)
+        self.status[offset] = True
+
+    @precondition(lambda self: self.log)
+    @rule(data=st.data())
+    def late_result(self, data: st.DataObject) -> None:
+        # A result for a delivery made before the last restart: the new owner ignores it.
+        offset = data.draw(st.sampled_from(self.log))
+        if offset not in self.tracked:
+            self.tracker.done(offset)
+
+    @rule()
+    def restart(self) -> None:
+        committed = self.tracker.committable()
+        metadata, whole = self.tracker.metadata(self.budget)
+        full, full_whole = self.tracker.metadata(10**9)
+        assert full_whole
+        assert len(metadata) <= self.budget
+        assert whole == (len(full) <= self.budget)
+        above = [offset for offset in self.log if offset >= committed]
+
+        # The whole state records every known ack above the commit and no pending offset.
+        state = decode(full) if full else None
+        for offset in above:
+            recorded = state is not None and state.is_done(offset)
+            assert recorded == self.status[offset]
+
+        # Acks above a truncated prefix are forgotten: those messages come again.
+        restored = decode(metadata) if metadata else None
+        if restored is not None:
+            assert restored.base == committed
+        kept_below = restored.end if restored is not None else committed
+        for offset in above:
+            self.status[offset] = self.status[offset] and offset < kept_below
+
+        self.start = committed
+        self.previous = committed
+        self.tracker = PartitionTracker(committed, self.max_in_flight, restored)
+        self.tracked = []
+        self.refetch = deque(above)
+
+    @invariant()
+    def commit_is_safe_and_monotonic(self) -> None:
+        committable = self.tracker.committable()
+        assert committable >= self.previous
+        self.previous = committable
+        # Never past a message that is not done, whether fetched again yet or not.
+        assert all(self.status[offset] for offset in self.log if self.start <= offset < committable)
+        if not self.refetch:
+            # Once everything is fetched again, the restored state has nothing left to add.
+            assert committable == naive_committable(
+                self.start, self.tracked, {o for o in self.tracked if self.status[o]}
+            )
+
+    @invariant()
+    def window_accounting(self) -> None:
+        committable = self.tracker.committable()
+        window = [offset for offset in self.tracked if offset >= committable]
+        assert self.tracker.in_flight == len(window)
+        assert self.tracker.pending == sum(not self.status[o] for o in self.tracked)
+        assert self.tracker.is_full == (len(window) >= self.max_in_flight)
+        assert self.tracker.last_tracked == (self.tracked[-1] if self.tracked else None)
+
+
+TrackerLifecycle.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=60, deadline=None
+)
+test_tracker_lifecycle = TrackerLifecycle.TestCase
