@@ -9,7 +9,14 @@ import grpc
 import pytest
 
 from consumer_proxy import dlq
-from tests.support.kafka import consume_all, create_topic, produce, unique_name
+from tests.support.kafka import (
+    alter_topic,
+    committed_offsets,
+    consume_all,
+    create_topic,
+    produce,
+    unique_name,
+)
 from tests.support.proxy import caught_up, make_config, start_proxy
 from tests.support.service import Behaviour, TestService
 from tests.support.waiting import async_wait_until
@@ -64,4 +71,119 @@ async def _mixed_run(bootstrap: str) -> None:
         assert set(ours) == CP_HEADERS
         assert ours[dlq.H_STATUS] == "INVALID_ARGUMENT"
         assert ours[dlq.H_GROUP] == group
-        assert ours[dlq.H_ORIGINAL_TOPIC if hasattr(dlq, "H_ORIGINAL_TOPIC") else dlq.H_TOPIC] == topic
+        assert ours[dlq.H_TOPIC] == topic
+        assert ours[dlq.H_REASON] == "bad payload"
+        original = (ours[dlq.H_TOPIC], int(ours[dlq.H_PARTITION]), int(ours[dlq.H_OFFSET]))
+        assert service.count(*original) == 1  # a poison pill is not retried
+    # and no message was delivered more often than its failures explain
+    assert all(n <= 2 for n in service.counts.values())
+
+
+def test_a_slow_message_does_not_hold_back_the_ones_behind_it(kafka) -> None:
+    asyncio.run(_head_of_line(kafka.bootstrap))
+
+
+async def _head_of_line(bootstrap: str) -> None:
+    # Given one partition whose 5th message takes 3 s and the other 199 are fast
+    topic, group = unique_name("hol"), unique_name("hol")
+    create_topic(bootstrap, topic, partitions=1)
+    await asyncio.to_thread(produce, bootstrap, topic, [f"m{i}" for i in range(200)])
+
+    def behaviour(msg, n):
+        return Behaviour(delay_s=3.0 if msg.offset == 4 else 0.005)
+
+    async with TestService(behaviour) as service:
+        proxy, task = start_proxy(make_config(bootstrap, group, [topic], [service.address]))
+        # When all fast messages are acked
+        fast_done = lambda: sum(  # noqa: E731
+            1 for d in service.deliveries if d.outcome == "ACK" and d.offset != 4
+        ) == 199
+        await async_wait_until(fast_done, timeout=30)
+        slow = next(d for d in service.deliveries if d.offset == 4)
+        last_fast = max(d.finished_at for d in service.deliveries if d.offset != 4)
+        # Then they finished while the slow one was still running
+        assert slow.outcome == "PENDING"
+        assert last_fast - slow.received_at < 2.5
+        # and the commit waits for the slow one, then moves to the end
+        await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=30)
+        await proxy.shutdown()
+        await task
+
+
+def test_acked_messages_are_not_redelivered_after_a_restart(kafka) -> None:
+    asyncio.run(_restart(kafka.bootstrap))
+
+
+async def _restart(bootstrap: str) -> None:
+    # Given one partition whose offset 10 hangs on the first delivery and the rest ack
+    topic, group = unique_name("restart"), unique_name("restart")
+    create_topic(bootstrap, topic, partitions=1)
+    await asyncio.to_thread(produce, bootstrap, topic, [f"m{i}" for i in range(300)])
+
+    def behaviour(msg, n):
+        return Behaviour(delay_s=60.0 if msg.offset == 10 and n == 1 else 0.0)
+
+    async with TestService(behaviour) as service:
+        config = make_config(bootstrap, group, [topic], [service.address],
+                             shutdown_grace_s=0.5)
+        proxy, task = start_proxy(config)
+        acked = lambda: sum(1 for d in service.deliveries if d.outcome == "ACK")  # noqa: E731
+        await async_wait_until(lambda: acked() == 299, timeout=30)
+        # When the proxy stops with offset 10 still in flight (its call is cancelled)
+        await proxy.shutdown()
+        await task
+        committed = await asyncio.to_thread(committed_offsets, bootstrap, group, topic)
+        offset, metadata = committed[0]
+        assert offset == 10 and metadata  # the ack state above the hole rides in the metadata
+        # and another proxy takes over the group
+        proxy, task = start_proxy(config)
+        await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=30)
+        await proxy.shutdown()
+        await task
+
+    # Then only the message that was in flight was delivered twice
+    twice = {c: n for c, n in service.counts.items() if n > 1}
+    assert twice == {(topic, 0, 10): 2}
+    assert len(service.counts) == 300
+
+
+def test_a_dlq_outage_holds_the_commit_and_loses_nothing(kafka) -> None:
+    asyncio.run(_dlq_outage(kafka.bootstrap))
+
+
+async def _dlq_outage(bootstrap: str) -> None:
+    # Given a DLQ topic that rejects the poison pill (its records are too large for it)
+    topic, group = unique_name("dlqout"), unique_name("dlqout")
+    create_topic(bootstrap, topic, partitions=1)
+    create_topic(bootstrap, f"{group}.dlq", partitions=1, config={"max.message.bytes": "200"})
+    values = [f"m{i}" for i in range(100)]
+    values[20] = "poison " + "x" * 1000
+    await asyncio.to_thread(produce, bootstrap, topic, values)
+
+    def behaviour(msg, n):
+        if msg.value.startswith(b"poison"):
+            return Behaviour(status=grpc.StatusCode.FAILED_PRECONDITION, details="cannot parse")
+        return Behaviour()
+
+    async with TestService(behaviour) as service:
+        proxy, task = start_proxy(make_config(bootstrap, group, [topic], [service.address]))
+        runner = proxy.runners[0]
+        # When the DLQ write keeps failing
+        await async_wait_until(lambda: runner.writer and runner.writer.failures >= 2, timeout=30)
+        acked = lambda: sum(1 for d in service.deliveries if d.outcome == "ACK")  # noqa: E731
+        await async_wait_until(lambda: acked() == 99, timeout=30)
+        await asyncio.sleep(0.6)  # three commit intervals
+        # Then nothing is committed past the poison pill
+        committed = await asyncio.to_thread(committed_offsets, bootstrap, group, topic)
+        assert committed[0][0] == 20
+        # When the DLQ accepts the record again
+        await asyncio.to_thread(
+            alter_topic, bootstrap, f"{group}.dlq", {"max.message.bytes": "1048588"}
+        )
+        # Then the pill is dead-lettered once and the commit reaches the end
+        await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=60)
+        await proxy.shutdown()
+        await task
+    dead = await asyncio.to_thread(consume_all, bootstrap, f"{group}.dlq")
+    assert [m.value() for m in dead] == [values[20].encode()]
+    assert service.count(topic, 0, 20) == 1

@@ -325,3 +325,25 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def alter_topic(bootstrap: str, topic: str, config: Mapping[str, str]) -> None:
+    """Set topic configs (incrementally) and wait for the change to be accepted."""
+    from confluent_kafka.admin import (
+        AlterConfigOpType,
+        ConfigEntry,
+        ConfigResource,
+        ResourceType,
+    )
+
+    resource = ConfigResource(
+        ResourceType.TOPIC,
+        topic,
+        incremental_configs=[
+            ConfigEntry(k, v, incremental_operation=AlterConfigOpType.SET)
+            for k, v in config.items()
+        ],
+    )
+    client = admin(bootstrap)  # keep it alive until the futures resolve
+    for future in client.incremental_alter_configs([resource]).values():
+        future.result(timeout=ADMIN_TIMEOUT_S)
