@@ -202,7 +202,7 @@ class PartitionTracker:
         # says nothing more than the shorter one. The compressed size is not strictly monotonic
         # in the prefix length, but every returned candidate is checked against the budget.
         best = ""
-        low, high = 1, len(runs) // 2 - 2
+        low, high = 1, len(runs) // 2 - 1
         while low <= high:
             pairs = (low + high) // 2
             text = encode(AckState(base, runs[: 2 * pairs]))

@@ -1,0 +1,639 @@
+"""Shared harness of the benchmarks: broker, handler service, load, proxy processes, results.
+
+Every process that matters runs on its own, so no two of them share an event loop or a GIL:
+
+- the handler service (:class:`HandlerServer`): a bare grpc.aio ``MessageHandler`` in a
+  process of its own (multiprocessing, spawn), with a configurable latency and a "slow"
+  marker; it records when each distinct message first arrived and, on request, each fast
+  message's latency since its Kafka timestamp;
+- the bare client (:func:`run_bare_loop`): a grpc.aio loop in a process of its own;
+- the proxy (:class:`ProxyProcess`): the real ``consumer-proxy run --config F`` command line;
+- the bench process itself only produces, polls the handler's counters and reads offsets.
+
+Conventions for every ``bench/bench_*.py`` (``run_all.py`` relies on them): ``--bootstrap``
+uses a running broker (otherwise the bench starts its own and stops it), ``--quick`` runs
+smaller sizes, and the result is written as JSON to ``bench/results/<bench>-<time>.json``
+with a ``ratios`` mapping ``{name: {"value", "target", "meets"}}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make `consumer_proxy` and `tests` importable
+    sys.path.insert(0, str(ROOT))
+
+import grpc  # noqa: E402
+from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
+from grpc import aio  # noqa: E402
+
+from consumer_proxy.proto.v1 import handler_pb2, handler_pb2_grpc  # noqa: E402
+from tests.support.kafka import (  # noqa: E402
+    create_topic,
+    partitions_of,
+    start_broker,
+    stop_broker,
+    unique_name,
+)
+
+RESULTS_DIR = ROOT / "bench" / "results"
+SLOW_MARKER = b"slow"
+_SPAWN = multiprocessing.get_context("spawn")
+
+__all__ = [
+    "ROOT",
+    "SLOW_MARKER",
+    "HandlerServer",
+    "HandlerSpec",
+    "ProxyProcess",
+    "Result",
+    "base_parser",
+    "broker",
+    "committed_sum",
+    "create_topic",
+    "percentile",
+    "produce_at_rate",
+    "produce_bulk",
+    "run_bare_loop",
+    "unique_name",
+    "wait_for",
+]
+
+
+# --------------------------------------------------------------------------- arguments, broker
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    """The options every bench takes: ``--bootstrap``, ``--quick``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument(
+        "--bootstrap",
+        metavar="HOST:PORT",
+        help="use this running broker (default: start a private one in a temp dir and stop it)",
+    )
+    parser.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
+    return parser
+
+
+@contextlib.contextmanager
+def broker(bootstrap: str | None) -> Iterator[str]:
+    """Yield a bootstrap address: the given one, or a private broker started for the bench."""
+    if bootstrap:
+        yield bootstrap
+        return
+    with tempfile.TemporaryDirectory(prefix="cp-bench-kafka-") as tmp:
+        print("starting a private Kafka broker ...", flush=True)
+        started = time.monotonic()
+        found = start_broker(Path(tmp), watch_pid=os.getpid())
+        print(f"broker at {found.bootstrap} ({time.monotonic() - started:.1f}s)", flush=True)
+        try:
+            yield found.bootstrap
+        finally:
+            stop_broker(Path(tmp))
+
+
+# --------------------------------------------------------------------------- handler service
+
+
+@dataclass(frozen=True)
+class HandlerSpec:
+    """What the handler service does with each call.
+
+    Every call sleeps ``delay_ms`` (none when 0: a no-op handler answers straight away), or
+    ``slow_ms`` when the message value starts with :data:`SLOW_MARKER`. The answer is always
+    the empty response (ACK).
+    """
+
+    delay_ms: float = 0.0
+    slow_ms: float = 0.0
+
+
+class _Recorder:
+    """The handler process's books: first arrival of each distinct message, and latencies."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.calls = 0
+        self.seen: set[tuple[str, int, int]] = set()
+        self.first_seen: list[float] = []  # time.monotonic() of each distinct message's arrival
+        # time.time() at arrival minus the record's Kafka timestamp, first deliveries only
+        self.latency_fast_ms: list[float] = []
+        self.latency_slow_ms: list[float] = []
+        self.partitions: dict[int, int] = {}
+
+
+class _Servicer(handler_pb2_grpc.MessageHandlerServicer):
+    def __init__(self, spec: HandlerSpec, books: _Recorder) -> None:
+        self._delay_s = spec.delay_ms / 1000.0
+        self._slow_s = spec.slow_ms / 1000.0
+        self._books = books
+        self._empty = handler_pb2.HandleMessageResponse()
+
+    async def HandleMessage(
+        self, request: handler_pb2.HandleMessageRequest, context: Any
+    ) -> handler_pb2.HandleMessageResponse:
+        msg = request.message
+        books = self._books
+        books.calls += 1
+        key = (msg.topic, msg.partition, msg.offset)
+        slow = msg.value.startswith(SLOW_MARKER)
+        if key not in books.seen:
+            books.seen.add(key)
+            books.first_seen.append(time.monotonic())
+            books.partitions[msg.partition] = books.partitions.get(msg.partition, 0) + 1
+            if msg.timestamp_ms > 0:
+                latency = time.time() * 1000.0 - msg.timestamp_ms
+                (books.latency_slow_ms if slow else books.latency_fast_ms).append(latency)
+        delay = self._slow_s if slow else self._delay_s
+        if delay > 0:
+            await asyncio.sleep(delay)
+        return self._empty
+
+
+def _handler_main(spec: HandlerSpec, conn: Connection) -> None:
+    """Entry point of the handler process: serve until told to stop on ``conn``."""
+    asyncio.run(_serve(spec, conn))
+
+
+async def _serve(spec: HandlerSpec, conn: Connection) -> None:
+    books = _Recorder()
+    server = aio.server(options=[("grpc.so_reuseport", 0)])
+    handler_pb2_grpc.add_MessageHandlerServicer_to_server(_Servicer(spec, books), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    conn.send(port)
+    loop = asyncio.get_running_loop()
+    try:
+        while True:
+            # The pipe is read off the loop; commands are answered on it (no locking needed).
+            command = await loop.run_in_executor(None, conn.recv)
+            if command == "stop":
+                break
+            if command == "reset":
+                books.reset()
+                conn.send(True)
+            elif command == "progress":
+                first = books.first_seen[0] if books.first_seen else None
+                last = books.first_seen[-1] if books.first_seen else None
+                conn.send((len(books.seen), books.calls, first, last))
+            elif command == "stats":
+                conn.send(
+                    {
+                        "calls": books.calls,
+                        "distinct": len(books.seen),
+                        "first_seen": books.first_seen,
+                        "latency_fast_ms": books.latency_fast_ms,
+                        "latency_slow_ms": books.latency_slow_ms,
+                        "partitions": books.partitions,
+                    }
+                )
+    finally:
+        await server.stop(grace=1.0)
+        conn.send("stopped")
+
+
+class HandlerServer:
+    """The handler service in its own process; ``with HandlerServer(spec) as h: h.address``."""
+
+    def __init__(self, spec: HandlerSpec) -> None:
+        self.spec = spec
+        self._conn, child = _SPAWN.Pipe()
+        self._proc = _SPAWN.Process(
+            target=_handler_main, args=(spec, child), name="bench-handler", daemon=True
+        )
+        self._lock = threading.Lock()
+        self.port = 0
+
+    def __enter__(self) -> HandlerServer:
+        self._proc.start()
+        if not self._conn.poll(60):
+            raise RuntimeError("the handler service did not start within 60s")
+        self.port = self._conn.recv()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _ask(self, command: str) -> Any:
+        with self._lock:
+            self._conn.send(command)
+            return self._conn.recv()
+
+    def reset(self) -> None:
+        """Forget everything recorded so far."""
+        self._ask("reset")
+
+    def progress(self) -> tuple[int, int, float | None, float | None]:
+        """(distinct messages seen, calls, monotonic time of the first and the latest first
+        arrival)."""
+        result: tuple[int, int, float | None, float | None] = self._ask("progress")
+        return result
+
+    def stats(self) -> dict[str, Any]:
+        """Everything recorded (lists of arrival times and latencies)."""
+        result: dict[str, Any] = self._ask("stats")
+        return result
+
+    def wait_seen(self, n: int, timeout_s: float, interval_s: float = 0.1) -> float:
+        """Wait until ``n`` distinct messages arrived; returns the monotonic time it happened
+        (the arrival time of the n-th, as the handler recorded it)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            seen, _calls, _first, last = self.progress()
+            if seen >= n and last is not None:
+                return last
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the handler saw {seen} of {n} messages in {timeout_s:g}s")
+            time.sleep(interval_s)
+
+    def close(self) -> None:
+        """Stop the server and its process (idempotent)."""
+        if self._proc.is_alive():
+            with contextlib.suppress(OSError, EOFError):
+                self._conn.send("stop")
+                if self._conn.poll(10):
+                    self._conn.recv()
+            self._proc.join(10)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(5)
+
+
+# --------------------------------------------------------------------------- bare grpc.aio loop
+
+
+def _bare_main(address: str, topic: str, n: int, concurrency: int, out: Connection) -> None:
+    out.send(asyncio.run(_bare_loop(address, topic, n, concurrency)))
+
+
+async def _bare_loop(address: str, topic: str, n: int, concurrency: int) -> dict[str, float]:
+    # Requests shaped like the proxy's (same fields, distinct offsets), built before timing:
+    # the proxy's cost of building them is part of what the comparison measures.
+    requests = [
+        handler_pb2.HandleMessageRequest(
+            message=handler_pb2.Message(
+                topic=topic,
+                partition=i % 4,
+                offset=i,
+                key=b"",
+                value=b"x" * 16,
+                has_value=True,
+                timestamp_ms=0,
+                consumer_group="bare",
+                attempt=1,
+                source=handler_pb2.DELIVERY_SOURCE_PRIMARY,
+            )
+        )
+        for i in range(n)
+    ]
+    async with aio.insecure_channel(address) as channel:
+        stub = handler_pb2_grpc.MessageHandlerStub(channel)
+        await stub.HandleMessage(requests[0], timeout=10)  # connect outside the timing
+        it = iter(requests[1:])
+        errors = 0
+
+        async def worker() -> None:
+            nonlocal errors
+            for request in it:  # a shared iterator: each request is sent once
+                try:
+                    await stub.HandleMessage(request, timeout=10)
+                except aio.AioRpcError:
+                    errors += 1
+
+        started = time.monotonic()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        ended = time.monotonic()
+    return {"started": started, "ended": ended, "errors": float(errors)}
+
+
+def run_bare_loop(address: str, n: int, concurrency: int, topic: str = "bare") -> dict[str, float]:
+    """Call the handler ``n`` times with ``concurrency`` calls in flight, from a process of its
+    own; returns its monotonic ``started`` / ``ended`` (first call to last answer)."""
+    parent, child = _SPAWN.Pipe()
+    proc = _SPAWN.Process(target=_bare_main, args=(address, topic, n, concurrency, child))
+    proc.start()
+    try:
+        if not parent.poll(600):
+            raise TimeoutError("the bare loop did not finish within 600s")
+        result: dict[str, float] = parent.recv()
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    return result
+
+
+# --------------------------------------------------------------------------- producing
+
+
+def produce_bulk(
+    bootstrap: str,
+    topic: str,
+    n: int,
+    *,
+    partitions: int = 1,
+    value: Callable[[int], bytes] = lambda i: b"m%015d" % i,
+) -> None:
+    """Produce ``n`` records round-robin over ``partitions`` (acks=all) and flush."""
+    producer = Producer(
+        {
+            "bootstrap.servers": bootstrap,
+            "acks": "all",
+            "linger.ms": 20,
+            "batch.num.messages": 10000,
+            "queue.buffering.max.messages": 200000,
+        }
+    )
+    failures: list[str] = []
+
+    def delivered(err: Any, _msg: Any) -> None:
+        if err is not None:
+            failures.append(str(err))
+
+    for i in range(n):
+        while True:
+            try:
+                producer.produce(topic, value(i), partition=i % partitions, on_delivery=delivered)
+                break
+            except BufferError:
+                producer.poll(0.05)
+        if i % 1000 == 0:
+            producer.poll(0)
+    left = producer.flush(60)
+    if left or failures:
+        raise RuntimeError(f"producing to {topic}: {left} left, failures {failures[:3]}")
+
+
+def produce_at_rate(
+    bootstrap: str,
+    topic: str,
+    rate_per_s: float,
+    duration_s: float,
+    *,
+    value: Callable[[int], bytes] = lambda i: b"m%015d" % i,
+) -> int:
+    """Produce at a steady rate (open loop: ticks are not delayed by the consumer side) for
+    ``duration_s`` to partition 0; returns how many were produced. linger.ms=0, so a record's
+    timestamp is within a millisecond of when it was handed to the client."""
+    producer = Producer({"bootstrap.servers": bootstrap, "acks": 1, "linger.ms": 0})
+    started = time.monotonic()
+    i = 0
+    while True:
+        due = started + i / rate_per_s
+        now = time.monotonic()
+        if due - started >= duration_s:
+            break
+        if due > now:
+            time.sleep(due - now)
+        producer.produce(topic, value(i), partition=0)
+        producer.poll(0)
+        i += 1
+    if producer.flush(60):
+        raise RuntimeError(f"producing to {topic}: records left after 60s")
+    return i
+
+
+# --------------------------------------------------------------------------- offsets
+
+
+def committed_sum(bootstrap: str, group: str, topic: str) -> int:
+    """Sum over the topic's partitions of the group's committed offsets (0 where none)."""
+    consumer = Consumer(
+        {"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False}
+    )
+    try:
+        wanted = [TopicPartition(topic, p) for p in partitions_of(bootstrap, topic)]
+        found = consumer.committed(wanted, timeout=30)
+    finally:
+        consumer.close()
+    return sum(max(tp.offset, 0) for tp in found)
+
+
+def wait_for(
+    condition: Callable[[], bool], timeout_s: float, interval_s: float = 0.1, what: str = ""
+) -> float:
+    """Poll ``condition`` until true; returns the monotonic time it was first seen true."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:g}s waiting for {what or condition}")
+        time.sleep(interval_s)
+    return time.monotonic()
+
+
+# --------------------------------------------------------------------------- the proxy
+
+
+def proxy_config_yaml(
+    bootstrap: str,
+    group: str,
+    topics: Sequence[str],
+    endpoints: Sequence[str],
+    delivery: dict[str, Any] | None = None,
+) -> str:
+    """A one-group configuration file (JSON is YAML) with metrics off (no port to pick)."""
+    config = {
+        "kafka": {"bootstrap_servers": bootstrap},
+        "metrics": {"enabled": False},
+        "shutdown_grace_s": 10,
+        "groups": [
+            {
+                "name": group,
+                "topics": list(topics),
+                "service": {"endpoints": list(endpoints), "timeout_ms": 30000},
+                "delivery": delivery or {},
+            }
+        ],
+    }
+    return json.dumps(config, indent=2)
+
+
+class ProxyProcess:
+    """``consumer-proxy run --config F --workers N`` as a child process.
+
+    ``profile`` wraps it in ``python -m cProfile -o FILE`` (the main thread only, which runs
+    the event loop) or ``python -m pyinstrument`` when that package is importable.
+    """
+
+    def __init__(
+        self,
+        config_yaml: str,
+        *,
+        workers: int = 1,
+        log_path: Path | None = None,
+        profile: str | None = None,
+        profile_out: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix="cp-bench-proxy-")
+        self.config_path = Path(self._dir.name) / "proxy.yaml"
+        self.config_path.write_text(config_yaml)
+        self.log_path = log_path or Path(self._dir.name) / "proxy.log"
+        run = ["run", "--config", str(self.config_path), "--workers", str(workers)]
+        run += ["--log-level", "warning"]
+        if profile == "cprofile":
+            assert profile_out is not None
+            cmd = [sys.executable, "-m", "cProfile", "-o", str(profile_out), "-m", "consumer_proxy"]
+        elif profile == "pyinstrument":
+            assert profile_out is not None
+            cmd = [sys.executable, "-m", "pyinstrument", "--show-all", "-r", "text",
+                   "-o", str(profile_out), "-m", "consumer_proxy"]
+        else:
+            cmd = [sys.executable, "-m", "consumer_proxy"]
+        self.cmd = [*cmd, *run]
+        self._env = {**os.environ, **(env or {})}
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: Any = None
+        self.started_at = 0.0
+
+    def start(self) -> ProxyProcess:
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop())
+        self.started_at = time.monotonic()
+        self._proc = subprocess.Popen(
+            self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self._env,
+            stdin=subprocess.DEVNULL, cwd=str(ROOT),
+        )
+        return self
+
+    def check_alive(self) -> None:
+        """Raise if the proxy exited on its own."""
+        if self._proc is not None and self._proc.poll() is not None:
+            raise RuntimeError(
+                f"the proxy exited with {self._proc.returncode}:\n{self.log_tail()}"
+            )
+
+    def log_tail(self, lines: int = 30) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+    def stop(self, timeout_s: float = 60.0) -> int | None:
+        """SIGTERM (graceful shutdown), then SIGKILL after ``timeout_s``; returns the exit code."""
+        code = None
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.send_signal(signal.SIGTERM)
+                try:
+                    self._proc.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    self._proc.kill()
+                    self._proc.wait(10)
+            code = self._proc.returncode
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        return code
+
+    def cleanup(self) -> None:
+        self._dir.cleanup()
+
+    def __enter__(self) -> ProxyProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        self.cleanup()
+
+
+# --------------------------------------------------------------------------- results
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0-100, nearest rank); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, round(q / 100.0 * len(ordered) + 0.5) - 1))
+    return ordered[rank]
+
+
+def steady_rate(first_seen: Sequence[float], lo: float = 0.1, hi: float = 0.9) -> float | None:
+    """Messages/s between the lo and hi fractions of the arrivals (start-up and tail left out)."""
+    times = sorted(first_seen)
+    if len(times) < 20:
+        return None
+    a, b = int(lo * (len(times) - 1)), int(hi * (len(times) - 1))
+    span = times[b] - times[a]
+    return (b - a) / span if span > 0 else None
+
+
+@dataclass
+class Result:
+    """One bench run's figures and ratios, printed as it goes and written as JSON."""
+
+    bench: str
+    params: dict[str, Any] = field(default_factory=dict)
+    figures: dict[str, Any] = field(default_factory=dict)
+    ratios: dict[str, dict[str, Any]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def figure(self, name: str, value: Any, unit: str = "") -> None:
+        self.figures[name] = value
+        shown = f"{value:,.1f}" if isinstance(value, float) else str(value)
+        print(f"  {name:<48} {shown} {unit}".rstrip(), flush=True)
+
+    def ratio(self, name: str, value: float, target: float | None = None, *,
+              higher_is_better: bool = True) -> None:
+        meets = None
+        if target is not None:
+            meets = value >= target if higher_is_better else value <= target
+        self.ratios[name] = {"value": round(value, 4), "target": target, "meets": meets}
+        goal = "" if target is None else f"  (target {'>=' if higher_is_better else '<='} " \
+            f"{target:g}: {'MET' if meets else 'NOT MET'})"
+        print(f"  RATIO {name:<42} {value:,.3f}{goal}", flush=True)
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+        print(f"  note: {text}", flush=True)
+
+    def write(self) -> Path:
+        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        path = RESULTS_DIR / f"{self.bench}-{stamp}.json"
+        data = {
+            **asdict(self),
+            "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "host": {
+                "cpus": os.cpu_count(),
+                "python": platform.python_version(),
+                "grpc": grpc.__version__,
+                "loadavg_1m": os.getloadavg()[0],
+            },
+        }
+        path.write_text(json.dumps(data, indent=2, default=str))
+        print(f"result written to {path.relative_to(ROOT)}", flush=True)
+        return path
+
+
+def rate(n: int, seconds: float) -> float:
+    """n / seconds, 0 for an empty interval."""
+    return n / seconds if seconds > 0 else 0.0
+
+
+def mean(values: Sequence[float]) -> float | None:
+    return statistics.fmean(values) if values else None
