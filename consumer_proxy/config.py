@@ -8,14 +8,28 @@ pydantic-settings: ``CONSUMER_PROXY_`` prefix, ``__`` between nested names, e.g.
 
 from __future__ import annotations
 
+import difflib
+import os
 import re
+import types
+import typing
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import grpc
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings.exceptions import SettingsError
 
 from .errors import ConfigError
 
@@ -24,6 +38,26 @@ STATUS_NAMES = frozenset(code.name for code in grpc.StatusCode)
 _TOPIC_RE = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 _HOSTPORT_RE = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})$")
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+ENV_PREFIX = "CONSUMER_PROXY_"
+
+
+class FieldProblem(ValueError):
+    """A problem a model validator found with one field below it.
+
+    Raised instead of a plain ValueError so the error line names the exact field (``path``,
+    relative to the model that raised it) rather than the whole enclosing model. ``also`` is
+    the index of another group the problem refers to (a duplicate name), so the line can say
+    which file that group came from.
+    """
+
+    def __init__(
+        self, path: tuple[str | int, ...], message: str, *, also: int | None = None
+    ) -> None:
+        super().__init__(message)
+        self.path = path
+        self.also = also
 
 
 def _check_topic(name: str) -> str:
@@ -47,6 +81,30 @@ def check_endpoint(target: str) -> str:
             f"{target!r} is not an endpoint; use host:port (port 1-65535) or dns:///host:port"
         )
     return target
+
+
+def _check_status_name(name: str) -> str:
+    if name == "OK":
+        raise ValueError("OK cannot be overridden: it follows the response's action")
+    if name not in STATUS_NAMES:
+        known = ", ".join(sorted(STATUS_NAMES - {"OK"}))
+        hint = f" (did you mean {name.upper()!r}?)" if name.upper() in STATUS_NAMES else ""
+        raise ValueError(f"{name!r} is not a gRPC status code{hint}; use one of {known}")
+    return name
+
+
+StatusName = Annotated[str, AfterValidator(_check_status_name)]
+"""A gRPC status code name other than OK, e.g. ``UNAVAILABLE``."""
+
+
+def _check_file(path: Path | None) -> Path | None:
+    # The files are read when the channels open; a missing one is better caught offline.
+    if path is not None and not path.is_file():
+        raise ValueError(
+            f"{str(path)!r} is not a readable file (relative paths start from the "
+            "working directory)"
+        )
+    return path
 
 
 class BackoffConfig(BaseModel):
@@ -77,6 +135,11 @@ class TlsConfig(BaseModel):
     server_name: str | None = Field(
         None, description="Name to verify in the server certificate, if not the endpoint host."
     )
+
+    @field_validator("ca_file", "cert_file", "key_file")
+    @classmethod
+    def _files_exist(cls, value: Path | None) -> Path | None:
+        return _check_file(value)
 
     @model_validator(mode="after")
     def _cert_and_key_together(self) -> TlsConfig:
@@ -149,7 +212,7 @@ class DeliveryConfig(BaseModel):
     rate_limit_per_s: float | None = Field(
         None, gt=0, description="Optional cap on messages pushed per second for the group."
     )
-    status_overrides: dict[str, OutcomeName] = Field(
+    status_overrides: dict[StatusName, OutcomeName] = Field(
         default_factory=dict,
         description="gRPC status name -> ack|retry|dead_letter|drop|outage (over the defaults).",
     )
@@ -173,22 +236,16 @@ class DeliveryConfig(BaseModel):
         500, ge=1, le=100_000, description="Messages taken from the consumer in one poll."
     )
 
-    @field_validator("concurrency")
+    @field_validator("concurrency", mode="before")
     @classmethod
-    def _concurrency_range(cls, value: int | str) -> int | str:
-        if isinstance(value, int) and not 1 <= value <= 10_000:
-            raise ValueError(f"must be 1-10000 or 'adaptive', got {value}")
-        return value
-
-    @field_validator("status_overrides")
-    @classmethod
-    def _known_codes(cls, value: dict[str, str]) -> dict[str, str]:
-        for name in value:
-            if name not in STATUS_NAMES:
-                known = ", ".join(sorted(STATUS_NAMES))
-                raise ValueError(f"{name!r} is not a gRPC status code; use one of {known}")
-            if name == "OK":
-                raise ValueError("OK cannot be overridden: it follows the response's action")
+    def _concurrency_range(cls, value: Any) -> Any:
+        # Checked before the union so a bad value gives one line, not one per union member.
+        if value == "adaptive":
+            return value
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)  # environment overrides arrive as text
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 10_000:
+            raise ValueError("must be a whole number of calls from 1 to 10000, or 'adaptive'")
         return value
 
 
@@ -245,7 +302,12 @@ class GroupConfig(BaseModel):
     @field_validator("name")
     @classmethod
     def _name_chars(cls, value: str) -> str:
-        _check_topic(value)  # the group name prefixes the default DLQ/redrive topic names
+        # The group name prefixes the default DLQ and redrive topic names.
+        if not _TOPIC_RE.match(value + ".redrive") or value in {".", ".."}:
+            raise ValueError(
+                "a group name may use letters, digits, '.', '_' and '-' only: it names "
+                " the default '<group>.dlq' and '<group>.redrive' topics"
+            )
         return value
 
     @field_validator("topics")
@@ -264,9 +326,19 @@ class GroupConfig(BaseModel):
             ("dlq.redrive_topic", self.redrive_topic),
         ):
             if topic in self.topics:
-                raise ValueError(f"{label} {topic!r} is also a source topic of the group")
+                field = label.split(".")[1]
+                given = getattr(self.dlq, field) is not None
+                raise FieldProblem(
+                    ("dlq", field),
+                    f"{topic!r}{'' if given else ' (the default)'} is also a source topic of "
+                    f"the group; the {label} must be a topic of its own",
+                )
         if self.dlq_topic == self.redrive_topic:
-            raise ValueError("dlq.topic and dlq.redrive_topic must differ")
+            raise FieldProblem(
+                ("dlq", "redrive_topic"),
+                f"{self.redrive_topic!r} is also the DLQ topic; dlq.topic and "
+                "dlq.redrive_topic must differ",
+            )
         return self
 
     @property
@@ -296,8 +368,27 @@ class KafkaConfig(BaseModel):
         for server in value.split(","):
             server = server.strip()
             server = server.split("://", 1)[-1]
-            if not _HOSTPORT_RE.match(server):
-                raise ValueError(f"{server!r} is not host:port")
+            match = _HOSTPORT_RE.match(server)
+            if not match or not 0 < int(match["port"]) < 65536:
+                raise ValueError(
+                    f"{server!r} is not host:port; use host:port[,host:port...] (port 1-65535)"
+                )
+        return value
+
+    @field_validator("client", mode="before")
+    @classmethod
+    def _scalar_properties(cls, value: Any) -> Any:
+        # Checked before the union of value types so one bad property gives one clear line.
+        if not isinstance(value, Mapping):
+            return value  # the type check reports it
+        for key, item in value.items():
+            if not isinstance(item, str | int | float | bool):
+                # ValueError, not TypeError: pydantic turns only ValueError into a problem line.
+                raise ValueError(  # noqa: TRY004
+                    f"property {key!r} must be a string, number or boolean (librdkafka "
+                    f"properties are flat: write 'sasl.mechanism: PLAIN', not nested maps), "
+                    f"got {type(item).__name__}"
+                )
         return value
 
     @field_validator("client")
@@ -329,8 +420,12 @@ class HealthConfig(BaseModel):
 
     model_config = _FROZEN
     grpc_port: int | None = Field(
-        None, ge=0, le=65535, description="Serve grpc.health.v1 on this port (absent: off)."
+        None,
+        ge=0,
+        le=65535,
+        description="Serve grpc.health.v1 on this port (0: any free port; absent: off).",
     )
+    host: str = Field("0.0.0.0", min_length=1, description="Address the health service binds.")
 
 
 class ProxyConfig(BaseSettings):
@@ -365,11 +460,27 @@ class ProxyConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _unique_groups(self) -> ProxyConfig:
-        seen: set[str] = set()
-        for group in self.groups:
+        seen: dict[str, int] = {}
+        for index, group in enumerate(self.groups):
             if group.name in seen:
-                raise ValueError(f"group name {group.name!r} is used twice")
-            seen.add(group.name)
+                first = seen[group.name]
+                raise FieldProblem(
+                    ("groups", index, "name"),
+                    f"group name {group.name!r} is already used by groups.{first}; "
+                    "each group needs a name of its own",
+                    also=first,
+                )
+            seen[group.name] = index
+        return self
+
+    @model_validator(mode="after")
+    def _ports_differ(self) -> ProxyConfig:
+        port = self.health.grpc_port
+        if port and self.metrics.enabled and port == self.metrics.port:
+            raise FieldProblem(
+                ("health", "grpc_port"),
+                f"port {port} is also metrics.port; the gRPC health service needs its own port",
+            )
         return self
 
     def group(self, name: str) -> GroupConfig:
@@ -381,13 +492,42 @@ class ProxyConfig(BaseSettings):
         raise ConfigError([f"unknown group {name!r}; configured groups: {known}"])
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects a key given twice in one mapping (plain YAML keeps the last)."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            first = seen.setdefault(key, key_node.start_mark.line)
+        except TypeError:
+            continue  # an unhashable key: construct_mapping reports it
+        if first != key_node.start_mark.line:
+            raise yaml.constructor.ConstructorError(
+                "while constructing a mapping",
+                node.start_mark,
+                f"key {key!r} is given twice (first on line {first + 1})",
+                key_node.start_mark,
+            )
+    return loader.construct_mapping(node, deep=True)
+
+
+_StrictLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+    _construct_mapping,
+)
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError([f"{path}: cannot read: {exc.strerror or exc}"]) from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ConfigError([f"{path}: cannot read: {reason or exc}"]) from exc
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: no arbitrary objects
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
@@ -396,7 +536,9 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError([f"{path}: the top level must be a mapping, got {type(data).__name__}"])
+        raise ConfigError(
+            [f"{path}: (top level): must be a mapping of settings, got {type(data).__name__}"]
+        )
     return data
 
 
@@ -415,16 +557,26 @@ def _collect(path: Path) -> tuple[dict[str, Any], dict[str, Path], list[Path]]:
     group_files: list[Path] = []
     problems: list[str] = []
     for file in files:
-        data = _read_yaml(file)
+        try:
+            data = _read_yaml(file)
+        except ConfigError as exc:
+            problems += exc.problems  # report every broken file, not just the first
+            continue
         for key, value in data.items():
             if key == "groups":
                 if not isinstance(value, list):
-                    problems.append(f"{file}: groups: must be a list of groups")
+                    problems.append(
+                        f"{file}: groups: must be a list of groups (each item starts with "
+                        f"'- name: ...'), got {type(value).__name__}"
+                    )
                     continue
                 merged.setdefault("groups", []).extend(value)
                 group_files.extend([file] * len(value))
             elif key in merged:
-                problems.append(f"{file}: {key}: already set in {origin[key]}; set it in one file")
+                problems.append(
+                    f"{file}: {key}: already set in {origin[key]}; set each top-level "
+                    "section in one file only"
+                )
             else:
                 merged[key] = value
                 origin[key] = file
@@ -433,44 +585,115 @@ def _collect(path: Path) -> tuple[dict[str, Any], dict[str, Path], list[Path]]:
     return merged, origin, group_files
 
 
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model inside an annotation such as ``list[GroupConfig]`` or ``X | None``."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType, list, typing.Annotated):
+        for arg in typing.get_args(annotation):
+            found = _model_in(arg)
+            if found is not None:
+                return found
+    return None
+
+
+def _model_at(loc: Sequence[str | int]) -> type[BaseModel] | None:
+    """The model that a field path points into (list indexes skipped)."""
+    model: type[BaseModel] | None = ProxyConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part) if model is not None else None
+        if field is None:
+            return None
+        model = _model_in(field.annotation)
+    return model
+
+
+def _env_var(loc: Sequence[str | int]) -> str | None:
+    """The environment variable that set the value at ``loc``, if one did."""
+    present = {name.upper(): name for name in os.environ if name.upper().startswith(ENV_PREFIX)}
+    for end in range(len(loc), 0, -1):
+        head = loc[:end]
+        if any(isinstance(part, int) for part in head):
+            continue  # list items cannot be set one by one from the environment
+        wanted = ENV_PREFIX + "__".join(str(part) for part in head).upper()
+        if wanted in present:
+            return present[wanted]
+    return None
+
+
 def _format_error(
     err: Any, path: Path, origin: dict[str, Path], group_files: list[Path], data: dict[str, Any]
 ) -> str:
-    loc = [str(part) for part in err["loc"]]
+    """One line: where (file, or the environment variable), the field path, what is wrong."""
+    loc: list[str | int] = list(err["loc"])
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, FieldProblem):
+        loc += list(cause.path)
+    if loc and loc[-1] == "[key]":
+        loc.pop()  # a bad mapping key: the path already ends with the key itself
     file = path
-    if loc and loc[0] == "groups" and len(loc) > 1 and loc[1].isdigit():
-        index = int(loc[1])
+    index: int | None = None
+    if len(loc) > 1 and loc[0] == "groups" and isinstance(loc[1], int):
+        index = loc[1]
         if index < len(group_files):
             file = group_files[index]
-        groups = data.get("groups") or []
-        name = (
-            groups[index].get("name")
-            if index < len(groups) and isinstance(groups[index], dict)
-            else None
-        )
-        if name:
-            loc[1] = f"{loc[1]}({name})"
-    elif loc and loc[0] in origin:
+    elif loc and isinstance(loc[0], str) and loc[0] in origin:
         file = origin[loc[0]]
-    field = ".".join(loc) or "(top level)"
-    message = err["msg"].removeprefix("Value error, ")
+    where = str(file)
+    var = _env_var(loc)
+    if var is not None:
+        where = f"environment variable {var}"
+    parts: list[str] = []
+    groups = data.get("groups") if isinstance(data.get("groups"), list) else []
+    for i, part in enumerate(loc):
+        text = str(part)
+        if i == 1 and index is not None and index < len(groups or []):
+            item = (groups or [])[index]
+            name = item.get("name") if isinstance(item, dict) else None
+            if isinstance(name, str) and name:
+                text = f"{index}({name})"
+        parts.append(text)
+    field = ".".join(parts) or "(top level)"
+    message = str(err["msg"]).removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
-        message = "unknown field (check the spelling; see consumer-proxy validate --help)"
+        model = _model_at(loc[:-1])
+        message = "unknown field"
+        if model is not None:
+            allowed = list(model.model_fields)
+            close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+            if close:
+                message += f" (did you mean {close[0]!r}?)"
+            message += f"; allowed here: {', '.join(allowed)}"
     elif err["type"] == "missing":
         message = "required field is missing"
+    also = cause.also if isinstance(cause, FieldProblem) else None
+    if also is not None and also < len(group_files) and group_files[also] != file:
+        message += f" (groups.{also} is in {group_files[also]})"
     shown = err.get("input")
-    suffix = ""
-    if err["type"] not in {"missing", "extra_forbidden"} and not isinstance(shown, dict | list):
-        suffix = f" (got {shown!r})"
-    return f"{file}: {field}: {message}{suffix}"
+    if (
+        err["type"] not in {"missing", "extra_forbidden"}
+        and not isinstance(shown, dict | list)
+        and repr(shown) not in message
+    ):
+        message += f" (got {shown!r})"
+    return f"{where}: {field}: {message}"
 
 
 def load_config(path: str | Path) -> ProxyConfig:
-    """Load and validate a file or directory of onboarding YAML; ConfigError lists every problem."""
+    """Load and validate a file or directory of onboarding YAML; ConfigError lists every problem.
+
+    Each problem is one line: ``FILE: field.path: what is wrong (got VALUE)``; a value set by
+    an environment override names the variable instead of the file.
+    """
     path = Path(path)
     data, origin, group_files = _collect(path)
     try:
         return ProxyConfig(**data)
     except ValidationError as exc:
         problems = [_format_error(err, path, origin, group_files, data) for err in exc.errors()]
-        raise ConfigError(problems) from exc
+        raise ConfigError(list(dict.fromkeys(problems))) from exc
+    except SettingsError as exc:
+        # An override that is not valid JSON for a structured field (e.g. CONSUMER_PROXY_KAFKA).
+        raise ConfigError([f"environment: {exc} (structured values must be JSON)"]) from exc

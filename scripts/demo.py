@@ -52,11 +52,22 @@ def start_kafka() -> str:
     say("• starting Kafka (first run downloads the broker jars from Maven Central) ...")
     started = time.monotonic()
     out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "kafka"), "start", "--dir", str(DEMO / "kafka"),
-         "--port", "0"],
-        check=True, capture_output=True, text=True,
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "kafka"),
+            "start",
+            "--dir",
+            str(DEMO / "kafka"),
+            "--port",
+            "0",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout
-    bootstrap = next(line.split("=", 1)[1] for line in out.splitlines() if line.startswith("bootstrap="))
+    bootstrap = next(
+        line.split("=", 1)[1] for line in out.splitlines() if line.startswith("bootstrap=")
+    )
     say(f"  Kafka at {bootstrap} ({time.monotonic() - started:.1f}s), data in .demo/kafka")
     return bootstrap
 
@@ -83,15 +94,30 @@ def start_services(logs: Path) -> tuple[list[subprocess.Popen[bytes]], list[str]
     for latency, jitter in SERVICES:
         port = free_port()
         log = open(logs / f"service-{port}.log", "wb")  # noqa: SIM115 (lives as long as the process)
-        procs.append(subprocess.Popen(
-            [sys.executable, str(ROOT / "examples" / "example_service.py"), "--port", str(port),
-             "--latency-ms", str(latency), "--jitter-ms", str(jitter), "--poison-marker", "poison"],
-            stdout=log, stderr=subprocess.STDOUT,
-        ))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(ROOT / "examples" / "example_service.py"),
+                    "--port",
+                    str(port),
+                    "--latency-ms",
+                    str(latency),
+                    "--jitter-ms",
+                    str(jitter),
+                    "--poison-marker",
+                    "poison",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
         endpoints.append(f"127.0.0.1:{port}")
-    say(f"• example service instances at {', '.join(endpoints)} "
+    say(
+        f"• example service instances at {', '.join(endpoints)} "
         f"(latency {', '.join(f'{lat}±{jit}ms' for lat, jit in SERVICES)}); "
-        "messages containing 'poison' are poison pills")
+        "messages containing 'poison' are poison pills"
+    )
     return procs, endpoints
 
 
@@ -130,8 +156,9 @@ def produce(bootstrap: str, count: int, poison_every: int, seconds: float) -> in
         value = f'{{"order": {i}, "amount": {i % 97}.50{", poison" if is_poison else ""}}}'
         while True:
             try:
-                producer.produce(TOPIC, key=f"customer-{i % 300}", value=value,
-                                 headers=[("source", b"demo")])
+                producer.produce(
+                    TOPIC, key=f"customer-{i % 300}", value=value, headers=[("source", b"demo")]
+                )
                 break
             except BufferError:
                 producer.poll(0.05)
@@ -162,10 +189,14 @@ def offsets(bootstrap: str) -> tuple[dict[int, int], dict[int, int]]:
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": GROUP})
     try:
         parts = sorted(consumer.list_topics(TOPIC, timeout=10).topics[TOPIC].partitions)
-        ends = {p: consumer.get_watermark_offsets(TopicPartition(TOPIC, p), timeout=10)[1]
-                for p in parts}
-        committed = {tp.partition: tp.offset for tp in
-                     consumer.committed([TopicPartition(TOPIC, p) for p in parts], timeout=10)}
+        ends = {
+            p: consumer.get_watermark_offsets(TopicPartition(TOPIC, p), timeout=10)[1]
+            for p in parts
+        }
+        committed = {
+            tp.partition: tp.offset
+            for tp in consumer.committed([TopicPartition(TOPIC, p) for p in parts], timeout=10)
+        }
     finally:
         consumer.close()
     return ends, committed
@@ -176,8 +207,12 @@ def dlq_count(bootstrap: str) -> int:
     try:
         topic = f"{GROUP}.dlq"
         parts = consumer.list_topics(topic, timeout=10).topics[topic].partitions
-        return sum(max(0, hi - lo) for lo, hi in (
-            consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10) for p in parts))
+        return sum(
+            max(0, hi - lo)
+            for lo, hi in (
+                consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10) for p in parts
+            )
+        )
     finally:
         consumer.close()
 
@@ -205,20 +240,26 @@ def main() -> int:
         proxy_log = open(logs / "proxy.log", "wb")  # noqa: SIM115
         proxy = subprocess.Popen(
             [sys.executable, "-m", "consumer_proxy", "run", "--config", str(config)],
-            stdout=proxy_log, stderr=subprocess.STDOUT,
+            stdout=proxy_log,
+            stderr=subprocess.STDOUT,
         )
         procs.append(proxy)
-        say(f"• proxy running (config .demo/proxy.yaml, log .demo/logs/proxy.log, "
-            f"metrics http://127.0.0.1:{metrics_port}/metrics)")
+        say(
+            f"• proxy running (config .demo/proxy.yaml, log .demo/logs/proxy.log, "
+            f"metrics http://127.0.0.1:{metrics_port}/metrics)"
+        )
 
         result: dict[str, int] = {}
         producer = threading.Thread(
-            target=lambda: result.update(poison=produce(bootstrap, args.messages,
-                                                         args.poison_every, args.seconds)),
+            target=lambda: result.update(
+                poison=produce(bootstrap, args.messages, args.poison_every, args.seconds)
+            ),
             daemon=True,
         )
-        say(f"• producing {args.messages} messages over {args.seconds:.0f}s "
-            f"(1 in {args.poison_every} is a poison pill)\n")
+        say(
+            f"• producing {args.messages} messages over {args.seconds:.0f}s "
+            f"(1 in {args.poison_every} is a poison pill)\n"
+        )
         started = time.monotonic()
         producer.start()
         last = (started, 0.0)
@@ -266,15 +307,22 @@ def main() -> int:
             say(f"  partition {p}: committed {committed.get(p)} / end {ends[p]} {mark}")
         ok = done and acked + in_dlq == args.messages and in_dlq == poison
         say(f"  time                {elapsed:.1f}s")
-        say("  RESULT: every message acked or dead-lettered, commits at the end" if ok
-            else "  RESULT: INCOMPLETE — see .demo/logs/")
+        say(
+            "  RESULT: every message acked or dead-lettered, commits at the end"
+            if ok
+            else "  RESULT: INCOMPLETE — see .demo/logs/"
+        )
         cfg = config.relative_to(ROOT)
         if args.keep:
-            say("\nTry:\n"
+            say(
+                "\nTry:\n"
                 f"  .venv/bin/consumer-proxy status --config {cfg}\n"
-                f"  .venv/bin/consumer-proxy dlq inspect --config {cfg} --group {GROUP} --limit 3")
-            say("\n(--keep: still running; stop with: scripts/kafka stop --dir .demo/kafka and "
-                f"kill {' '.join(str(p.pid) for p in procs)})")
+                f"  .venv/bin/consumer-proxy dlq inspect --config {cfg} --group {GROUP} --limit 3"
+            )
+            say(
+                "\n(--keep: still running; stop with: scripts/kafka stop --dir .demo/kafka and "
+                f"kill {' '.join(str(p.pid) for p in procs)})"
+            )
             procs.clear()
             kafka_started = False
         return 0 if ok else 1
@@ -288,8 +336,17 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
         if kafka_started:
-            subprocess.run([sys.executable, str(ROOT / "scripts" / "kafka"), "stop", "--dir",
-                            str(DEMO / "kafka")], check=False, capture_output=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    str(ROOT / "scripts" / "kafka"),
+                    "stop",
+                    "--dir",
+                    str(DEMO / "kafka"),
+                ],
+                check=False,
+                capture_output=True,
+            )
 
 
 if __name__ == "__main__":

@@ -24,8 +24,16 @@ from tests.support.waiting import async_wait_until
 pytestmark = pytest.mark.kafka
 
 CP_HEADERS = {
-    dlq.H_TOPIC, dlq.H_PARTITION, dlq.H_OFFSET, dlq.H_TIMESTAMP, dlq.H_ATTEMPT, dlq.H_STATUS,
-    dlq.H_REASON, dlq.H_ENDPOINT, dlq.H_GROUP, dlq.H_DEAD_LETTERED_AT,
+    dlq.H_TOPIC,
+    dlq.H_PARTITION,
+    dlq.H_OFFSET,
+    dlq.H_TIMESTAMP,
+    dlq.H_ATTEMPT,
+    dlq.H_STATUS,
+    dlq.H_REASON,
+    dlq.H_ENDPOINT,
+    dlq.H_GROUP,
+    dlq.H_DEAD_LETTERED_AT,
 }
 
 
@@ -95,9 +103,9 @@ async def _head_of_line(bootstrap: str) -> None:
     async with TestService(behaviour) as service:
         proxy, task = start_proxy(make_config(bootstrap, group, [topic], [service.address]))
         # When all fast messages are acked
-        fast_done = lambda: sum(  # noqa: E731
-            1 for d in service.deliveries if d.outcome == "ACK" and d.offset != 4
-        ) == 199
+        def fast_done() -> bool:
+            return sum(1 for d in service.deliveries if d.outcome == "ACK" and d.offset != 4) == 199
+
         await async_wait_until(fast_done, timeout=30)
         slow = next(d for d in service.deliveries if d.offset == 4)
         last_fast = max(d.finished_at for d in service.deliveries if d.offset != 4)
@@ -124,8 +132,7 @@ async def _restart(bootstrap: str) -> None:
         return Behaviour(delay_s=60.0 if msg.offset == 10 and n == 1 else 0.0)
 
     async with TestService(behaviour) as service:
-        config = make_config(bootstrap, group, [topic], [service.address],
-                             shutdown_grace_s=0.5)
+        config = make_config(bootstrap, group, [topic], [service.address], shutdown_grace_s=0.5)
         proxy, task = start_proxy(config)
         acked = lambda: sum(1 for d in service.deliveries if d.outcome == "ACK")  # noqa: E731
         await async_wait_until(lambda: acked() == 299, timeout=30)

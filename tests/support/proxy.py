@@ -28,8 +28,11 @@ def make_config(
     """A one-group configuration with test-friendly defaults (fast commits, short backoff)."""
     return ProxyConfig(
         kafka={"bootstrap_servers": bootstrap},
-        metrics={"enabled": metrics_port is not None, "port": metrics_port or 0,
-                 "host": "127.0.0.1"},
+        metrics={
+            "enabled": metrics_port is not None,
+            "port": metrics_port or 0,
+            "host": "127.0.0.1",
+        },
         shutdown_grace_s=shutdown_grace_s,
         groups=[
             {

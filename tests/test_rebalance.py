@@ -1,0 +1,110 @@
+"""Rebalances and worker processes: partitions move, acked messages are not redelivered."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.kafka import create_topic, produce, unique_name
+from tests.support.proxy import caught_up, start_proxy
+from tests.support.proxy import make_config as _make_config
+from tests.support.service import Behaviour, ThreadedService
+from tests.support.waiting import async_wait_until, wait_until
+
+pytestmark = pytest.mark.kafka
+
+
+def make_config(*args, **kwargs):
+    kwargs.setdefault("delivery", {"concurrency": 20})
+    return _make_config(*args, **kwargs)
+
+
+def test_a_member_joining_and_leaving_moves_partitions_without_redelivering_acks(kafka) -> None:
+    asyncio.run(_join_and_leave(kafka.bootstrap))
+
+
+async def _join_and_leave(bootstrap: str) -> None:
+    # Given 4 partitions of 2000 messages and a handler taking 2 ms
+    topic, group = unique_name("rebal"), unique_name("rebal")
+    create_topic(bootstrap, topic, partitions=4)
+    await asyncio.to_thread(produce, bootstrap, topic, [f"m{i}" for i in range(2000)])
+    with ThreadedService(lambda m, n: Behaviour(delay_s=0.002)) as service:
+        config = make_config(bootstrap, group, [topic], [service.address])
+        first, first_task = start_proxy(config)
+        acked = lambda: sum(1 for d in service.deliveries if d.outcome == "ACK")  # noqa: E731
+        await async_wait_until(lambda: acked() >= 300, timeout=60)
+        # When a second member joins, then the first one leaves
+        second, second_task = start_proxy(config)
+        await async_wait_until(lambda: second.runners[0].assignment(), timeout=60)
+        await async_wait_until(lambda: acked() >= 1200, timeout=60)
+        assert first.runners[0].assignment(), "the first member kept some partitions"
+        await first.shutdown()
+        await first_task
+        # Then the second member finishes the topic
+        await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=60)
+        await second.shutdown()
+        await second_task
+        counts = service.counts
+    # and only messages in flight at a hand-over were delivered twice
+    assert len(counts) == 2000
+    duplicates = sum(n - 1 for n in counts.values())
+    print(f"\nrebalance ledger: 2000 messages, {duplicates} duplicate deliveries")
+    assert duplicates <= 2 * 20  # at most the in-flight calls at the two hand-overs
+
+
+def test_workers_share_the_partitions_of_a_group(kafka, tmp_path: Path) -> None:
+    # Given 6 partitions, 3000 messages and the CLI running two worker processes
+    bootstrap = kafka.bootstrap
+    topic, group = unique_name("workers"), unique_name("workers")
+    create_topic(bootstrap, topic, partitions=6)
+    produce(bootstrap, topic, [f"m{i}" for i in range(3000)])
+    with ThreadedService(lambda m, n: Behaviour(delay_s=0.001)) as service:
+        config = tmp_path / "proxy.yaml"
+        config.write_text(
+            f"kafka: {{bootstrap_servers: '{bootstrap}'}}\n"
+            "metrics: {enabled: false}\n"
+            "shutdown_grace_s: 5\n"
+            f"groups:\n  - name: {group}\n    topics: [{topic}]\n"
+            f"    service: {{endpoints: ['{service.address}']}}\n"
+            "    delivery: {commit_interval_ms: 200}\n"
+        )
+        log = tmp_path / "proxy.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "consumer_proxy",
+                    "run",
+                    "--config",
+                    str(config),
+                    "--workers",
+                    "2",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+            try:
+                # When both workers run until everything is committed
+                wait_until(
+                    lambda: asyncio.run(caught_up(bootstrap, group, topic)),
+                    timeout=120,
+                    interval=0.5,
+                )
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                code = proc.wait(timeout=60)
+        # Then they shut down cleanly, and each held partitions at some point
+        text = log.read_text()
+        assert code == 0, text[-3000:]
+        pids = set(re.findall(r"\[(\d+)\] consumer_proxy.proxy: group \S+: assigned", text))
+        assert len(pids) == 2, text[-3000:]
+        assert str(proc.pid) not in pids and os.getpid() not in pids
+        assert len(service.counts) == 3000
