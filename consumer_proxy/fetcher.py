@@ -116,7 +116,22 @@ class Fetcher:
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         if not partitions:
             return
-        committed = consumer.committed(partitions, timeout=30)
+        committed = None
+        for attempt in range(1, 4):
+            try:
+                committed = consumer.committed(partitions, timeout=20)
+                break
+            except KafkaException as exc:
+                log.warning("reading committed offsets failed (attempt %d of 3): %s", attempt, exc)
+        if committed is None:
+            # Without the ack state, messages acked above the committed offset would be
+            # delivered again; that is safe (at-least-once) and better than not consuming.
+            log.error(
+                "could not read the ack state of %d assigned partitions; acked messages above "
+                "their committed offsets may be delivered again",
+                len(partitions),
+            )
+            committed = [TopicPartition(tp.topic, tp.partition) for tp in partitions]
         self._call_listener(self._listener.partitions_assigned(committed))
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
