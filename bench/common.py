@@ -25,6 +25,7 @@ import json
 import multiprocessing
 import os
 import platform
+import re
 import signal
 import statistics
 import subprocess
@@ -69,11 +70,14 @@ __all__ = [
     "base_parser",
     "broker",
     "committed_sum",
+    "cpu_seconds",
     "create_topic",
     "percentile",
     "produce_at_rate",
     "produce_bulk",
+    "proxy_backlog_run",
     "run_bare_loop",
+    "summarise_cprofile",
     "unique_name",
     "wait_for",
 ]
@@ -196,7 +200,7 @@ async def _serve(spec: HandlerSpec, conn: Connection) -> None:
             elif command == "progress":
                 first = books.first_seen[0] if books.first_seen else None
                 last = books.first_seen[-1] if books.first_seen else None
-                conn.send((len(books.seen), books.calls, first, last))
+                conn.send((len(books.seen), books.calls, first, last, time.process_time()))
             elif command == "stats":
                 conn.send(
                     {
@@ -248,10 +252,10 @@ class HandlerServer:
         """Forget everything recorded so far."""
         self._ask("reset")
 
-    def progress(self) -> tuple[int, int, float | None, float | None]:
-        """(distinct messages seen, calls, monotonic time of the first and the latest first
-        arrival)."""
-        result: tuple[int, int, float | None, float | None] = self._ask("progress")
+    def progress(self) -> tuple[int, int, float | None, float | None, float]:
+        """(distinct messages seen, calls, monotonic time of the first and of the latest first
+        arrival, the handler process's CPU seconds so far)."""
+        result: tuple[int, int, float | None, float | None, float] = self._ask("progress")
         return result
 
     def stats(self) -> dict[str, Any]:
@@ -264,7 +268,7 @@ class HandlerServer:
         (the arrival time of the n-th, as the handler recorded it)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            seen, _calls, _first, last = self.progress()
+            seen, _calls, _first, last, _cpu = self.progress()
             if seen >= n and last is not None:
                 return last
             if time.monotonic() > deadline:
@@ -287,11 +291,15 @@ class HandlerServer:
 # --------------------------------------------------------------------------- bare grpc.aio loop
 
 
-def _bare_main(address: str, topic: str, n: int, concurrency: int, out: Connection) -> None:
-    out.send(asyncio.run(_bare_loop(address, topic, n, concurrency)))
+def _bare_main(
+    address: str, topic: str, n: int, concurrency: int, out: Connection, profile_out: str | None
+) -> None:
+    out.send(asyncio.run(_bare_loop(address, topic, n, concurrency, profile_out)))
 
 
-async def _bare_loop(address: str, topic: str, n: int, concurrency: int) -> dict[str, float]:
+async def _bare_loop(
+    address: str, topic: str, n: int, concurrency: int, profile_out: str | None = None
+) -> dict[str, float]:
     # Requests shaped like the proxy's (same fields, distinct offsets), built before timing:
     # the proxy's cost of building them is part of what the comparison measures.
     requests = [
@@ -325,17 +333,30 @@ async def _bare_loop(address: str, topic: str, n: int, concurrency: int) -> dict
                 except aio.AioRpcError:
                     errors += 1
 
-        started = time.monotonic()
+        profiler = None
+        if profile_out is not None:
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
+        started, cpu = time.monotonic(), time.process_time()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        ended = time.monotonic()
-    return {"started": started, "ended": ended, "errors": float(errors)}
+        ended, cpu = time.monotonic(), time.process_time() - cpu
+        if profiler is not None and profile_out is not None:
+            profiler.disable()
+            profiler.dump_stats(profile_out)
+    return {"started": started, "ended": ended, "errors": float(errors), "cpu_s": cpu}
 
 
-def run_bare_loop(address: str, n: int, concurrency: int, topic: str = "bare") -> dict[str, float]:
+def run_bare_loop(
+    address: str, n: int, concurrency: int, topic: str = "bare", profile_out: Path | None = None
+) -> dict[str, float]:
     """Call the handler ``n`` times with ``concurrency`` calls in flight, from a process of its
-    own; returns its monotonic ``started`` / ``ended`` (first call to last answer)."""
+    own; returns its monotonic ``started`` / ``ended`` (first call to last answer) and
+    ``cpu_s``. ``profile_out``: a cProfile dump of the timed part."""
     parent, child = _SPAWN.Pipe()
-    proc = _SPAWN.Process(target=_bare_main, args=(address, topic, n, concurrency, child))
+    out = None if profile_out is None else str(profile_out)
+    proc = _SPAWN.Process(target=_bare_main, args=(address, topic, n, concurrency, child, out))
     proc.start()
     try:
         if not parent.poll(600):
@@ -418,6 +439,43 @@ def produce_at_rate(
     return i
 
 
+# --------------------------------------------------------------------------- CPU accounting
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(parent pid, CPU seconds of every thread) of a live process, from /proc."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text.rpartition(")")[2].split()
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds used so far by ``pid`` and its live descendants (all threads), from /proc.
+
+    A load-independent cost figure: on a shared two-core machine throughput depends on what
+    the neighbours do, CPU per message much less.
+    """
+    parents: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            found = _stat(int(entry.name))
+            if found is not None:
+                parents[int(entry.name)], cpu[int(entry.name)] = found
+    wanted = {pid}
+    grew = True
+    while grew:
+        more = {child for child, parent in parents.items() if parent in wanted} - wanted
+        wanted |= more
+        grew = bool(more)
+    return sum(cpu.get(p, 0.0) for p in wanted)
+
+
 # --------------------------------------------------------------------------- offsets
 
 
@@ -476,8 +534,10 @@ def proxy_config_yaml(
 class ProxyProcess:
     """``consumer-proxy run --config F --workers N`` as a child process.
 
-    ``profile`` wraps it in ``python -m cProfile -o FILE`` (the main thread only, which runs
-    the event loop) or ``python -m pyinstrument`` when that package is importable.
+    ``profile`` ("cprofile" or "pyinstrument", the latter when importable) runs the same
+    command under :func:`_profiled_proxy_main` instead: the profiler covers the main thread
+    (the event loop) from :meth:`profile_start` to :meth:`profile_stop`, which writes
+    ``profile_out``, so start-up and shutdown stay out of the picture.
     """
 
     def __init__(
@@ -489,25 +549,26 @@ class ProxyProcess:
         profile: str | None = None,
         profile_out: Path | None = None,
         env: dict[str, str] | None = None,
+        log_level: str = "warning",
     ) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="cp-bench-proxy-")
         self.config_path = Path(self._dir.name) / "proxy.yaml"
         self.config_path.write_text(config_yaml)
         self.log_path = log_path or Path(self._dir.name) / "proxy.log"
         run = ["run", "--config", str(self.config_path), "--workers", str(workers)]
-        run += ["--log-level", "warning"]
-        if profile == "cprofile":
+        run += ["--log-level", log_level]
+        if profile is not None:
             assert profile_out is not None
-            cmd = [sys.executable, "-m", "cProfile", "-o", str(profile_out), "-m", "consumer_proxy"]
-        elif profile == "pyinstrument":
-            assert profile_out is not None
-            cmd = [sys.executable, "-m", "pyinstrument", "--show-all", "-r", "text",
-                   "-o", str(profile_out), "-m", "consumer_proxy"]
+            self.profile_out: Path | None = profile_out
+            cmd = [sys.executable, str(Path(__file__).resolve()), "profile-proxy", profile,
+                   str(profile_out)]
         else:
+            self.profile_out = None
             cmd = [sys.executable, "-m", "consumer_proxy"]
         self.cmd = [*cmd, *run]
         self._env = {**os.environ, **(env or {})}
         self._proc: subprocess.Popen[bytes] | None = None
+        self.pid = 0
         self._log: Any = None
         self.started_at = 0.0
 
@@ -518,7 +579,25 @@ class ProxyProcess:
             self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self._env,
             stdin=subprocess.DEVNULL, cwd=str(ROOT),
         )
+        self.pid = self._proc.pid
         return self
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds the proxy (and its worker processes) used so far."""
+        return cpu_seconds(self.pid)
+
+    def profile_start(self) -> None:
+        """Start the profiler in a process started with ``profile``."""
+        os.kill(self.pid, signal.SIGUSR1)
+
+    def profile_stop(self, timeout_s: float = 60.0) -> Path:
+        """Stop the profiler and wait until it wrote ``profile_out``."""
+        assert self.profile_out is not None
+        os.kill(self.pid, signal.SIGUSR2)
+        done = Path(f"{self.profile_out}.done")
+        wait_for(done.exists, timeout_s, what=f"{done} to appear")
+        done.unlink()
+        return self.profile_out
 
     def check_alive(self) -> None:
         """Raise if the proxy exited on its own."""
@@ -526,6 +605,17 @@ class ProxyProcess:
             raise RuntimeError(
                 f"the proxy exited with {self._proc.returncode}:\n{self.log_tail()}"
             )
+
+    def assignments(self) -> dict[int, list[str]]:
+        """{pid: partitions ever assigned to it}, from the log (needs ``log_level="info"``)."""
+        found: dict[int, set[str]] = {}
+        pattern = re.compile(r"\[(\d+)\] consumer_proxy\.proxy: group \S+: assigned (\S+) ")
+        with contextlib.suppress(OSError):
+            for line in self.log_path.read_text(errors="replace").splitlines():
+                match = pattern.search(line)
+                if match:
+                    found.setdefault(int(match[1]), set()).add(match[2])
+        return {pid: sorted(parts) for pid, parts in found.items()}
 
     def log_tail(self, lines: int = 30) -> str:
         with contextlib.suppress(OSError):
@@ -558,6 +648,196 @@ class ProxyProcess:
     def __exit__(self, *exc: object) -> None:
         self.stop()
         self.cleanup()
+
+
+def proxy_backlog_run(
+    bootstrap: str,
+    handler: HandlerServer,
+    topic: str,
+    n: int,
+    delivery: dict[str, Any],
+    *,
+    workers: int = 1,
+    profile: str | None = None,
+    profile_out: Path | None = None,
+    timeout_s: float = 300.0,
+    log_level: str = "warning",
+    produce_after_join: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """Run ``consumer-proxy run`` with a fresh group over a topic holding ``n`` messages.
+
+    Returns: ``seen_rate`` (n-1 over first delivery -> the n-th distinct message's arrival, at
+    the handler), ``steady_rate`` (10%..90% of the arrivals), ``committed_rate`` (n over first
+    delivery -> every offset committed), ``startup_s`` (process start -> first delivery),
+    ``duplicates`` (deliveries beyond the first per message) and CPU microseconds per message
+    of the proxy (all its processes) and of the handler, from the first delivery to the n-th.
+    With ``log_level="info"``, ``assignments``: {worker pid: partitions ever assigned}.
+
+    ``produce_after_join``: the topic starts empty; the proxy starts, and once every one of
+    its ``workers`` processes owns partitions of ``topic`` and together they own them all (the
+    group has settled, read from the log), ``produce_after_join()`` writes the n messages.
+    ``settled_s`` is then the time from start to that point.
+    """
+    group = unique_name("bench")
+    config = proxy_config_yaml(bootstrap, group, [topic], [handler.address], delivery)
+    handler.reset()
+    if produce_after_join is not None:
+        log_level = "info"  # the assignments are read from the log
+    proxy = ProxyProcess(
+        config, workers=workers, profile=profile, profile_out=profile_out, log_level=log_level
+    )
+    cpu_first = handler_cpu_first = 0.0
+    profiled_from = 0
+    settled_s = 0.0
+    try:
+        proxy.start()
+        deadline = time.monotonic() + timeout_s
+        if produce_after_join is not None:
+            everything = {f"{topic}[{p}]" for p in partitions_of(bootstrap, topic)}
+
+            def settled() -> bool:
+                proxy.check_alive()
+                owned = [
+                    {p for p in parts if p in everything}
+                    for parts in proxy.assignments().values()
+                ]
+                owners = [parts for parts in owned if parts]
+                return len(owners) == workers and set().union(*owners) == everything
+
+            wait_for(settled, timeout_s, interval_s=0.1, what="the group to settle")
+            settled_s = time.monotonic() - proxy.started_at
+            produce_after_join()
+        while True:
+            seen, _calls, first, last, handler_cpu = handler.progress()
+            if first is not None and not cpu_first:
+                # CPU from the first delivery on: start-up (imports, group join) left out
+                cpu_first, handler_cpu_first = proxy.cpu_seconds(), handler_cpu
+                if profile:
+                    proxy.profile_start()
+                    profiled_from = seen
+            if seen >= n:
+                cpu_last, handler_cpu_last = proxy.cpu_seconds(), handler_cpu
+                if profile:
+                    proxy.profile_stop()
+                break
+            proxy.check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the proxy delivered {seen} of {n} in {timeout_s:g}s")
+            time.sleep(0.05)
+        assert first is not None and last is not None
+        while committed_sum(bootstrap, group, topic) < n:
+            proxy.check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the proxy did not commit every offset in {timeout_s:g}s")
+            time.sleep(0.1)
+        committed_at = time.monotonic()
+        stats = handler.stats()
+    finally:
+        code = proxy.stop()
+        assignments = proxy.assignments()
+        tail = proxy.log_tail()
+        proxy.cleanup()
+    if code not in (0, None):
+        raise RuntimeError(f"the proxy exited with {code}:\n{tail}")
+    return {
+        "assignments": assignments,
+        "settled_s": settled_s,
+        "seen_rate": rate(n - 1, last - first),
+        "steady_rate": steady_rate(stats["first_seen"]) or 0.0,
+        "committed_rate": rate(n, committed_at - first),
+        "startup_s": first - proxy.started_at,
+        "duplicates": float(stats["calls"] - stats["distinct"]),
+        "client_cpu_us_per_msg": 1e6 * (cpu_last - cpu_first) / n,
+        "handler_cpu_us_per_msg": 1e6 * (handler_cpu_last - handler_cpu_first) / n,
+        "profiled_messages": float(n - profiled_from) if profile else 0.0,
+    }
+
+
+def _profiled_proxy_main(kind: str, out: str, argv: list[str]) -> int:
+    """``consumer-proxy`` with a profiler that SIGUSR1 starts and SIGUSR2 stops and saves.
+
+    Both signal handlers run on the main thread, between two bytecodes of the event loop, so
+    the profiler sees exactly the loop's thread (not the consumer's executor thread).
+    """
+    from consumer_proxy.cli import main as cli_main
+
+    profiler: Any = None
+
+    def start(_signum: int, _frame: object) -> None:
+        nonlocal profiler
+        if kind == "pyinstrument":
+            from pyinstrument import Profiler
+
+            profiler = Profiler(interval=0.0005, async_mode="disabled")
+            profiler.start()
+        else:
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
+
+    def stop(_signum: int, _frame: object) -> None:
+        if profiler is None:
+            return
+        if kind == "pyinstrument":
+            session = profiler.stop()
+            from pyinstrument.renderers import ConsoleRenderer
+
+            text = ConsoleRenderer(unicode=False, color=False, show_all=False).render(session)
+            Path(out).write_text(text)
+        else:
+            profiler.disable()
+            profiler.dump_stats(out)
+        Path(f"{out}.done").touch()
+
+    signal.signal(signal.SIGUSR1, start)
+    signal.signal(signal.SIGUSR2, stop)
+    code: int = cli_main(argv)
+    return code
+
+
+def summarise_cprofile(path: Path, n: int, top: int = 20) -> list[str]:
+    """Hot spots of a cProfile dump: own time by area and by function, as shares of the
+    loop's busy time (total minus the time blocked in epoll) and microseconds per message."""
+    import pstats
+
+    stats: Any = pstats.Stats(str(path))
+    entries = []
+    idle = 0.0
+    for (file, line, func), (_cc, nc, tt, ct, _callers) in stats.stats.items():
+        if "select.epoll" in func or func == "<method 'poll' of 'select.epoll' objects>":
+            idle += tt
+            continue
+        entries.append((tt, ct, nc, file, line, func))
+    busy = sum(e[0] for e in entries)
+    lines = [f"profile {path.name}: loop busy {busy:.2f}s, idle in epoll {idle:.2f}s, "
+             f"{n} messages -> {1e6 * busy / n:.0f} us busy per message"]
+
+    def area(file: str, func: str) -> str:
+        if file == "~":
+            return "C builtins called directly"
+        parts = Path(file).parts
+        if "consumer_proxy" in parts:
+            return "consumer_proxy." + Path(file).stem
+        for name in ("grpc", "asyncio", "google", "prometheus_client", "pybreaker",
+                     "confluent_kafka", "concurrent", "logging", "threading"):
+            if name in parts or Path(file).stem == name:
+                return {"google": "protobuf"}.get(name, name)
+        return Path(file).name
+
+    by_area: dict[str, float] = {}
+    for tt, _ct, _nc, file, _line, func in entries:
+        key = area(file, func)
+        by_area[key] = by_area.get(key, 0.0) + tt
+    lines.append(f"{'own s':>7} {'busy %':>6} {'us/msg':>7}  area (own time summed by module)")
+    for key, tt in sorted(by_area.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"{tt:7.2f} {100 * tt / busy:5.1f}% {1e6 * tt / n:7.1f}  {key}")
+    lines.append(f"{'own s':>7} {'busy %':>6} {'us/msg':>7} {'cum %':>6} {'calls':>8}  function")
+    for tt, ct, nc, file, line, func in sorted(entries, key=lambda e: -e[0])[:top]:
+        where = f"{Path(file).name}:{line}" if file != "~" else "~"
+        lines.append(f"{tt:7.2f} {100 * tt / busy:5.1f}% {1e6 * tt / n:7.1f} "
+                     f"{100 * ct / busy:5.1f}% {nc:8d}  {where}({func})")
+    return lines
 
 
 # --------------------------------------------------------------------------- results
@@ -637,3 +917,9 @@ def rate(n: int, seconds: float) -> float:
 
 def mean(values: Sequence[float]) -> float | None:
     return statistics.fmean(values) if values else None
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["profile-proxy"] and len(sys.argv) > 4:
+        sys.exit(_profiled_proxy_main(sys.argv[2], sys.argv[3], sys.argv[4:]))
+    sys.exit("usage: common.py profile-proxy cprofile|pyinstrument OUT consumer-proxy-args...")

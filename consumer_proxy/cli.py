@@ -128,6 +128,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_worker_ports(path: Path, config: ProxyConfig, workers: int) -> None:
+    """Worker i binds metrics.port + i and health.grpc_port + i: the two ranges must not meet."""
+    metrics = config.metrics.port if config.metrics.enabled else 0
+    health = config.health.grpc_port or 0
+    if metrics and health and abs(metrics - health) < workers:
+        raise ConfigError(
+            [
+                f"{path}: health.grpc_port: with --workers {workers}, ports {health}-"
+                f"{health + workers - 1} overlap the metrics ports {metrics}-"
+                f"{metrics + workers - 1}; move one of them at least {workers} apart"
+            ]
+        )
+
+
 def _run_workers(args: argparse.Namespace, config: ProxyConfig) -> int:
     if args.workers == 1:
         return _run_one(args.config, args.log_level, args.log_format, 0)
@@ -175,6 +189,9 @@ def _run_one(config_path: Path, level: str, fmt: str, index: int) -> int:
     if index and config.metrics.port:
         metrics = config.metrics.model_copy(update={"port": config.metrics.port + index})
         config = config.model_copy(update={"metrics": metrics})
+    if index and config.health.grpc_port:
+        health = config.health.model_copy(update={"grpc_port": config.health.grpc_port + index})
+        config = config.model_copy(update={"health": health})
 
     async def main() -> None:
         proxy = Proxy(config)
@@ -218,6 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "run":
             if args.workers < 1:
                 parser.error("--workers must be at least 1")
+            _check_worker_ports(args.config, config, args.workers)
             return _run_workers(args, config)
         if args.command == "status":
             return _status(args, config)

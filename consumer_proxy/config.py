@@ -306,7 +306,7 @@ class GroupConfig(BaseModel):
         if not _TOPIC_RE.match(value + ".redrive") or value in {".", ".."}:
             raise ValueError(
                 "a group name may use letters, digits, '.', '_' and '-' only: it names "
-                " the default '<group>.dlq' and '<group>.redrive' topics"
+                "the default '<group>.dlq' and '<group>.redrive' topics"
             )
         return value
 
@@ -532,7 +532,12 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError([f"{path}: {where}YAML syntax error: {problem}"]) from exc
+        kind = (
+            "YAML error"
+            if isinstance(exc, yaml.constructor.ConstructorError)
+            else ("YAML syntax error")
+        )
+        raise ConfigError([f"{path}: {where}{kind}: {problem}"]) from exc
     if data is None:
         return {}
     if not isinstance(data, dict):

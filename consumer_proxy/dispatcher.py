@@ -1,20 +1,36 @@
 """Pushing to the service: one grpc.aio channel per instance, power-of-two-choices selection.
 
 Selection takes two random instances in rotation and picks the one with fewer calls
-outstanding, so load follows capacity and no single instance runs hot. An instance that keeps
-failing at the service level while others succeed is ejected for a while (doubling up to a
-limit) and returns on its own; a ``dns:///`` target is one channel with round-robin balancing.
+outstanding, so load follows capacity and no single instance runs hot. A ``dns:///`` target is
+one channel with round-robin balancing.
+
+Endpoint health, so that one bad instance does not slow the group:
+
+- Passive: an instance whose calls fail at the service level ``EJECT_AFTER_FAILURES`` times in
+  a row is ejected for a while (doubling with each ejection up to a limit, reset by a success).
+- Active: with several instances, each is checked with ``grpc.health.v1`` every
+  ``health_interval_s``; NOT_SERVING (or two failed checks in a row) ejects it. An ejected
+  instance is checked every ``ejected_check_interval_s`` and returns when its check says
+  SERVING (and, after a passive ejection, once its ejection time has passed: a health check
+  that says SERVING while calls fail is not believed before then). An instance without a
+  health service returns when its ejection time has passed.
+- The last instance in rotation is never ejected: a full outage is the circuit breaker's job.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import grpc
 from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .config import ServiceConfig, TlsConfig
 from .outcomes import Classification, Classifier
@@ -28,10 +44,22 @@ _CHANNEL_OPTIONS: list[tuple[str, int | str]] = [
     ("grpc.enable_retries", 0),  # the proxy owns retries (attempt counting, backoff, DLQ)
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
+    # gRPC's default reconnect backoff grows to 120 s; after an outage the channel should be
+    # back well within a breaker reset timeout of the instance's return.
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 5_000),
 ]
+SERVICE_NAME = "consumerproxy.v1.MessageHandler"
+"""The health-check service name (the server's overall status, "", when it does not know it)."""
 EJECT_AFTER_FAILURES = 5
 EJECT_BASE_S = 2.0
 EJECT_MAX_S = 60.0
+HEALTH_INTERVAL_S = 5.0
+EJECTED_CHECK_INTERVAL_S = 1.0
+HEALTH_TIMEOUT_S = 1.0
+FAILED_CHECKS_TO_EJECT = 2  # a check can time out under load; an unreachable instance fails on
+
+Health = Literal["serving", "not_serving", "unreachable", "unsupported"]
 
 
 @dataclass(eq=False)
@@ -41,15 +69,22 @@ class Endpoint:
     target: str
     channel: aio.Channel
     stub: handler_pb2_grpc.MessageHandlerStub
+    health_stub: health_pb2_grpc.HealthStub | None = None
     outstanding: int = 0
     consecutive_failures: int = 0
     ejections: int = 0
+    ejected: bool = False
     ejected_until: float = 0.0
+    serving: bool | None = None  # the last health verdict since the last ejection, if any
+    health_supported: bool = True
+    health_service: str = SERVICE_NAME
+    failed_checks: int = 0
+    next_check: float = 0.0
     calls: int = field(default=0)
 
-    def available(self, now: float) -> bool:
+    def available(self, now: float | None = None) -> bool:
         """In rotation (not ejected)."""
-        return self.ejected_until <= now
+        return not self.ejected
 
 
 def _read(path: object) -> bytes:
@@ -70,13 +105,35 @@ def _credentials(tls: TlsConfig) -> tuple[grpc.ChannelCredentials, list[tuple[st
 
 
 class Dispatcher:
-    """Calls ``HandleMessage`` on the group's instances and classifies each result."""
+    """Calls ``HandleMessage`` on the group's instances and classifies each result.
 
-    def __init__(self, group: str, service: ServiceConfig, classifier: Classifier) -> None:
+    ``start()`` begins the active health checks (with more than one instance); ``close()``
+    stops them and closes every channel. ``on_ejected(n)`` runs whenever the number of
+    instances out of rotation changes.
+    """
+
+    def __init__(
+        self,
+        group: str,
+        service: ServiceConfig,
+        classifier: Classifier,
+        *,
+        on_ejected: Callable[[int], None] | None = None,
+        health_interval_s: float = HEALTH_INTERVAL_S,
+        ejected_check_interval_s: float = EJECTED_CHECK_INTERVAL_S,
+        health_timeout_s: float = HEALTH_TIMEOUT_S,
+    ) -> None:
         self._group = group
         self._timeout_s = service.timeout_ms / 1000.0
         self._classifier = classifier
+        self._on_ejected = on_ejected
+        self._health_interval_s = health_interval_s
+        self._ejected_interval_s = ejected_check_interval_s
+        self._health_timeout_s = health_timeout_s
         self._rng = random.Random()
+        self._n_ejected = 0
+        self._health_task: asyncio.Task[None] | None = None
+        self._health_wake: asyncio.Event | None = None
         options = list(_CHANNEL_OPTIONS)
         creds = None
         if service.tls is not None:
@@ -93,22 +150,66 @@ class Dispatcher:
                 else aio.insecure_channel(target, options=chan_options)
             )
             self.endpoints.append(
-                Endpoint(target, channel, handler_pb2_grpc.MessageHandlerStub(channel))
+                Endpoint(
+                    target,
+                    channel,
+                    handler_pb2_grpc.MessageHandlerStub(channel),
+                    health_pb2_grpc.HealthStub(channel),
+                )
             )
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the active health checks (needs a running loop; a no-op for one instance)."""
+        if self._health_task is not None or len(self.endpoints) < 2:
+            return
+        self._health_wake = asyncio.Event()
+        self._health_task = asyncio.get_running_loop().create_task(
+            self._health_loop(), name=f"{self._group}:health"
+        )
+        self._health_task.add_done_callback(self._health_ended)
+
+    def _health_ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error(
+                "group %s: endpoint health checks stopped; ejected instances now return on "
+                "their ejection time only",
+                self._group,
+                exc_info=task.exception(),
+            )
+
+    async def close(self) -> None:
+        """Stop the health checks and close every channel."""
+        task, self._health_task = self._health_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for endpoint in self.endpoints:
+            await endpoint.channel.close()
+
+    @property
+    def _checking(self) -> bool:
+        return self._health_task is not None and not self._health_task.done()
+
+    # -- selection and pushing -----------------------------------------------------------
 
     @property
     def ejected(self) -> int:
         """Instances currently out of rotation."""
-        now = time.monotonic()
-        return sum(not e.available(now) for e in self.endpoints)
+        return self._n_ejected
 
     def pick(self) -> Endpoint:
         """Power of two choices over the instances in rotation (all of them if none is)."""
         endpoints = self.endpoints
         if len(endpoints) == 1:
             return endpoints[0]
-        now = time.monotonic()
-        live = [e for e in endpoints if e.available(now)] or endpoints
+        if self._n_ejected:
+            self._return_due(time.monotonic())
+            live = [e for e in endpoints if not e.ejected] or endpoints
+        else:
+            live = endpoints
         if len(live) == 1:
             return live[0]
         a, b = self._rng.sample(live, 2)
@@ -137,25 +238,132 @@ class Dispatcher:
             endpoint.ejections = 0
             return
         endpoint.consecutive_failures += 1
-        if endpoint.consecutive_failures < EJECT_AFTER_FAILURES or len(self.endpoints) == 1:
+        if endpoint.consecutive_failures < EJECT_AFTER_FAILURES or endpoint.ejected:
             return
+        duration = min(EJECT_MAX_S, EJECT_BASE_S * 2**endpoint.ejections)
+        if self._eject(endpoint, duration, f"{endpoint.consecutive_failures} {result.status} "
+                       "in a row"):
+            endpoint.ejections += 1
+            endpoint.consecutive_failures = 0
+
+    # -- ejection and return -------------------------------------------------------------
+
+    def _eject(self, endpoint: Endpoint, duration_s: float, reason: str) -> bool:
+        """Take ``endpoint`` out of rotation for at least ``duration_s``; False when it is the
+        last one in rotation (never ejected)."""
+        if not any(e is not endpoint and not e.ejected for e in self.endpoints):
+            return False
         now = time.monotonic()
-        others_live = any(e.available(now) and e is not endpoint for e in self.endpoints)
-        if not others_live or not endpoint.available(now):
-            return  # never eject the last instance: the breaker handles a full outage
-        endpoint.ejections += 1
-        duration = min(EJECT_MAX_S, EJECT_BASE_S * 2 ** (endpoint.ejections - 1))
-        endpoint.ejected_until = now + duration
-        endpoint.consecutive_failures = 0
+        endpoint.ejected = True
+        endpoint.ejected_until = now + duration_s
+        if duration_s > 0:
+            endpoint.serving = None  # a check after the ejection time decides the return
+        endpoint.next_check = now + max(duration_s, self._ejected_interval_s)
+        self._n_ejected += 1
         log.warning(
-            "group %s: instance %s ejected for %.0fs after repeated %s",
+            "group %s: instance %s ejected (%s)%s; %d of %d out of rotation",
             self._group,
             endpoint.target,
-            duration,
-            result.status,
+            reason,
+            f" for at least {duration_s:.0f}s" if duration_s > 0 else "",
+            self._n_ejected,
+            len(self.endpoints),
         )
+        self._ejected_changed()
+        return True
 
-    async def close(self) -> None:
-        """Close every channel."""
+    def _return(self, endpoint: Endpoint, reason: str) -> None:
+        endpoint.ejected = False
+        endpoint.failed_checks = 0
+        endpoint.next_check = time.monotonic() + self._health_interval_s
+        self._n_ejected -= 1
+        log.warning(
+            "group %s: instance %s back in rotation (%s); %d of %d out of rotation",
+            self._group,
+            endpoint.target,
+            reason,
+            self._n_ejected,
+            len(self.endpoints),
+        )
+        self._ejected_changed()
+
+    def _ejected_changed(self) -> None:
+        if self._on_ejected is not None:
+            self._on_ejected(self._n_ejected)
+        if self._health_wake is not None:
+            self._health_wake.set()  # the loop re-plans its next checks
+
+    def _return_due(self, now: float) -> None:
+        """Return instances whose ejection time passed and that the health checks allow."""
         for endpoint in self.endpoints:
-            await endpoint.channel.close()
+            if not endpoint.ejected or now < endpoint.ejected_until:
+                continue
+            if endpoint.serving is True:
+                self._return(endpoint, "health check SERVING")
+            elif endpoint.serving is None and (
+                not endpoint.health_supported or not self._checking
+            ):
+                self._return(endpoint, "ejection time over")
+
+    # -- active health checks ------------------------------------------------------------
+
+    async def check(self, endpoint: Endpoint) -> Health:
+        """One ``grpc.health.v1`` Check of ``endpoint``."""
+        assert endpoint.health_stub is not None
+        request = health_pb2.HealthCheckRequest(service=endpoint.health_service)
+        try:
+            response = await endpoint.health_stub.Check(request, timeout=self._health_timeout_s)
+        except aio.AioRpcError as exc:
+            code = exc.code()
+            if code == grpc.StatusCode.NOT_FOUND and endpoint.health_service:
+                endpoint.health_service = ""  # no status for the handler: the server's status
+                return await self.check(endpoint)
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                return "unsupported"
+            return "unreachable"
+        if response.status == health_pb2.HealthCheckResponse.SERVING:
+            return "serving"
+        return "not_serving"
+
+    def _apply_health(self, endpoint: Endpoint, health: Health) -> None:
+        if health == "unsupported":
+            if endpoint.health_supported:
+                log.info(
+                    "group %s: instance %s has no grpc.health.v1 service; its call results "
+                    "alone decide its ejection",
+                    self._group,
+                    endpoint.target,
+                )
+            endpoint.health_supported = False
+            endpoint.serving = None
+            return
+        endpoint.health_supported = True
+        endpoint.serving = health == "serving"
+        endpoint.failed_checks = 0 if endpoint.serving else endpoint.failed_checks + 1
+        if endpoint.ejected:
+            return  # _return_due decides
+        if health == "not_serving":
+            self._eject(endpoint, 0.0, "health check NOT_SERVING")
+        elif health == "unreachable" and endpoint.failed_checks >= FAILED_CHECKS_TO_EJECT:
+            self._eject(endpoint, 0.0, f"{endpoint.failed_checks} health checks failed")
+
+    async def _health_loop(self) -> None:
+        assert self._health_wake is not None
+        wake = self._health_wake
+        while True:
+            now = time.monotonic()
+            due = [e for e in self.endpoints if e.next_check <= now]
+            if due:
+                results = await asyncio.gather(*(self.check(e) for e in due))
+                for endpoint, health in zip(due, results, strict=True):
+                    self._apply_health(endpoint, health)
+                    interval = self._ejected_interval_s if endpoint.ejected else (
+                        self._health_interval_s
+                    )
+                    endpoint.next_check = max(endpoint.next_check, time.monotonic() + interval)
+                self._return_due(time.monotonic())
+            wake.clear()
+            delay = min(e.next_check for e in self.endpoints) - time.monotonic()
+            if delay > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), delay)

@@ -99,7 +99,7 @@ class Breaker:
         elif new == HALF_OPEN:
             log.info("group %s: circuit breaker open -> half-open: probing", self._group)
         else:
-            log.warning("group %s: circuit breaker %s -> closed: delivery resumes", self._group, old)
+            log.warning("group %s: circuit breaker %s -> closed: pushing again", self._group, old)
         if new != HALF_OPEN:
             self._probe_in_flight = False
         self._wake()
@@ -237,9 +237,13 @@ class AdaptiveLimit:
       trip) until the first overload, then +1/limit per success (+1 per round trip).
     - Decrease on an overload (RESOURCE_EXHAUSTED, a ``retry_after``, a timeout) and when a
       window's mean latency exceeds ``tolerance`` x the baseline: x``backoff``, halving when
-      it ends slow start. At most once per round trip: the calls already in flight were sent
-      under the old limit, so a burst of rejections they earn is one congestion event, not many
-      (without this, one burst would collapse the limit to the minimum).
+      it ends slow start. An overload counts only for a call started after the last decrease
+      (TCP NewReno's recovery point): calls sent under an older limit say nothing about the
+      new one, so the burst of rejections they earn is one congestion event, not many (else
+      one burst would collapse the limit to the minimum); and while the limit is still too
+      high, the next refused call brings the next decrease at once, without waiting a round
+      trip (refusals come back much faster than successes). A latency decrease waits a round
+      trip, as does growth after any decrease.
     - ``retry_after`` also holds growth for that long.
     - The round trip (``srtt``) is an EWMA of successful calls; the latency window lasts one
       srtt; the baseline is the lowest window mean, drifting up with time constant
@@ -275,7 +279,9 @@ class AdaptiveLimit:
         self._window_start: float | None = None
         self._window_sum = 0.0
         self._window_n = 0
-        self._quiet_until = -math.inf  # no reaction to overload before this (one per RTT)
+        self._last_decrease = -math.inf
+        self._quiet_until = -math.inf  # no growth, no latency decrease before this
+        self._latency_high = False  # the last latency window was above tolerance: no growth
         self._hold_until = -math.inf  # no growth before this (retry_after)
         self.decreases = 0
 
@@ -298,16 +304,23 @@ class AdaptiveLimit:
         self.srtt = rtt_s if self.srtt is None else self.srtt + (rtt_s - self.srtt) / 8
         if self._close_window(now, rtt_s):
             return
-        if now < self._quiet_until or now < self._hold_until or in_flight * 2 < self._limit:
+        if (
+            self._latency_high
+            or now < self._quiet_until
+            or now < self._hold_until
+            or in_flight * 2 < self._limit
+        ):
             return
         step = 1.0 if self.slow_start else 1.0 / self._limit
         self._limit = min(float(self.max_limit), self._limit + step)
 
-    def on_overload(self, now: float, hold_s: float = 0.0) -> None:
-        """RESOURCE_EXHAUSTED, a ``retry_after`` of ``hold_s`` seconds, or a timeout."""
+    def on_overload(self, now: float, rtt_s: float, hold_s: float = 0.0) -> None:
+        """RESOURCE_EXHAUSTED, a ``retry_after`` of ``hold_s`` seconds, or a timeout, for a
+        call that took ``rtt_s``."""
         if hold_s > 0:
             self._hold_until = max(self._hold_until, now + hold_s)
-        self._decrease(now)
+        if now - rtt_s >= self._last_decrease:
+            self._decrease(now)
 
     def _close_window(self, now: float, rtt_s: float) -> bool:
         """Add to the latency window; when it closes, compare with the baseline.
@@ -327,17 +340,17 @@ class AdaptiveLimit:
             self.baseline = mean
         else:
             self.baseline += (mean - self.baseline) * min(1.0, length / self._baseline_tau_s)
-        if mean > self._tolerance * self.baseline:
+        self._latency_high = mean > self._tolerance * self.baseline
+        if self._latency_high and now >= self._quiet_until:
             self._decrease(now)
             return True
         return False
 
     def _decrease(self, now: float) -> None:
-        if now < self._quiet_until:
-            return
         factor = 0.5 if self.slow_start else self._backoff
         self.slow_start = False
         self._limit = max(float(self.min_limit), self._limit * factor)
+        self._last_decrease = now
         self._quiet_until = now + self._round_trip()
         self.decreases += 1
 
@@ -395,7 +408,7 @@ class AdaptiveLimiter:
         if result is not None:
             now = self._clock()
             if result.slow_down:
-                self.core.on_overload(now, result.retry_after_ms / 1000.0)
+                self.core.on_overload(now, rtt_s, result.retry_after_ms / 1000.0)
             elif not result.service_failure:
                 # An outage (UNAVAILABLE, ...) says nothing about capacity: the breaker's job.
                 self.core.on_success(now, rtt_s, in_flight)
@@ -445,5 +458,7 @@ class RateLimiter:
     async def acquire(self) -> None:
         """Wait for one token (callers queue in turn behind the lock)."""
         async with self._lock:
-            while (wait := self.bucket.take(self._clock())) > 0:
+            wait = self.bucket.take(self._clock())
+            while wait > 0:  # one timed sleep per token: the refill is computed, not polled
                 await asyncio.sleep(wait)
+                wait = self.bucket.take(self._clock())

@@ -518,8 +518,10 @@ class Server:
             else:
                 port = server.add_secure_port(target, self._credentials)
         except RuntimeError as exc:
+            await server.stop(None)
             raise OSError(f"cannot listen on {target}: {exc}") from exc
         if port == 0:
+            await server.stop(None)
             raise OSError(f"cannot listen on {target}")
         await self.set_serving(True)
         await server.start()

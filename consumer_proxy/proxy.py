@@ -25,7 +25,7 @@ import contextlib
 import logging
 import random
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +44,8 @@ from .dlq import (
     split_headers,
 )
 from .fetcher import TP, Fetcher, consumer_config
-from .flow import Breaker, RateLimiter, StaticLimiter
+from .flow import AdaptiveLimiter, Breaker, ConcurrencyLimiter, RateLimiter, StaticLimiter
+from .health import KafkaLink, ProxyHealth
 from .metrics import HttpEndpoint, ProxyMetrics
 from .outcomes import Classification, Classifier, Outcome, backoff_s
 from .proto.v1 import handler_pb2
@@ -129,16 +130,25 @@ class GroupRunner:
         self._pushing: set[asyncio.Task[Any]] = set()
         self._call_ended = asyncio.Event()  # revocation waits on it for in-flight calls
         self.started = asyncio.Event()
+        self.kafka_link = KafkaLink()  # the consumer's broker connections, for health
+        self.on_health_change: Callable[[], None] | None = None
+        self._last_failure = ""  # the latest service-level failure, said when the breaker opens
         self.fetcher: Fetcher | None = None
         self.dispatcher: Dispatcher | None = None
         self.writer: DeadLetterWriter | None = None
         workers = d.concurrency if isinstance(d.concurrency, int) else d.adaptive.max
         self._workers = workers
-        self.limiter = StaticLimiter(workers)
+        limit_gauge = metrics.concurrency_limit.labels(self.name)
+        self.limiter: ConcurrencyLimiter = (
+            AdaptiveLimiter(d.adaptive, on_change=limit_gauge.set)
+            if d.concurrency == "adaptive"
+            else StaticLimiter(workers)
+        )
         self.rate = RateLimiter(d.rate_limit_per_s) if d.rate_limit_per_s else None
         self.breaker = Breaker(self.name, group.circuit_breaker, self._breaker_changed)
         self._labels = {"group": self.name}
-        metrics.concurrency_limit.labels(self.name).set(workers)
+        limit_gauge.set(self.limiter.limit)
+        metrics.endpoints_ejected.labels(self.name).set(0)
         metrics.circuit_open.labels(self.name).set(0)
         self._m_ack = metrics.messages.labels(self.name, "ack")
         self._m_retry = metrics.messages.labels(self.name, "retry")
@@ -153,11 +163,18 @@ class GroupRunner:
         """Run until ``stop()``; returns after the full shutdown sequence."""
         loop = asyncio.get_running_loop()
         await asyncio.to_thread(ensure_topics, self.kafka, self.group)
-        self.dispatcher = Dispatcher(self.name, self.group.service, self._classifier)
+        self.dispatcher = Dispatcher(
+            self.name,
+            self.group.service,
+            self._classifier,
+            on_ejected=self.metrics.endpoints_ejected.labels(self.name).set,
+        )
+        self.dispatcher.start()
         self.writer = DeadLetterWriter(
             producer_config(self.kafka, self.group.dlq.write_timeout_ms), loop
         )
         conf = consumer_config(self.kafka, self.name, self._consumer_overrides)
+        self.kafka_link.attach(conf)
         topics = [*self.group.topics, self.group.redrive_topic]
         self.fetcher = Fetcher(conf, topics, self, loop)
         try:
@@ -435,25 +452,32 @@ class GroupRunner:
         ready = self._ready
         me = asyncio.current_task()
         assert me is not None
+        loop = asyncio.get_running_loop()
         while not self._draining:
             delivery = await ready.get()
             if delivery.part.revoked:
                 continue
-            probe = await self.breaker.acquire()
             if self.rate is not None:
                 await self.rate.acquire()
             await self.limiter.acquire()
-            self._pushing.add(me)
+            # The breaker comes last, right before the push: a worker that waited for a slot
+            # must not push on an admission the breaker has withdrawn since (it opened).
+            probe = False
+            result: Classification | None = None
+            started = loop.time()
             try:
-                if delivery.part.revoked:
-                    self.breaker.record(False, probe)
-                else:
-                    await self._deliver(delivery, probe)
+                probe = await self.breaker.acquire()
+                if not delivery.part.revoked:
+                    self._pushing.add(me)
+                    started = loop.time()
+                    result = await self._deliver(delivery, probe)
             finally:
                 self._pushing.discard(me)
-                self.limiter.release(0.0, False)
+                if probe and result is None:
+                    self.breaker.abandon_probe()
+                self.limiter.release(loop.time() - started, result)
 
-    async def _deliver(self, delivery: Delivery, probe: bool) -> None:
+    async def _deliver(self, delivery: Delivery, probe: bool) -> Classification:
         assert self.dispatcher is not None
         part = delivery.part
         endpoint = self.dispatcher.pick()
@@ -469,10 +493,12 @@ class GroupRunner:
             self._call_ended.set()
             self._m_in_flight.dec()
         self._m_push.observe(loop.time() - started)
+        if result.service_failure:
+            self._last_failure = f"{result.status} from {endpoint.target}: {result.reason}"
         self.breaker.record(result.service_failure, probe)
-        if part.revoked:
-            return  # the new owner redelivers it; a late result must not touch anything
-        self._apply(delivery, result, endpoint.target)
+        if not part.revoked:  # else the new owner redelivers it; a late result touches nothing
+            self._apply(delivery, result, endpoint.target)
+        return result
 
     def _apply(self, delivery: Delivery, result: Classification, endpoint: str) -> None:
         outcome = result.outcome
@@ -572,6 +598,15 @@ class GroupRunner:
     def _breaker_changed(self, old: str, new: str) -> None:
         self.metrics.circuit_open.labels(self.name).set(0 if new == "closed" else 1)
         self.metrics.breaker_transitions.labels(self.name, new).inc()
+        if new == "open":
+            log.error(
+                "group %s: circuit open, delivery paused (messages wait, none is dead-lettered)"
+                "; last failure: %s",
+                self.name,
+                self._last_failure[:500] or "unknown",
+            )
+        if self.on_health_change is not None:
+            self.on_health_change()
 
     # -- commit --------------------------------------------------------------------------
 
@@ -675,16 +710,13 @@ class Proxy:
         self._stop = asyncio.Event()
         self._finished = asyncio.Event()
         self.http: HttpEndpoint | None = None
+        self.health = ProxyHealth(self.runners)
+        for runner in self.runners:
+            runner.on_health_change = self.health.changed
 
     def ready(self) -> tuple[bool, str]:
-        """Ready when every group's consumer has joined and no breaker is open."""
-        waiting = [r.name for r in self.runners if not r.started.is_set()]
-        open_ = [r.name for r in self.runners if r.breaker.is_open]
-        if waiting:
-            return False, f"waiting for partitions: {', '.join(waiting)}"
-        if open_:
-            return False, f"circuit open: {', '.join(open_)}"
-        return True, "ready"
+        """Ready when every group serves: consumer up, Kafka reachable, breaker closed."""
+        return self.health.ready()
 
     async def run(self) -> None:
         """Start every group and run until ``shutdown()`` or a group fails."""
@@ -693,15 +725,27 @@ class Proxy:
                 self.metrics, self.ready, self.config.metrics.host, self.config.metrics.port
             )
             await self.http.start()
+        if self.config.health.grpc_port is not None:
+            try:
+                await self.health.start(self.config.health.host, self.config.health.grpc_port)
+            except BaseException:
+                if self.http is not None:
+                    await self.http.close()
+                raise
+        health = asyncio.create_task(self.health.run(), name="health")
         tasks = [asyncio.create_task(r.run(), name=f"group:{r.name}") for r in self.runners]
         stop = asyncio.create_task(self._stop.wait())
         try:
             _done, _ = await asyncio.wait([*tasks, stop], return_when=asyncio.FIRST_COMPLETED)
         finally:
+            self.health.shutting_down()  # probes see NOT_SERVING while the groups drain
             for runner in self.runners:
                 runner.stop()
             results = await asyncio.gather(*tasks, return_exceptions=True)
             stop.cancel()
+            health.cancel()
+            await asyncio.gather(health, return_exceptions=True)
+            await self.health.close()
             if self.http is not None:
                 await self.http.close()
             self._finished.set()

@@ -75,9 +75,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.verbose:  # only this service's debug lines, not gRPC's
+        log.setLevel(logging.DEBUG)
     service = ExampleService(args.latency_ms, args.jitter_ms, args.poison_marker)
     cp.run(service, port=args.port, host=args.host)  # returns after a graceful shutdown
 

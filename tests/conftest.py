@@ -18,8 +18,20 @@ def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
         # watch_pid: the broker stops itself should this session die without its teardown.
         broker = start_broker(directory, watch_pid=os.getpid())
     except (BrokerError, OSError) as exc:
-        pytest.fail(f"the Kafka test broker did not start (needs Java 17+ and Maven):\n{exc}")
+        pytest.fail(
+            f"the Kafka test broker did not start (needs Java 17+, Maven):\n{exc}", pytrace=False
+        )
     try:
         yield broker
     finally:
         stop_broker(directory)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Print every delivery ledger the fault and bad-input tests checked (tests/support/ledger)."""
+    from tests.support.ledger import SUMMARIES
+
+    if SUMMARIES:
+        terminalreporter.section("delivery ledgers")
+        for summary in SUMMARIES:
+            terminalreporter.write_line(summary.line())

@@ -6,7 +6,7 @@ import random
 from collections import deque
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -20,6 +20,10 @@ from consumer_proxy.codec import AckState, decode, encode
 from consumer_proxy.tracker import DEFAULT_METADATA_BUDGET, PartitionTracker
 
 TOP = 2**63 - 1  # the largest Kafka offset
+
+# No per-example deadline: the suite shares small CI boxes, where a descheduled process would
+# otherwise fail an example for being slow rather than wrong.
+relaxed = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def naive_committable(start: int, tracked: list[int], done: set[int]) -> int:
@@ -242,6 +246,7 @@ operations = st.lists(
 )
 
 
+@relaxed
 @given(st.integers(0, 1000), operations)
 def test_committable_matches_the_definition(start: int, ops: list[tuple[str, int]]) -> None:
     # Given random fetches with gaps and acks in any order
@@ -306,7 +311,7 @@ def windows(draw: st.DrawFn) -> PartitionTracker:
 
 
 @given(windows(), st.one_of(st.integers(0, 4000), st.integers(-3, -1)))
-@settings(max_examples=80, deadline=None)
+@settings(relaxed, max_examples=80)
 def test_metadata_fits_the_budget_and_flags_truncation(
     tracker: PartitionTracker, budget: int
 ) -> None:
@@ -325,9 +330,10 @@ def test_metadata_fits_the_budget_and_flags_truncation(
     assert whole == (len(full) <= budget)
     if whole:
         assert metadata == full
-    elif metadata:
+    else:
         # And what was kept is the longest prefix of whole run pairs that fits
-        state, prefix = decode(full), decode(metadata)
+        state = decode(full)
+        prefix = decode(metadata) if metadata else AckState(state.base)
         kept = len(prefix.runs)
         assert kept % 2 == 0
         assert prefix.runs == state.runs[:kept]
@@ -449,7 +455,5 @@ class TrackerLifecycle(RuleBasedStateMachine):
         assert self.tracker.last_tracked == (self.tracked[-1] if self.tracked else None)
 
 
-TrackerLifecycle.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=60, deadline=None
-)
+TrackerLifecycle.TestCase.settings = settings(relaxed, max_examples=150, stateful_step_count=60)
 test_tracker_lifecycle = TrackerLifecycle.TestCase

@@ -6,12 +6,13 @@ Everything here is synchronous and blocking: call it from test bodies and fixtur
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,6 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "kafka"
 ADMIN_TIMEOUT_S = 30.0
 
-Headers = Sequence[tuple[str, bytes | str | None]] | Mapping[str, bytes | str | None]
 Record = Mapping[str, Any] | tuple[Any, ...] | bytes | str
 
 
@@ -42,12 +42,25 @@ class BrokerError(RuntimeError):
     """scripts/kafka failed; the message carries what it printed."""
 
 
+# Client settings for the optional SASL_PLAINTEXT listener (start_broker(..., sasl_port=0)).
+SASL_CLIENT_CONFIG = {
+    "security.protocol": "SASL_PLAINTEXT",
+    "sasl.mechanism": "PLAIN",
+    "sasl.username": "proxy",
+    "sasl.password": "proxy-secret",
+}
+
+
 @dataclass(frozen=True)
 class Broker:
-    """A broker started by scripts/kafka: its bootstrap address and its directory."""
+    """A broker started by scripts/kafka: its bootstrap address and its directory.
+
+    ``sasl_bootstrap`` is the SASL_PLAINTEXT listener (see SASL_CLIENT_CONFIG), if started.
+    """
 
     bootstrap: str
     dir: Path
+    sasl_bootstrap: str | None = None
 
     @property
     def port(self) -> int:
@@ -88,14 +101,23 @@ def start_broker(
         args += ["--sasl-port", str(sasl_port)]
     if watch_pid is not None:
         args += ["--watch-pid", str(watch_pid)]
-    result = run_script(*args, timeout_s=timeout_s + 120.0)  # + a first-run Maven fetch
+    try:
+        result = run_script(*args, timeout_s=timeout_s + 120.0)  # + a first-run Maven fetch
+    except subprocess.TimeoutExpired as exc:
+        stop_broker(dir)  # the script was killed mid-start: do its clean-up
+        raise BrokerError(f"scripts/kafka start --dir {dir} hung for {exc.timeout:g}s") from exc
     lines = [line for line in result.stdout.splitlines() if line.startswith("bootstrap=")]
     if result.returncode != 0 or len(lines) != 1:
         raise BrokerError(
             f"scripts/kafka start --dir {dir} failed (exit {result.returncode}):\n"
             f"{result.stderr.strip()}\n{result.stdout.strip()}".rstrip()
         )
-    return Broker(bootstrap=lines[0].partition("=")[2], dir=Path(dir))
+    bootstrap = lines[0].partition("=")[2]
+    sasl_port_file = Path(dir) / "sasl_port"
+    sasl_bootstrap = None
+    if sasl_port_file.exists():
+        sasl_bootstrap = f"{bootstrap.rpartition(':')[0]}:{int(sasl_port_file.read_text())}"
+    return Broker(bootstrap=bootstrap, dir=Path(dir), sasl_bootstrap=sasl_bootstrap)
 
 
 def stop_broker(dir: Path) -> None:
@@ -114,6 +136,7 @@ def unique_name(prefix: str) -> str:
 
 
 def admin(bootstrap: str) -> AdminClient:
+    """A plain AdminClient for the broker."""
     return AdminClient({"bootstrap.servers": bootstrap})
 
 
@@ -173,17 +196,19 @@ def produce(
     records: Iterable[Record],
     config: Mapping[str, Any] | None = None,
 ) -> list[tuple[int, int]]:
-    """Produce records (acks=all, idempotent), flush, and return their (partition, offset).
+    """Produce records (acks=all), flush, and return their (partition, offset) in order.
 
     A record is a dict with any of key / value / headers / partition / timestamp, a tuple
     (key, value, headers, partition) that may stop early, or a bare value. Raises
-    KafkaException when any delivery failed.
+    KafkaException when any delivery failed. ``config`` adds or overrides producer settings.
+
+    Not idempotent by default: librdkafka holds a new idempotent producer back ~0.5 s before
+    its first send, and one local broker rarely makes a producer retry (and duplicate).
     """
     producer = Producer(
         {
             "bootstrap.servers": bootstrap,
             "acks": "all",
-            "enable.idempotence": True,
             "linger.ms": 5,
             **(config or {}),
         }
@@ -195,18 +220,14 @@ def produce(
         if err is not None:
             errors.append(f"record #{index}: {err}")
         else:
-            results[index] = (msg.partition(), msg.offset())
+            results[index] = (msg.partition() or 0, msg.offset() or 0)
 
     for index, record in enumerate(records):
         results.append(None)
         fields = _fields(record)
         while True:
             try:
-                producer.produce(
-                    topic,
-                    on_delivery=lambda err, msg, i=index: on_delivery(i, err, msg),
-                    **fields,
-                )
+                producer.produce(topic, on_delivery=functools.partial(on_delivery, index), **fields)
                 break
             except BufferError:  # the local queue is full: let deliveries drain it
                 producer.poll(0.1)
@@ -223,12 +244,8 @@ def end_offsets(bootstrap: str, topic: str, *, committed_only: bool = False) -> 
     """{partition: end offset}: the high watermark, or the last stable offset if committed_only."""
     client = admin(bootstrap)
     specs = {TopicPartition(topic, p): OffsetSpec.latest() for p in partitions_of(bootstrap, topic)}
-    isolation = (
-        IsolationLevel.READ_COMMITTED if committed_only else IsolationLevel.READ_UNCOMMITTED
-    )
-    futures = client.list_offsets(
-        specs, isolation_level=isolation, request_timeout=ADMIN_TIMEOUT_S
-    )
+    isolation = IsolationLevel.READ_COMMITTED if committed_only else IsolationLevel.READ_UNCOMMITTED
+    futures = client.list_offsets(specs, isolation_level=isolation, request_timeout=ADMIN_TIMEOUT_S)
     return {tp.partition: future.result().offset for tp, future in futures.items()}
 
 
@@ -285,16 +302,18 @@ def consume_all(bootstrap: str, topic: str, timeout: float = 30.0) -> list[Messa
                 )
             for msg in consumer.consume(500, timeout=min(remaining, 0.5)):
                 err = msg.error()
-                partition = msg.partition()
+                partition, offset = msg.partition(), msg.offset()
+                # Both are set on consumed messages and on partition-EOF events.
+                assert partition is not None and offset is not None
                 if err is not None:
                     if err.code() != KafkaError._PARTITION_EOF:
                         raise KafkaException(err)
-                    if msg.offset() >= targets[partition]:
+                    if offset >= targets[partition]:
                         pending.discard(partition)
                     continue
-                if msg.offset() < targets[partition]:
+                if offset < targets[partition]:
                     messages.append(msg)
-                if msg.offset() >= targets[partition] - 1:
+                if offset >= targets[partition] - 1:
                     pending.discard(partition)
     finally:
         consumer.close()

@@ -180,9 +180,12 @@ class TestService:
         behaviour: BehaviourFn = ack_all,
         *,
         max_concurrency: int | None = None,
+        server_credentials: grpc.ServerCredentials | None = None,
     ) -> None:
         self.behaviour = behaviour
         """Read on every call; a test may replace it while the service runs."""
+        self.server_credentials = server_credentials
+        """TLS (or mTLS) credentials to serve with (kept across restarts); None = plaintext."""
         self.max_concurrency = max_concurrency
         """Calls beyond this many in flight get RESOURCE_EXHAUSTED; None = no limit."""
         self.health = health_aio.HealthServicer()
@@ -217,9 +220,15 @@ class TestService:
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         handler_pb2_grpc.add_MessageHandlerServicer_to_server(_Servicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        port = server.add_insecure_port(f"127.0.0.1:{self._port or 0}")
+        address = f"127.0.0.1:{self._port or 0}"
+        port = (
+            server.add_secure_port(address, self.server_credentials)
+            if self.server_credentials is not None
+            else server.add_insecure_port(address)
+        )
         if port == 0:
-            raise OSError(f"cannot listen on 127.0.0.1:{self._port or 0}")
+            await server.stop(None)
+            raise OSError(f"cannot listen on {address}")
         await self.set_health(True)
         await server.start()
         self._server, self._port = server, port
@@ -485,9 +494,12 @@ class ThreadedService:
         behaviour: BehaviourFn = ack_all,
         *,
         max_concurrency: int | None = None,
+        server_credentials: grpc.ServerCredentials | None = None,
         timeout_s: float = 10.0,
     ) -> None:
-        self.service = TestService(behaviour, max_concurrency=max_concurrency)
+        self.service = TestService(
+            behaviour, max_concurrency=max_concurrency, server_credentials=server_credentials
+        )
         self._timeout_s = timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -541,7 +553,7 @@ class ThreadedService:
 
     def call(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine on the service's loop and return its result."""
-        if self._loop is None:
+        if self._loop is None or not self._thread.is_alive():
             coro.close()
             raise RuntimeError("the service is not running")
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)

@@ -54,7 +54,7 @@ async def async_wait_until(
         if inspect.isawaitable(value):
             value = await value
         if value:
-            return value  # type: ignore[return-value]
+            return value
         if time.monotonic() >= deadline:
             raise AssertionError(
                 f"timed out after {timeout:g}s waiting for {_describe(condition, message)}"

@@ -1,0 +1,206 @@
+"""The proxy's own health: grpc.health.v1 (overall and per group) and the /readyz verdict.
+
+A group is SERVING once its consumer is up (its first poll returned) and Kafka is reachable,
+and NOT_SERVING while its circuit breaker is open or half-open (the service is failing) or
+while none of its consumer's broker connections is up. The overall service ``""`` is SERVING
+only when every group is; the per-group service name is the group name. /readyz answers from
+the same verdicts, so the gRPC and the HTTP probes never disagree.
+
+Kafka reachability comes from librdkafka's statistics (``statistics.interval.ms``, one second
+by default here): the consumer emits them from its own thread, so they show the state of the
+connections the group really uses, without extra requests to the brokers. Setting
+``statistics.interval.ms: 0`` under ``kafka.client`` turns them off, and with them this check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from .flow import Breaker
+
+log = logging.getLogger(__name__)
+
+OVERALL = ""
+"""The grpc.health.v1 service name of the proxy as a whole."""
+STATS_INTERVAL_MS = 1000
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class KafkaLink:
+    """Whether one consumer can reach Kafka, from librdkafka's statistics callback."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.reachable: bool | None = None  # None until the first statistics arrive
+        self.detail = "waiting for the first connection to Kafka"
+
+    def attach(self, conf: dict[str, Any]) -> None:
+        """Add the statistics callback to a consumer configuration (a user's interval wins)."""
+        conf.setdefault("statistics.interval.ms", STATS_INTERVAL_MS)
+        conf["stats_cb"] = self.on_stats
+        self.enabled = int(conf["statistics.interval.ms"]) > 0
+
+    def on_stats(self, raw: str) -> None:
+        """librdkafka's statistics JSON; runs on the consumer thread, so it only sets fields."""
+        try:
+            stats = json.loads(raw)
+        except ValueError:
+            return
+        brokers = stats.get("brokers") or {}
+        states = {str(name): str(b.get("state")) for name, b in brokers.items()}
+        up = any(state == "UP" for state in states.values())
+        self.detail = (
+            "connected to Kafka"
+            if up
+            else "cannot reach Kafka: no broker connection is up ("
+            + ", ".join(f"{name} {state}" for name, state in sorted(states.items()))
+            + ")"
+        )
+        self.reachable = up
+
+
+class GroupView(Protocol):
+    """What health needs to know about a running group (GroupRunner provides it)."""
+
+    @property
+    def name(self) -> str:
+        """The group name (also its health service name)."""
+
+    @property
+    def started(self) -> asyncio.Event:
+        """Set once the group's consumer has polled."""
+
+    @property
+    def breaker(self) -> Breaker:
+        """The group's circuit breaker."""
+
+    @property
+    def kafka_link(self) -> KafkaLink:
+        """The group's consumer's view of Kafka."""
+
+
+def group_verdict(group: GroupView) -> tuple[bool, str]:
+    """(serving, why) for one group."""
+    if not group.started.is_set():
+        return False, "starting: the consumer has not polled Kafka yet"
+    if group.breaker.is_open:
+        return False, f"circuit {group.breaker.state}: the service is failing"
+    link = group.kafka_link
+    if link.enabled and link.reachable is not True:
+        return False, link.detail
+    return True, "consumer up, Kafka reachable, circuit closed"
+
+
+class ProxyHealth:
+    """Verdicts for every group, published to grpc.health.v1 when a port is configured.
+
+    ``changed()`` is the hook the groups call on a transition (breaker opened or closed); a
+    verdict is also re-read every ``interval_s`` for the slower signals (start-up, Kafka).
+    """
+
+    def __init__(self, groups: Sequence[GroupView], interval_s: float = 0.5) -> None:
+        self._groups = list(groups)
+        self._interval_s = interval_s
+        self._changed = asyncio.Event()
+        self._stopping = False
+        self._published: dict[str, bool] = {}
+        self._server: grpc.aio.Server | None = None
+        self._servicer: health_aio.HealthServicer | None = None
+        self._port: int | None = None
+
+    # -- verdicts ------------------------------------------------------------------------
+
+    def verdicts(self) -> dict[str, tuple[bool, str]]:
+        """{group name: (serving, why)}."""
+        if self._stopping:
+            return {g.name: (False, "shutting down") for g in self._groups}
+        return {g.name: group_verdict(g) for g in self._groups}
+
+    def ready(self) -> tuple[bool, str]:
+        """The /readyz answer: ready when every group is serving; else what is not."""
+        failing = [f"{name}: {why}" for name, (ok, why) in self.verdicts().items() if not ok]
+        if failing:
+            return False, "; ".join(failing)
+        return True, "ready"
+
+    def changed(self) -> None:
+        """A group's state changed: publish soon (callable from the event loop only)."""
+        self._changed.set()
+
+    def shutting_down(self) -> None:
+        """Report NOT_SERVING from now on (the proxy is draining)."""
+        self._stopping = True
+        self._changed.set()
+
+    # -- grpc.health.v1 ------------------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        """The bound gRPC port (useful with port 0)."""
+        if self._port is None:
+            raise RuntimeError("the gRPC health service is not started")
+        return self._port
+
+    async def start(self, host: str, port: int) -> None:
+        """Serve grpc.health.v1 on host:port; every service starts NOT_SERVING."""
+        server = grpc.aio.server()
+        servicer = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        bound = server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise OSError(f"cannot listen on {host}:{port} for the gRPC health service")
+        for name in (OVERALL, *(g.name for g in self._groups)):
+            await servicer.set(name, _NOT_SERVING)
+        await server.start()
+        self._server, self._servicer, self._port = server, servicer, bound
+        log.info("serving grpc.health.v1 on %s:%d", host, bound)
+
+    async def publish(self) -> None:
+        """Push every verdict that changed to the health service, and log it."""
+        verdicts = self.verdicts()
+        overall = all(ok for ok, _ in verdicts.values())
+        why = "every group is serving" if overall else "a group is not serving"
+        for name, (ok, detail) in [*verdicts.items(), (OVERALL, (overall, why))]:
+            previous = self._published.get(name)
+            if previous == ok:
+                continue
+            self._published[name] = ok
+            if name != OVERALL and previous is not None:
+                log.log(
+                    logging.INFO if ok else logging.WARNING,
+                    "group %s: %s (%s)",
+                    name,
+                    "SERVING" if ok else "NOT_SERVING",
+                    detail,
+                )
+            if self._servicer is not None:
+                await self._servicer.set(name, _SERVING if ok else _NOT_SERVING)
+
+    async def run(self) -> None:
+        """Publish verdicts until cancelled: at once after ``changed()``, else periodically."""
+        while True:
+            self._changed.clear()
+            try:
+                await self.publish()
+            except Exception:
+                # Health reporting must never take delivery down; the next round retries.
+                log.exception("publishing health failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), self._interval_s)
+
+    async def close(self) -> None:
+        """Answer NOT_SERVING to the last probes and stop the gRPC server (idempotent)."""
+        server, self._server = self._server, None
+        if server is not None and self._servicer is not None:
+            await self._servicer.enter_graceful_shutdown()
+            await server.stop(1.0)

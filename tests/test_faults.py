@@ -1,0 +1,387 @@
+"""Faults under load, each with a delivery ledger: nothing is lost, duplicates stay bounded.
+
+Every scenario produces ledger-tagged messages, injects its fault while the proxy is working
+through them, lets the proxy finish, and then checks with tests/support/ledger.py that:
+
+- every message was acked (or dead-lettered where the scenario makes poison pills): missing 0;
+- duplicates stay within what was in flight at the faults. The bound each test states is the
+  proxy's own definition of "in flight": a partition's tracker window (``max_in_flight``
+  offsets fetched and not committed) is all a crash can make it deliver again, so a fault that
+  loses the proxy's memory costs at most ``partitions x max_in_flight``; a fault it survives
+  (a service or DLQ outage) costs nothing;
+- the group's committed offsets reach the end of every partition.
+
+The ledgers are printed in pytest's terminal summary (see tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tests.support.kafka import (
+    alter_topic,
+    committed_offsets,
+    consume_all,
+    create_topic,
+    end_offsets,
+    produce,
+    start_broker,
+    stop_broker,
+    unique_name,
+)
+from tests.support.ledger import Ledger
+from tests.support.proxy import (
+    ProxyProcess,
+    caught_up,
+    make_config,
+    start_proxy,
+    write_config,
+)
+from tests.support.scrape import parse
+from tests.support.service import Behaviour, TestService, ThreadedService
+from tests.support.waiting import async_wait_until, wait_until
+
+pytestmark = pytest.mark.kafka
+
+
+def _acks(service: ThreadedService | TestService) -> int:
+    return sum(1 for d in service.deliveries if d.outcome == "ACK")
+
+
+def _distinct_acked(ledger: Ledger, *services: ThreadedService | TestService) -> int:
+    seen = set()
+    for service in services:
+        for d in service.deliveries:
+            if d.outcome == "ACK":
+                seen.add(Ledger.id_of(d.headers))
+    return len(seen & set(ledger.ids))
+
+
+def _caught_up(bootstrap: str, group: str, topic: str) -> bool:
+    return asyncio.run(caught_up(bootstrap, group, topic))
+
+
+def _assert_committed_to_end(bootstrap: str, group: str, topic: str) -> None:
+    ends = end_offsets(bootstrap, topic)
+    committed = committed_offsets(bootstrap, group, topic)
+    assert {p: c[0] for p, c in committed.items()} == ends
+
+
+# --------------------------------------------------------------------------- kill -9 the proxy
+
+KILLS = 5
+
+
+def test_kill_9_the_proxy_repeatedly_loses_nothing(kafka, tmp_path: Path) -> None:
+    # Given 4 partitions of 3000 ledger messages and a service taking 5 ms per message
+    bootstrap = kafka.bootstrap
+    topic, group = unique_name("kill9"), unique_name("kill9")
+    partitions, window, n = 4, 100, 3000
+    create_topic(bootstrap, topic, partitions=partitions)
+    ledger = Ledger(f"kill -9 the proxy x{KILLS}")
+    produce(bootstrap, topic, ledger.records(n, partitions=partitions))
+    with ThreadedService(lambda m, k: Behaviour(delay_s=0.005)) as service:
+        config = write_config(
+            tmp_path / "proxy.json", bootstrap, group, [topic], [service.address],
+            delivery={"concurrency": 20, "max_in_flight": window},
+        )
+        log = tmp_path / "proxy.log"
+        # When the proxy process is killed with SIGKILL five times while it delivers
+        for _ in range(KILLS):
+            target = _acks(service) + 300
+            proxy = ProxyProcess(config, log).start()
+            try:
+                wait_until(
+                    lambda t=target, p=proxy: _acks(service) >= t or not p.alive(), timeout=90
+                )
+                assert proxy.alive(), proxy.output()[-3000:]
+            finally:
+                proxy.kill()
+            # (mid-run: the topic is not done yet)
+            assert _distinct_acked(ledger, service) < n
+        # and started once more to finish
+        proxy = ProxyProcess(config, log).start()
+        try:
+            wait_until(lambda: _caught_up(bootstrap, group, topic), timeout=120, interval=0.3)
+        finally:
+            code = proxy.stop()
+        assert code == 0, proxy.output()[-3000:]
+        ledger.observe(service.deliveries)
+    # Then nothing is lost, and at most the tracker windows at the kills came again
+    ledger.note(f"{KILLS} SIGKILLs")
+    ledger.check(
+        max_duplicates=KILLS * partitions * window,
+        bound=f"{KILLS} kills x {partitions} partitions x max_in_flight {window}",
+    )
+    _assert_committed_to_end(bootstrap, group, topic)
+
+
+# --------------------------------------------------------------------------- service outages
+
+
+def test_service_instances_dying_and_a_full_outage_lose_nothing_and_dead_letter_nothing(
+    kafka,
+) -> None:
+    asyncio.run(_service_outages(kafka.bootstrap))
+
+
+async def _service_outages(bootstrap: str) -> None:
+    # Given 2400 ledger messages and two instances taking 10 ms per message
+    topic, group = unique_name("svcdown"), unique_name("svcdown")
+    partitions, n = 4, 2400
+    create_topic(bootstrap, topic, partitions=partitions)
+    ledger = Ledger("service instance crash + full outage")
+    await asyncio.to_thread(produce, bootstrap, topic, ledger.records(n, partitions=partitions))
+
+    def behaviour(msg, k):
+        return Behaviour(delay_s=0.01)
+
+    async with TestService(behaviour) as a, TestService(behaviour) as b:
+        config = make_config(
+            bootstrap, group, [topic], [a.address, b.address],
+            delivery={"concurrency": 20, "max_in_flight": 200},
+            breaker={"failure_threshold": 5, "reset_timeout_s": 0.5},
+        )
+        proxy, task = start_proxy(config)
+        acked = lambda: _acks(a) + _acks(b)  # noqa: E731
+
+        def opened() -> float:
+            text = proxy.metrics.exposition().decode()
+            return parse(text).total("consumer_proxy_circuit_transitions_total", state="open")
+
+        # When one instance crashes mid-run and comes back
+        await async_wait_until(lambda: acked() >= 400, timeout=60)
+        await a.crash()
+        await async_wait_until(lambda: _acks(b) >= 800, timeout=60)
+        a_before = _acks(a)
+        await a.restart()
+        await async_wait_until(lambda: _acks(a) >= a_before + 100, timeout=60)  # back in use
+        # and then every instance is down for a while: the breaker opens and probes, in vain
+        await async_wait_until(lambda: acked() >= 1400, timeout=60)
+        await a.crash()
+        await b.crash()
+        await async_wait_until(lambda: proxy.runners[0].breaker.is_open, timeout=30)
+        opened_before = opened()
+        await async_wait_until(lambda: opened() >= opened_before + 3, timeout=30)
+        assert _distinct_acked(ledger, a, b) < n  # the outage is mid-run
+        await a.restart()
+        await b.restart()
+        # Then delivery resumes and the group finishes the topic
+        await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=120)
+        await proxy.shutdown()
+        await task
+    # and no message went to the DLQ for the outage
+    dead = await asyncio.to_thread(consume_all, bootstrap, f"{group}.dlq")
+    assert dead == []
+    ledger.observe(a.deliveries)
+    ledger.observe(b.deliveries)
+    ledger.note(f"3 instance crashes, breaker opened {int(opened())}x, DLQ records {len(dead)}")
+    # The proxy keeps its state throughout; only a call whose ACK was lost in the crash (the
+    # service answered, the connection died first) can be delivered again.
+    ledger.check(max_duplicates=3 * 20, bound="3 crashes x concurrency 20")
+    assert ledger.summary().dead_lettered == 0
+
+
+# --------------------------------------------------------------------------- broker restart
+
+
+def test_a_broker_restart_during_a_run_loses_nothing(tmp_path: Path) -> None:
+    # A broker of its own (same log dir across the restart), not the session broker.
+    directory = tmp_path / "kafka"
+    try:
+        broker = start_broker(directory, watch_pid=os.getpid())
+        asyncio.run(_broker_restart(broker.bootstrap, directory))
+    finally:
+        stop_broker(directory)
+
+
+async def _broker_restart(bootstrap: str, directory: Path) -> None:
+    # Given 2000 ledger messages on 4 partitions and a service taking 5 ms per message
+    topic, group = unique_name("brokerrestart"), unique_name("brokerrestart")
+    partitions, window = 4, 200
+    create_topic(bootstrap, topic, partitions=partitions)
+    ledger = Ledger("Kafka broker restart")
+    await asyncio.to_thread(produce, bootstrap, topic, ledger.records(2000, partitions=partitions))
+    async with TestService(lambda m, k: Behaviour(delay_s=0.005)) as service:
+        config = make_config(
+            bootstrap, group, [topic], [service.address],
+            delivery={"concurrency": 10, "max_in_flight": window},
+        )
+        proxy, task = start_proxy(config)
+        # When the broker stops mid-run and starts again on the same port and log dir
+        await async_wait_until(lambda: _acks(service) >= 500, timeout=60)
+        await asyncio.to_thread(stop_broker, directory)
+        assert _distinct_acked(ledger, service) < 2000
+        assert not task.done()
+        restarted = await asyncio.to_thread(
+            start_broker, directory, None, watch_pid=os.getpid()
+        )
+        assert restarted.bootstrap == bootstrap
+        # and more messages arrive after the restart
+        await asyncio.to_thread(
+            produce, bootstrap, topic, ledger.records(1000, partitions=partitions)
+        )
+        # Then the proxy rides it out and finishes the topic
+        await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=180)
+        assert not task.done()
+        await proxy.shutdown()
+        await task
+    ledger.observe(service.deliveries)
+    ledger.note("1 broker stop/start")
+    ledger.check(
+        max_duplicates=partitions * window,
+        bound=f"1 restart x {partitions} partitions x max_in_flight {window}",
+    )
+    await asyncio.to_thread(_assert_committed_to_end, bootstrap, group, topic)
+
+
+# --------------------------------------------------------------------------- DLQ outage
+
+
+def test_an_unwritable_dlq_under_load_holds_commits_and_loses_nothing(kafka) -> None:
+    asyncio.run(_dlq_outage(kafka.bootstrap))
+
+
+async def _dlq_outage(bootstrap: str) -> None:
+    # Given 2000 ledger messages on 4 partitions, every 25th a poison pill too large for the
+    # DLQ topic (its max.message.bytes is tiny for now)
+    topic, group = unique_name("dlqload"), unique_name("dlqload")
+    partitions, n, window = 4, 2000, 100
+    create_topic(bootstrap, topic, partitions=partitions)
+    dlq_topic = create_topic(
+        bootstrap, f"{group}.dlq", partitions=1, config={"max.message.bytes": "200"}
+    )
+    ledger = Ledger("DLQ unwritable under load")
+    poison_every = 25
+
+    def value(i: int, ident: str) -> bytes:
+        return (b"poison:" + b"x" * 400) if i % poison_every == 7 else ident.encode()
+
+    records = ledger.records(n, partitions=partitions, value=value)
+    poison = {Ledger.id_of(r["headers"]) for i, r in enumerate(records) if i % poison_every == 7}
+    await asyncio.to_thread(produce, bootstrap, topic, records)
+
+    def behaviour(msg, k):
+        if msg.value.startswith(b"poison:"):
+            return Behaviour(status=grpc.StatusCode.INVALID_ARGUMENT, details="unparseable")
+        return Behaviour(delay_s=0.002)
+
+    async with TestService(behaviour) as service:
+        config = make_config(
+            bootstrap, group, [topic], [service.address],
+            delivery={"concurrency": 20, "max_in_flight": window},
+        )
+        proxy, task = start_proxy(config)
+        runner = proxy.runners[0]
+        # When the DLQ writes keep failing while the load goes on
+        await async_wait_until(lambda: runner.writer and runner.writer.failures >= 10, timeout=60)
+
+        def paused() -> float:
+            text = proxy.metrics.exposition().decode()
+            return parse(text).total("consumer_proxy_partitions_paused", group=group)
+
+        # (each partition fills its window behind its first pill and stops taking messages)
+        await async_wait_until(lambda: paused() == partitions, timeout=60)
+        # Then no commit passes a pill that is not confirmed in the DLQ (the first pill of
+        # each partition sits at its offset 1 or so: index 7 is partition 3's offset 1)
+        committed = await asyncio.to_thread(committed_offsets, bootstrap, group, topic)
+        firsts = {}
+        for i in range(n):
+            if i % poison_every == 7:
+                firsts.setdefault(i % partitions, i // partitions)
+        for partition, (offset, _meta) in committed.items():
+            assert offset <= firsts[partition]
+        assert _distinct_acked(ledger, service) < n - len(poison)
+        # When the DLQ accepts records again
+        await asyncio.to_thread(alter_topic, bootstrap, dlq_topic, {"max.message.bytes": "1048588"})
+        # Then every pill is dead-lettered and the commit reaches the end
+        await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=120)
+        failures = runner.writer.failures
+        await proxy.shutdown()
+        await task
+    dead = await asyncio.to_thread(consume_all, bootstrap, dlq_topic)
+    ledger.observe(service.deliveries)
+    ledger.observe_dlq(dead)
+    assert ledger.dead_lettered() == poison
+    ledger.note(f"{failures} failed DLQ writes, {len(dead)} DLQ records")
+    ledger.check(max_duplicates=0, bound="the proxy survives a DLQ outage: none")
+    await asyncio.to_thread(_assert_committed_to_end, bootstrap, group, topic)
+
+
+# --------------------------------------------------------------------------- rebalance storm
+
+STORM_EVENTS = 8
+
+
+def test_a_rebalance_storm_of_worker_processes_loses_nothing(kafka, tmp_path: Path) -> None:
+    # Given 6 partitions of 4000 ledger messages
+    bootstrap = kafka.bootstrap
+    topic, group = unique_name("storm"), unique_name("storm")
+    partitions, n, concurrency, window = 6, 4000, 8, 200
+    create_topic(bootstrap, topic, partitions=partitions)
+    ledger = Ledger(f"rebalance storm ({STORM_EVENTS} joins/leaves of worker processes)")
+    produce(bootstrap, topic, ledger.records(n, partitions=partitions))
+    with ThreadedService(lambda m, k: Behaviour(delay_s=0.005)) as service:
+        # Storm members are throttled so that the topic outlasts the storm; a last, unthrottled
+        # member finishes it.
+        delivery = {"concurrency": concurrency, "max_in_flight": window}
+        storm_config = write_config(
+            tmp_path / "storm.json", bootstrap, group, [topic], [service.address],
+            delivery={**delivery, "rate_limit_per_s": 25},
+        )
+        final_config = write_config(
+            tmp_path / "final.json", bootstrap, group, [topic], [service.address],
+            delivery=delivery,
+        )
+        members: list[ProxyProcess] = []
+        logs = iter(tmp_path / f"worker-{i}.log" for i in range(100))
+        max_members = 0
+
+        def join(config: Path) -> ProxyProcess:
+            member = ProxyProcess(config, next(logs)).start()
+            members.append(member)
+            # Joined once it logs an assignment (cooperative: the others keep theirs meanwhile).
+            wait_until(
+                lambda: ": assigned " in member.output() or not member.alive(), timeout=90,
+                message="the new member to be assigned partitions",
+            )
+            assert member.alive(), member.output()[-3000:]
+            return member
+
+        def leave() -> None:
+            member = members.pop(0)
+            code = member.stop()
+            assert code == 0, member.output()[-3000:]
+
+        try:
+            join(storm_config)
+            join(storm_config)
+            # When members join and leave, one after the other, while the topic is consumed
+            for event in range(STORM_EVENTS):
+                if event % 2 == 0:
+                    join(storm_config)
+                else:
+                    leave()
+                max_members = max(max_members, len(members))
+                assert _distinct_acked(ledger, service) < n, "the storm must happen mid-run"
+            join(final_config)
+            while len(members) > 1:
+                leave()
+            # Then the last member finishes the topic
+            wait_until(lambda: _caught_up(bootstrap, group, topic), timeout=120, interval=0.3)
+        finally:
+            for member in members:
+                member.stop()
+        ledger.observe(service.deliveries)
+    events = STORM_EVENTS + 2 + (max_members - 1)  # the storm plus the final hand-over
+    ledger.note(f"{events} membership changes, up to {max_members} members")
+    ledger.check(
+        max_duplicates=events * max_members * concurrency,
+        bound=f"{events} changes x {max_members} members x concurrency {concurrency}",
+    )
+    _assert_committed_to_end(bootstrap, group, topic)

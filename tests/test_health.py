@@ -1,0 +1,174 @@
+"""The proxy's own health: grpc.health.v1 and /readyz follow the service's outages."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import grpc
+import pytest
+from confluent_kafka import Consumer
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from consumer_proxy.config import HealthConfig
+from consumer_proxy.health import KafkaLink
+from tests.support.kafka import consume_all, create_topic, produce, unique_name
+from tests.support.proxy import caught_up, make_config, start_proxy
+from tests.support.scrape import http_get
+from tests.support.service import TestService
+from tests.support.waiting import async_wait_until, wait_until
+
+pytestmark = pytest.mark.kafka
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def test_health_follows_the_service_down_and_back_up(kafka) -> None:
+    asyncio.run(_service_outage(kafka.bootstrap))
+
+
+async def _service_outage(bootstrap: str) -> None:
+    # Given a proxy with gRPC health and /readyz, a breaker that opens after 3 failures
+    topic, group = unique_name("health"), unique_name("health")
+    create_topic(bootstrap, topic, partitions=2)
+    async with TestService() as service:
+        config = make_config(
+            bootstrap, group, [topic], [service.address],
+            breaker={"failure_threshold": 3, "reset_timeout_s": 0.5},
+            metrics_port=0,
+        ).model_copy(update={"health": HealthConfig(grpc_port=0, host="127.0.0.1")})
+        proxy, task = start_proxy(config)
+        channel: grpc.aio.Channel | None = None
+        try:
+            await async_wait_until(lambda: proxy.health._port, timeout=30)
+            channel = grpc.aio.insecure_channel(f"127.0.0.1:{proxy.health.port}")
+            stub = health_pb2_grpc.HealthStub(channel)
+
+            async def status(name: str) -> int:
+                request = health_pb2.HealthCheckRequest(service=name)
+                return (await stub.Check(request, timeout=5)).status
+
+            async def probes() -> tuple[int, int, int]:
+                assert proxy.http is not None
+                ready, _ = await http_get(proxy.http.port, "/readyz")
+                return await status(""), await status(group), ready
+
+            # When the consumer is up and the service answers
+            await async_wait_until(
+                lambda: _equals(probes(), (SERVING, SERVING, 200)), timeout=30,
+                message="SERVING once the consumer is up",
+            )
+            await asyncio.to_thread(produce, bootstrap, topic, [f"a{i}" for i in range(20)])
+            await async_wait_until(lambda: len(service.counts) == 20, timeout=30)
+            # Then the proxy is serving overall and for the group; an unknown name is NOT_FOUND
+            assert await probes() == (SERVING, SERVING, 200)
+            with pytest.raises(grpc.aio.AioRpcError) as unknown:
+                await status("no-such-group")
+            assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+
+            # When the service dies while messages keep coming
+            await service.stop()
+            await asyncio.to_thread(produce, bootstrap, topic, [f"b{i}" for i in range(20)])
+            # Then the breaker opens and both probes say not serving, with the reason
+            await async_wait_until(
+                lambda: _equals(probes(), (NOT_SERVING, NOT_SERVING, 503)), timeout=30,
+                message="NOT_SERVING while the breaker is open",
+            )
+            assert proxy.runners[0].breaker.is_open
+            assert proxy.http is not None
+            _, detail = await http_get(proxy.http.port, "/readyz")
+            assert f"{group}: circuit" in detail and "the service is failing" in detail
+            _, healthz = await http_get(proxy.http.port, "/healthz")
+            assert healthz == "ok\n"  # alive all the same: a restart would not help
+
+            # When the service comes back on the same port
+            await service.restart()
+            # Then a probe closes the breaker and the proxy serves again
+            await async_wait_until(
+                lambda: _equals(probes(), (SERVING, SERVING, 200)), timeout=60,
+                message="SERVING again after the service returned",
+            )
+            await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=60)
+        finally:
+            await proxy.shutdown()
+            await task
+            if channel is not None:
+                await channel.close()
+
+    # and the outage dead-lettered nothing: every message was acked
+    acked = {d.value for d in service.deliveries if d.outcome == "ACK"}
+    assert acked == {f"{p}{i}".encode() for p in "ab" for i in range(20)}
+    assert await asyncio.to_thread(consume_all, bootstrap, f"{group}.dlq", 5) == []
+
+
+async def _equals(awaitable, expected) -> bool:
+    return (await awaitable) == expected
+
+
+def test_the_proxy_health_says_not_serving_while_shutting_down(kafka) -> None:
+    asyncio.run(_shutdown(kafka.bootstrap))
+
+
+async def _shutdown(bootstrap: str) -> None:
+    topic, group = unique_name("health-stop"), unique_name("health-stop")
+    create_topic(bootstrap, topic, partitions=1)
+    async with TestService() as service:
+        config = make_config(bootstrap, group, [topic], [service.address]).model_copy(
+            update={"health": HealthConfig(grpc_port=0, host="127.0.0.1")}
+        )
+        proxy, task = start_proxy(config)
+        await async_wait_until(lambda: proxy.ready()[0], timeout=30)
+        assert proxy.ready() == (True, "ready")
+        # When shutdown begins, readiness drops before the groups have drained
+        proxy.request_shutdown()
+        await async_wait_until(lambda: not proxy.ready()[0], timeout=5)
+        assert proxy.ready() == (False, f"{group}: shutting down")
+        await task
+
+
+def test_kafka_reachability_comes_from_the_consumers_statistics(kafka) -> None:
+    # Given one consumer on the real broker and one on a port where nothing listens
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{sock.getsockname()[1]}"
+    links = {}
+    consumers = []
+    for name, bootstrap in (("live", kafka.bootstrap), ("dead", dead)):
+        link = KafkaLink()
+        conf = {"bootstrap.servers": bootstrap, "group.id": unique_name("link"),
+                "statistics.interval.ms": 200, "log_level": 0}
+        link.attach(conf)
+        consumer = Consumer(conf)
+        consumer.subscribe([unique_name("absent")])
+        links[name], consumers = link, [*consumers, consumer]
+
+    try:
+        # When both have polled for a while
+        def reported() -> bool:
+            for consumer in consumers:
+                consumer.poll(0.1)
+            return all(link.reachable is not None for link in links.values())
+
+        wait_until(reported, timeout=30)
+        wait_until(lambda: [c.poll(0.1) for c in consumers] and links["live"].reachable,
+                   timeout=30)
+    finally:
+        for consumer in consumers:
+            consumer.close()
+
+    # Then only the consumer with a broker connection counts as reaching Kafka
+    assert links["live"].reachable is True
+    assert links["dead"].reachable is False
+    assert links["dead"].detail.startswith("cannot reach Kafka: no broker connection is up (")
+    assert dead in links["dead"].detail
+
+
+def test_a_users_statistics_interval_wins_and_zero_turns_the_check_off() -> None:
+    link = KafkaLink()
+    conf = {"statistics.interval.ms": 0}
+    link.attach(conf)
+    assert conf["statistics.interval.ms"] == 0 and link.enabled is False
+    assert callable(conf["stats_cb"])
+    link.on_stats("not json")  # ignored, never raised on the consumer thread
+    assert link.reachable is None
