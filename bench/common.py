@@ -492,6 +492,21 @@ def committed_sum(bootstrap: str, group: str, topic: str) -> int:
     return sum(max(tp.offset, 0) for tp in found)
 
 
+def group_members(bootstrap: str, group: str) -> list[dict[str, list[int]]]:
+    """The group's members as the broker sees them: {topic: [partitions]} each."""
+    from confluent_kafka.admin import AdminClient
+
+    client = AdminClient({"bootstrap.servers": bootstrap})
+    description = client.describe_consumer_groups([group])[group].result(timeout=30)
+    members = []
+    for member in description.members:
+        owned: dict[str, list[int]] = {}
+        for tp in member.assignment.topic_partitions:
+            owned.setdefault(tp.topic, []).append(tp.partition)
+        members.append({t: sorted(ps) for t, ps in sorted(owned.items())})
+    return members
+
+
 def wait_for(
     condition: Callable[[], bool], timeout_s: float, interval_s: float = 0.1, what: str = ""
 ) -> float:
@@ -617,6 +632,14 @@ class ProxyProcess:
                     found.setdefault(int(match[1]), set()).add(match[2])
         return {pid: sorted(parts) for pid, parts in found.items()}
 
+    def rebalance_events(self) -> int:
+        """How many assigned / revoked / lost lines the log holds so far (log level info)."""
+        with contextlib.suppress(OSError):
+            text = self.log_path.read_text(errors="replace")
+            return len(re.findall(r"consumer_proxy\.proxy: group \S+: (?:assigned|revoked|lost) ",
+                                  text))
+        return 0
+
     def log_tail(self, lines: int = 30) -> str:
         with contextlib.suppress(OSError):
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -663,6 +686,7 @@ def proxy_backlog_run(
     timeout_s: float = 300.0,
     log_level: str = "warning",
     produce_after_join: Callable[[], None] | None = None,
+    group: str | None = None,
 ) -> dict[str, Any]:
     """Run ``consumer-proxy run`` with a fresh group over a topic holding ``n`` messages.
 
@@ -674,11 +698,12 @@ def proxy_backlog_run(
     With ``log_level="info"``, ``assignments``: {worker pid: partitions ever assigned}.
 
     ``produce_after_join``: the topic starts empty; the proxy starts, and once every one of
-    its ``workers`` processes owns partitions of ``topic`` and together they own them all (the
-    group has settled, read from the log), ``produce_after_join()`` writes the n messages.
-    ``settled_s`` is then the time from start to that point.
+    its ``workers`` processes owns partitions, together they own all of ``topic``'s and no
+    rebalance happened for 2 s (read from the log), ``produce_after_join()`` writes the n
+    messages. ``settled_s`` is the time from start to that point and ``members`` the group's
+    assignment then, as the broker describes it ({topic: [partitions]} per member).
     """
-    group = unique_name("bench")
+    group = group or unique_name("bench")
     config = proxy_config_yaml(bootstrap, group, [topic], [handler.address], delivery)
     handler.reset()
     if produce_after_join is not None:
@@ -689,23 +714,32 @@ def proxy_backlog_run(
     cpu_first = handler_cpu_first = 0.0
     profiled_from = 0
     settled_s = 0.0
+    members: list[dict[str, list[int]]] = []
     try:
         proxy.start()
         deadline = time.monotonic() + timeout_s
         if produce_after_join is not None:
             everything = {f"{topic}[{p}]" for p in partitions_of(bootstrap, topic)}
+            last_change = [time.monotonic(), -1]
 
             def settled() -> bool:
+                # Every worker holds partitions (of any of its topics: the redrive topic counts
+                # too), together they hold all of ``topic``, and nothing moved for 2 s.
                 proxy.check_alive()
-                owned = [
-                    {p for p in parts if p in everything}
-                    for parts in proxy.assignments().values()
-                ]
-                owners = [parts for parts in owned if parts]
-                return len(owners) == workers and set().union(*owners) == everything
+                now, events = time.monotonic(), proxy.rebalance_events()
+                if events != last_change[1]:
+                    last_change[:] = [now, events]
+                assigned = proxy.assignments()
+                covered = set().union(*assigned.values()) if assigned else set()
+                return (
+                    len(assigned) == workers
+                    and everything <= covered
+                    and now - last_change[0] >= 2.0
+                )
 
             wait_for(settled, timeout_s, interval_s=0.1, what="the group to settle")
             settled_s = time.monotonic() - proxy.started_at
+            members = group_members(bootstrap, group)
             produce_after_join()
         while True:
             seen, _calls, first, last, handler_cpu = handler.progress()
@@ -742,6 +776,7 @@ def proxy_backlog_run(
     return {
         "assignments": assignments,
         "settled_s": settled_s,
+        "members": members,
         "seen_rate": rate(n - 1, last - first),
         "steady_rate": steady_rate(stats["first_seen"]) or 0.0,
         "committed_rate": rate(n, committed_at - first),

@@ -230,7 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_config(args.config)
         if args.command == "validate":
             groups = ", ".join(g.name for g in config.groups)
-            print(f"{args.config}: OK ({len(config.groups)} groups: {groups})")
+            count = len(config.groups)
+            print(f"{args.config}: OK ({count} group{'s' if count != 1 else ''}: {groups})")
             return EXIT_OK
         if args.command == "run":
             if args.workers < 1:

@@ -228,7 +228,7 @@ def ensure_topics(kafka: KafkaConfig, group: GroupConfig, timeout_s: float = 30.
     conf["bootstrap.servers"] = kafka.bootstrap_servers
     for consumer_only in ("isolation.level", "auto.offset.reset", "session.timeout.ms"):
         conf.pop(consumer_only, None)
-    admin = AdminClient(conf)
+    admin = AdminClient(conf, logger=log)
     try:
         metadata = admin.list_topics(timeout=timeout_s)
     except KafkaException as exc:

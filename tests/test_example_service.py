@@ -89,3 +89,38 @@ def test_the_example_acks_dead_letters_poison_reports_health_and_stops_on_sigter
                 await process.communicate()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.kafka
+def test_the_sdk_example_behind_the_proxy_acks_and_dead_letters_through_kafka(kafka) -> None:
+    # Given a topic with 200 messages, 5 of them poison, and the example service as a process
+    from tests.support.kafka import consume_all, create_topic, produce, unique_name
+    from tests.support.proxy import caught_up, make_config, start_proxy
+    from tests.support.waiting import async_wait_until
+
+    bootstrap = kafka.bootstrap
+    topic, group = unique_name("sdk"), unique_name("sdk")
+    create_topic(bootstrap, topic, partitions=2)
+    values = [f"order {i}" + (" poison" if i % 40 == 7 else "") for i in range(200)]
+    produce(bootstrap, topic, values)
+
+    async def scenario() -> None:
+        process, address, _ = await start_example()
+        try:
+            # When the proxy pushes the topic to it
+            proxy, task = start_proxy(make_config(bootstrap, group, [topic], [address]))
+            await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=60)
+            await proxy.shutdown()
+            await task
+            acked = proxy.metrics.messages.labels(group, "ack")._value.get()
+            assert acked == 195
+        finally:
+            process.send_signal(signal.SIGTERM)
+            await process.communicate()
+
+    asyncio.run(scenario())
+    # Then exactly the poison pills are in the DLQ, with the SDK's reason
+    dead = consume_all(bootstrap, f"{group}.dlq")
+    assert sorted(m.value().decode() for m in dead) == sorted(v for v in values if "poison" in v)
+    reasons = {dict(m.headers())["cp-reason"].decode() for m in dead}
+    assert all("poison" in r for r in reasons), reasons

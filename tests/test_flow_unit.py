@@ -289,16 +289,23 @@ def test_a_retry_after_answer_slows_the_whole_group() -> None:
         # When one message is answered RETRY with retry_after 500 ms
         retry = Classification(Outcome.RETRY, "RETRY", slow_down=True, retry_after_ms=500)
         limiter.release(0.01, retry)
+        for _ in range(9):
+            limiter.release(0.01, None)
         # Then the group's limit drops, and does not grow back for those 500 ms
         assert limiter.limit == 5
+        async def busy_round() -> None:  # the full limit in use, every call a success
+            n = limiter.limit
+            for _ in range(n):
+                await limiter.acquire()
+            for _ in range(n):
+                limiter.release(0.01, ACK)
+
         for step in range(40):
             clock.now = 0.01 * (step + 1)
-            await limiter.acquire()
-            limiter.release(0.01, ACK)
+            await busy_round()
         assert limiter.limit == 5
         clock.now = 0.6
-        await limiter.acquire()
-        limiter.release(0.01, ACK)
+        await busy_round()
         assert limiter.core.value > 5
 
     asyncio.run(scenario())
