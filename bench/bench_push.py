@@ -132,7 +132,7 @@ def main() -> int:
         "--concurrency", type=int, nargs="+", default=[100, 200], help="default: 100 200"
     )
     parser.add_argument(
-        "--rounds", type=int, default=2, help="bare/proxy pairs per concurrency (default 2)"
+        "--rounds", type=int, default=3, help="bare/proxy pairs per concurrency (default 3)"
     )
     parser.add_argument("--profile", choices=["cprofile", "pyinstrument"], default=None)
     args = parser.parse_args()

@@ -10,8 +10,9 @@ Endpoint health, so that one bad instance does not slow the group:
   a row is ejected for a while (doubling with each ejection up to a limit, reset by a success).
 - Active: with several instances, each is checked with ``grpc.health.v1`` every
   ``health_interval_s``; NOT_SERVING (or two failed checks in a row) ejects it. An ejected
-  instance is checked every ``ejected_check_interval_s`` and returns when its check says
-  SERVING (and, after a passive ejection, once its ejection time has passed: a health check
+  instance is checked at once and then every ``ejected_check_interval_s``, and returns when
+  its check says SERVING. After a passive ejection that needs more: either the checks saw it
+  down since (it crashed, and is back), or its ejection time has passed (a health service
   that says SERVING while calls fail is not believed before then). An instance without a
   health service returns when its ejection time has passed.
 - The last instance in rotation is never ejected: a full outage is the circuit breaker's job.
@@ -44,10 +45,10 @@ _CHANNEL_OPTIONS: list[tuple[str, int | str]] = [
     ("grpc.enable_retries", 0),  # the proxy owns retries (attempt counting, backoff, DLQ)
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
-    # gRPC's default reconnect backoff grows to 120 s; after an outage the channel should be
-    # back well within a breaker reset timeout of the instance's return.
-    ("grpc.initial_reconnect_backoff_ms", 500),
-    ("grpc.max_reconnect_backoff_ms", 5_000),
+    # gRPC's default reconnect backoff grows to 120 s; a returning instance should be back in
+    # use within about a second (a refused connect to a dead instance costs next to nothing).
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
 ]
 SERVICE_NAME = "consumerproxy.v1.MessageHandler"
 """The health-check service name (the server's overall status, "", when it does not know it)."""
@@ -55,7 +56,7 @@ EJECT_AFTER_FAILURES = 5
 EJECT_BASE_S = 2.0
 EJECT_MAX_S = 60.0
 HEALTH_INTERVAL_S = 5.0
-EJECTED_CHECK_INTERVAL_S = 1.0
+EJECTED_CHECK_INTERVAL_S = 0.5
 HEALTH_TIMEOUT_S = 1.0
 FAILED_CHECKS_TO_EJECT = 2  # a check can time out under load; an unreachable instance fails on
 
@@ -76,6 +77,7 @@ class Endpoint:
     ejected: bool = False
     ejected_until: float = 0.0
     serving: bool | None = None  # the last health verdict since the last ejection, if any
+    seen_down: bool = False  # a check failed since the last ejection: SERVING means recovered
     health_supported: bool = True
     health_service: str = SERVICE_NAME
     failed_checks: int = 0
@@ -226,7 +228,14 @@ class Dispatcher:
         except aio.AioRpcError as exc:
             result = self._classifier.from_status(exc.code(), exc.details())
         else:
-            result = self._classifier.from_response(response)
+            if response is None:
+                # grpc.aio hands back None (and logs) when an OK response does not decode as
+                # a HandleMessageResponse: a broken service answer, retried like INTERNAL.
+                result = self._classifier.from_status(
+                    grpc.StatusCode.INTERNAL, "the service's response could not be decoded"
+                )
+            else:
+                result = self._classifier.from_response(response)
         finally:
             endpoint.outstanding -= 1
         self._observe(endpoint, result)
@@ -256,9 +265,10 @@ class Dispatcher:
         now = time.monotonic()
         endpoint.ejected = True
         endpoint.ejected_until = now + duration_s
+        endpoint.seen_down = duration_s == 0  # ejected by a failed check: it was seen down
         if duration_s > 0:
-            endpoint.serving = None  # a check after the ejection time decides the return
-        endpoint.next_check = now + max(duration_s, self._ejected_interval_s)
+            endpoint.serving = None  # a check after this ejection decides the return
+        endpoint.next_check = now  # check it at once: is it down, or does it only fail calls?
         self._n_ejected += 1
         log.warning(
             "group %s: instance %s ejected (%s)%s; %d of %d out of rotation",
@@ -296,12 +306,14 @@ class Dispatcher:
     def _return_due(self, now: float) -> None:
         """Return instances whose ejection time passed and that the health checks allow."""
         for endpoint in self.endpoints:
-            if not endpoint.ejected or now < endpoint.ejected_until:
+            if not endpoint.ejected:
                 continue
-            if endpoint.serving is True:
+            if endpoint.serving is True and (endpoint.seen_down or now >= endpoint.ejected_until):
                 self._return(endpoint, "health check SERVING")
-            elif endpoint.serving is None and (
-                not endpoint.health_supported or not self._checking
+            elif (
+                endpoint.serving is None
+                and now >= endpoint.ejected_until
+                and (not endpoint.health_supported or not self._checking)
             ):
                 self._return(endpoint, "ejection time over")
 
@@ -341,6 +353,7 @@ class Dispatcher:
         endpoint.serving = health == "serving"
         endpoint.failed_checks = 0 if endpoint.serving else endpoint.failed_checks + 1
         if endpoint.ejected:
+            endpoint.seen_down = endpoint.seen_down or not endpoint.serving
             return  # _return_due decides
         if health == "not_serving":
             self._eject(endpoint, 0.0, "health check NOT_SERVING")

@@ -85,6 +85,8 @@ class Fetcher:
         self._consumer: Consumer | None = None
         self.closed = False
         self.last_error: str | None = None
+        self.positions: dict[TP, int] = {}
+        """Each assigned partition's position right after the latest ``consume()`` batch."""
 
     async def _run(self, fn: Callable[[], Any]) -> Any:
         return await self._loop.run_in_executor(self._executor, fn)
@@ -156,6 +158,13 @@ class Fetcher:
         def consume() -> list[Any]:
             assert self._consumer is not None
             messages: list[Any] = self._consumer.consume(max_messages, timeout_s)
+            # Read on this thread right after the batch: a position then counts only messages
+            # handed over in this batch or before, plus what the consumer skipped without
+            # handing it over (transaction markers, aborted records), which nobody will fetch.
+            self.positions = {
+                (tp.topic, tp.partition): tp.offset
+                for tp in self._consumer.position(self._consumer.assignment())
+            }
             return messages
 
         result: list[Any] = await self._run(consume)

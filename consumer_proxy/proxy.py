@@ -347,7 +347,23 @@ class GroupRunner:
             self.started.set()  # the consumer is up (joined, or joining, the group)
             for message in messages:
                 self._intake(message)
+            self._skip_unfetchable(self.fetcher.positions)
             await self._reconcile()
+
+    def _skip_unfetchable(self, positions: dict[TP, int]) -> None:
+        """Let the commit pass what the consumer skipped (transaction markers, aborted records).
+
+        Only for partitions without a backlog: a backlog holds handed-over messages that are
+        not tracked yet, and skipping past them would lose them.
+        """
+        for tp, position in positions.items():
+            part = self._parts.get(tp)
+            if part is None or part.backlog or position < 0:
+                continue
+            if part.tracker is None:  # no commit yet and nothing but markers so far
+                part.tracker = PartitionTracker(position, self._max_in_flight)
+            else:
+                part.tracker.skip_to(position)
 
     def _intake(self, message: Any) -> None:
         error = message.error()
@@ -461,7 +477,9 @@ class GroupRunner:
                 await self.rate.acquire()
             await self.limiter.acquire()
             # The breaker comes last, right before the push: a worker that waited for a slot
-            # must not push on an admission the breaker has withdrawn since (it opened).
+            # must not push on an admission the breaker has withdrawn since (it opened). The
+            # price: workers held by an open breaker keep the rate token they took, so the
+            # rate cap may be exceeded once, by at most the worker count, when it closes.
             probe = False
             result: Classification | None = None
             started = loop.time()
@@ -495,7 +513,13 @@ class GroupRunner:
         self._m_push.observe(loop.time() - started)
         if result.service_failure:
             self._last_failure = f"{result.status} from {endpoint.target}: {result.reason}"
-        self.breaker.record(result.service_failure, probe)
+        if result.service_failure and endpoint.ejected:
+            # An instance out of rotation is ejection's business, not a group outage: the
+            # breaker hears from the instances still in rotation (the last is never ejected).
+            if probe:
+                self.breaker.abandon_probe()
+        else:
+            self.breaker.record(result.service_failure, probe)
         if not part.revoked:  # else the new owner redelivers it; a late result touches nothing
             self._apply(delivery, result, endpoint.target)
         return result
@@ -527,7 +551,9 @@ class GroupRunner:
 
     def _retry_later(self, delivery: Delivery, result: Classification, delay_s: float) -> None:
         if result.retry_after_ms:
-            delay_s = result.retry_after_ms / 1000.0
+            # Capped by backoff.max_ms: a service asking for days would hold the partition's
+            # commit (and its window) for that long.
+            delay_s = min(result.retry_after_ms, self.group.delivery.backoff.max_ms) / 1000.0
         part = delivery.part
         loop = asyncio.get_running_loop()
         timer: asyncio.TimerHandle | None = None

@@ -83,6 +83,17 @@ class PartitionTracker:
         self._pending.add(offset)
         return True
 
+    def skip_to(self, offset: int) -> None:
+        """The consumer moved on to ``offset``: untracked offsets below it will never be fetched.
+
+        Transaction markers and aborted records are skipped by the consumer without being
+        handed over, so a trailing one would otherwise hold C one short of the log's end
+        forever. Call only when every message the consumer handed over below ``offset`` is
+        tracked; a smaller ``offset`` is ignored.
+        """
+        if offset - 1 > self._last:
+            self._last = offset - 1
+
     def done(self, offset: int) -> None:
         """Mark a tracked offset done; unknown or already done offsets are ignored.
 
