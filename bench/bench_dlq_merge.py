@@ -209,6 +209,8 @@ def main() -> int:
                 result.ratio(f"{n}.merge_vs_python_copy", merge_rate / baseline)
         finally:
             run.spark.stop()
+            if run.console_log is not None:
+                run.console_log.unlink(missing_ok=True)
     result.note(
         "merge rates are for the whole command (count pass + write + mark); Spark start-up "
         "is not in them"

@@ -61,6 +61,7 @@ SLOW_MARKER = b"slow"
 _SPAWN = multiprocessing.get_context("spawn")
 
 __all__ = [
+    "RESULTS_DIR",
     "ROOT",
     "SLOW_MARKER",
     "HandlerServer",
@@ -72,11 +73,16 @@ __all__ = [
     "committed_sum",
     "cpu_seconds",
     "create_topic",
+    "group_members",
+    "mean",
     "percentile",
     "produce_at_rate",
     "produce_bulk",
     "proxy_backlog_run",
+    "proxy_config_yaml",
+    "rate",
     "run_bare_loop",
+    "steady_rate",
     "summarise_cprofile",
     "unique_name",
     "wait_for",
@@ -951,6 +957,7 @@ def rate(n: int, seconds: float) -> float:
 
 
 def mean(values: Sequence[float]) -> float | None:
+    """The arithmetic mean; None for no values."""
     return statistics.fmean(values) if values else None
 
 

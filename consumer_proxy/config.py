@@ -679,6 +679,7 @@ def _format_error(
     shown = err.get("input")
     if (
         err["type"] not in {"missing", "extra_forbidden"}
+        and loc[:2] != ["kafka", "client"]  # librdkafka passthrough: may hold credentials
         and not isinstance(shown, dict | list)
         and repr(shown) not in message
     ):

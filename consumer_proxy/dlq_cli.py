@@ -25,11 +25,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
+from . import pipeline
 from .config import GroupConfig, KafkaConfig, ProxyConfig
 from .dlq import split_headers
 from .errors import ConfigError, KafkaUnavailableError
@@ -38,6 +39,7 @@ CommonOptions = Callable[..., None]
 KAFKA_TIMEOUT_S = 15.0
 EXIT_OK, EXIT_FAILURE = 0, 1
 MERGE_MARK_SUFFIX = ".dlq-merge"
+T = TypeVar("T")
 
 
 def merge_mark_group(group: GroupConfig) -> str:
@@ -124,9 +126,7 @@ def add_dlq_commands(sub: Any, common: CommonOptions) -> None:
     )
     _spark_options(report)
 
-    from .pipeline import DLQ_COLUMNS
-
-    columns = "\n".join(f"  {name:<19} {meaning}" for name, meaning in DLQ_COLUMNS.items())
+    columns = "\n".join(f"  {name:<19} {meaning}" for name, meaning in pipeline.DLQ_COLUMNS.items())
     merge = dlq_sub.add_parser(
         "merge",
         help="Spark job: send selected DLQ records back through the group's redrive topic",
@@ -276,6 +276,33 @@ def _missing_topic(group: GroupConfig, topic: str, role: str) -> ConfigError:
     return ConfigError([f"group {group.name}: {role} topic {topic} does not exist ({hint})"])
 
 
+_COORDINATOR_CODES = {
+    KafkaError.NOT_COORDINATOR,
+    KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+    KafkaError.COORDINATOR_NOT_AVAILABLE,
+}
+
+
+def _with_coordinator(call: Callable[[], T], timeout_s: float = KAFKA_TIMEOUT_S) -> T:
+    """``call()``, retried while the group coordinator is moving or still loading.
+
+    On a fresh cluster, or while a broker fails over, offset lookups and commits answer
+    NOT_COORDINATOR / COORDINATOR_LOAD_IN_PROGRESS for a moment; that is no reason to fail.
+    """
+    deadline = time.monotonic() + timeout_s
+    delay = 0.2
+    while True:
+        try:
+            return call()
+        except KafkaException as exc:
+            error = exc.args[0] if exc.args else None
+            transient = isinstance(error, KafkaError) and error.code() in _COORDINATOR_CODES
+            if not transient or time.monotonic() + delay > deadline:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 2.0)
+
+
 def dlq_partitions(kafka: KafkaConfig, group: GroupConfig) -> list[DlqPartition]:
     """Watermarks and merge mark of every DLQ partition; ConfigError if the topic is missing.
 
@@ -288,7 +315,7 @@ def dlq_partitions(kafka: KafkaConfig, group: GroupConfig) -> list[DlqPartition]
         if meta is None or meta.error is not None or not meta.partitions:
             raise _missing_topic(group, topic, "DLQ")
         tps = [TopicPartition(topic, p) for p in sorted(meta.partitions)]
-        committed = consumer.committed(tps, timeout=KAFKA_TIMEOUT_S)
+        committed = _with_coordinator(lambda: consumer.committed(tps, timeout=KAFKA_TIMEOUT_S))
         result = []
         for tp in committed:
             low, high = consumer.get_watermark_offsets(
@@ -320,11 +347,10 @@ def commit_merge_mark(
     now = int(time.time() * 1000)
     consumer = Consumer(_client_conf(kafka, merge_mark_group(group)))
     try:
+        wanted = [TopicPartition(topic, p) for p in marks]
         current = {
             tp.partition: tp.offset
-            for tp in consumer.committed(
-                [TopicPartition(topic, p) for p in marks], timeout=KAFKA_TIMEOUT_S
-            )
+            for tp in _with_coordinator(lambda: consumer.committed(wanted, timeout=KAFKA_TIMEOUT_S))
         }
         offsets = [
             TopicPartition(
@@ -336,7 +362,7 @@ def commit_merge_mark(
             for p, offset in sorted(marks.items())
         ]
         # A group that is never joined takes plain commits: the mark costs no membership.
-        consumer.commit(offsets=offsets, asynchronous=False)
+        _with_coordinator(lambda: consumer.commit(offsets=offsets, asynchronous=False))
     except KafkaException as exc:
         raise KafkaUnavailableError(
             f"the records were written but the merge mark could not be committed: {exc}; "
@@ -479,16 +505,14 @@ def render_inspect(report: dict[str, Any]) -> str:
 # --- report and merge (Spark) ----------------------------------------------------------------
 
 
-def _spark_settings(args: argparse.Namespace) -> Any:
-    from .pipeline import SparkOptions
-
+def _spark_settings(args: argparse.Namespace) -> pipeline.SparkOptions:
     pairs = []
     for item in args.spark_conf:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError([f"--spark-conf {item!r}: expected KEY=VALUE"])
         pairs.append((key.strip(), value))
-    return SparkOptions(
+    return pipeline.SparkOptions(
         master=args.master,
         conf=tuple(pairs),
         connector_version=args.connector_version,
@@ -498,8 +522,6 @@ def _spark_settings(args: argparse.Namespace) -> Any:
 
 
 def _report(args: argparse.Namespace, kafka: KafkaConfig, group: GroupConfig) -> int:
-    from . import pipeline
-
     if args.top < 1:
         raise ConfigError([f"--top must be at least 1, got {args.top}"])
     pipeline.require_pipeline("report", chart=True)
@@ -531,8 +553,6 @@ def _report(args: argparse.Namespace, kafka: KafkaConfig, group: GroupConfig) ->
 
 
 def _merge(args: argparse.Namespace, kafka: KafkaConfig, group: GroupConfig) -> int:
-    from . import pipeline
-
     if args.since is not None and args.until is not None and args.since > args.until:
         raise ConfigError(
             [
@@ -569,7 +589,6 @@ def _merge(args: argparse.Namespace, kafka: KafkaConfig, group: GroupConfig) -> 
         f"to the end offsets at start"
         + "".join(f"\n  partition {p}: offsets {s}..{e}" for p, (s, e) in ranges.items())
     )
-    outcome: pipeline.MergeOutcome | None = None
     if in_range:
 
         def confirm(found: pipeline.MergeOutcome) -> bool:
@@ -626,7 +645,7 @@ def _merge(args: argparse.Namespace, kafka: KafkaConfig, group: GroupConfig) -> 
     return EXIT_FAILURE if aborted else EXIT_OK
 
 
-def _describe_selection(outcome: Any) -> str:
+def _describe_selection(outcome: pipeline.MergeOutcome) -> str:
     parts = ", ".join(f"{p}: {n}" for p, n in sorted(outcome.by_partition.items()))
     statuses = ", ".join(f"{s}: {n}" for s, n in sorted(outcome.by_status.items()))
     return f"  by DLQ partition: {parts}\n  by status: {statuses}"

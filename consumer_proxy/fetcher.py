@@ -156,14 +156,20 @@ class Fetcher:
         """Up to ``max_messages`` messages (rebalance callbacks run in here)."""
 
         def consume() -> list[Any]:
-            assert self._consumer is not None
-            messages: list[Any] = self._consumer.consume(max_messages, timeout_s)
+            consumer = self._consumer
+            assert consumer is not None
+            # librdkafka's consume(n, timeout) waits for n messages or the whole timeout, which
+            # adds up to `timeout` of latency at low traffic. Wait for the first message only,
+            # then take what is already there.
+            messages: list[Any] = consumer.consume(1, timeout_s)
+            if messages and max_messages > 1:
+                messages += consumer.consume(max_messages - 1, 0)
             # Read on this thread right after the batch: a position then counts only messages
             # handed over in this batch or before, plus what the consumer skipped without
             # handing it over (transaction markers, aborted records), which nobody will fetch.
             self.positions = {
                 (tp.topic, tp.partition): tp.offset
-                for tp in self._consumer.position(self._consumer.assignment())
+                for tp in consumer.position(consumer.assignment())
             }
             return messages
 

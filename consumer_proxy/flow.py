@@ -161,6 +161,9 @@ class Breaker:
 
     def record(self, service_failure: bool, probe: bool) -> None:
         """Report a finished push: ``service_failure`` as the classification says."""
+        cb = self._cb
+        if not (service_failure or probe) and cb.fail_counter == 0 and cb.current_state == CLOSED:
+            return  # the common case, once per push: nothing for pybreaker to learn
         if probe:
             self._probe_in_flight = False
         state = self.state

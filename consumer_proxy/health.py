@@ -195,8 +195,11 @@ class ProxyHealth:
             except Exception:
                 # Health reporting must never take delivery down; the next round retries.
                 log.exception("publishing health failed")
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel that
+            # arrives as the event fires (shutdown does both), and this loop then never ends.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), self._interval_s)
+                async with asyncio.timeout(self._interval_s):
+                    await self._changed.wait()
 
     async def close(self) -> None:
         """Answer NOT_SERVING to the last probes and stop the gRPC server (idempotent)."""

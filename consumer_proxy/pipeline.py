@@ -840,12 +840,13 @@ def merge(
 
     Key, value and every header (the user's and the ``cp-*`` ones) are kept, so the proxy
     delivers them with the original coordinates and the attempt count carried on. The
-    selection is counted first, from a cached copy that the write then reuses: the Kafka
-    range is read once, the count shown is exactly what is written, and a selection that
-    fails at run time fails before anything is written. Returns once every write is
+    selection is counted in a first pass (so a selection that fails at run time fails before
+    anything is written, and the operator can be asked), then a second pass over the same
+    pinned offset range writes it. Two reads of Kafka beat caching the selection in between:
+    measured on 1M dead letters, building Spark's cache cost twice a plain read, and its
+    deserialized variant ran out of heap in a 1 GiB driver. Returns once every write is
     acknowledged (acks=all); raises PipelineError when the write failed.
     """
-    from pyspark import StorageLevel
     from pyspark.errors import PySparkException
     from pyspark.sql import functions as F
 
@@ -859,54 +860,47 @@ def merge(
         "headers",
     )
     outcome = MergeOutcome(in_range=in_range, selected=0)
-    if not dry_run:
-        selected.persist(StorageLevel.MEMORY_AND_DISK)
     try:
-        try:
-            with stage_progress(spark, "selecting", progress):
-                rows = selected.groupBy("partition", "status").count().collect()
-        except PySparkException as exc:
-            raise PipelineError(
-                f"reading or selecting from {dlq_topic} failed (nothing written): "
-                f"{_spark_message(exc)}"
-            ) from exc
-        for row in rows:
-            count = int(row["count"])
-            outcome.selected += count
-            part = int(row["partition"])
-            outcome.by_partition[part] = outcome.by_partition.get(part, 0) + count
-            status = row["status"] or "(none)"
-            outcome.by_status[status] = outcome.by_status.get(status, 0) + count
-        progress(f"selected {outcome.selected} of {in_range} records ({selection.describe()})")
-        if dry_run or outcome.selected == 0 or not confirm(outcome):
-            return outcome
-        progress(f"writing {outcome.selected} records to {redrive_topic} ...")
-        started = time.monotonic()
-        writer = (
-            selected.select("key", "value", "headers")
-            .write.format("kafka")
-            .options(**kafka_options)
-            .option("topic", redrive_topic)
-            # The same guarantees as the proxy's DLQ writer: acknowledged by all in-sync
-            # replicas, no duplicates from producer retries.
-            .option("kafka.acks", "all")
-            .option("kafka.enable.idempotence", "true")
-            .option("kafka.compression.type", "lz4")
-            .option("kafka.linger.ms", "20")
-            .option("kafka.batch.size", str(512 * 1024))
-        )
-        try:
-            with stage_progress(spark, "writing", progress):
-                writer.save()
-        except PySparkException as exc:
-            raise PipelineError(
-                f"writing to {redrive_topic} failed; some records may have been written and "
-                f"will be written again by the next merge (the mark did not move): "
-                f"{_spark_message(exc)}"
-            ) from exc
-        outcome.written = True
-        outcome.write_seconds = time.monotonic() - started
+        with stage_progress(spark, "selecting", progress):
+            rows = selected.groupBy("partition", "status").count().collect()
+    except PySparkException as exc:
+        raise PipelineError(
+            f"reading or selecting from {dlq_topic} failed (nothing written): {_spark_message(exc)}"
+        ) from exc
+    for row in rows:
+        count = int(row["count"])
+        outcome.selected += count
+        part = int(row["partition"])
+        outcome.by_partition[part] = outcome.by_partition.get(part, 0) + count
+        status = row["status"] or "(none)"
+        outcome.by_status[status] = outcome.by_status.get(status, 0) + count
+    progress(f"selected {outcome.selected} of {in_range} records ({selection.describe()})")
+    if dry_run or outcome.selected == 0 or not confirm(outcome):
         return outcome
-    finally:
-        if not dry_run:
-            selected.unpersist()
+    progress(f"writing {outcome.selected} records to {redrive_topic} ...")
+    started = time.monotonic()
+    writer = (
+        selected.select("key", "value", "headers")
+        .write.format("kafka")
+        .options(**kafka_options)
+        .option("topic", redrive_topic)
+        # The same guarantees as the proxy's DLQ writer: acknowledged by all in-sync
+        # replicas, no duplicates from producer retries.
+        .option("kafka.acks", "all")
+        .option("kafka.enable.idempotence", "true")
+        .option("kafka.compression.type", "lz4")
+        .option("kafka.linger.ms", "20")
+        .option("kafka.batch.size", str(512 * 1024))
+    )
+    try:
+        with stage_progress(spark, "writing", progress):
+            writer.save()
+    except PySparkException as exc:
+        raise PipelineError(
+            f"writing to {redrive_topic} failed; some records may have been written and "
+            f"will be written again by the next merge (the mark did not move): "
+            f"{_spark_message(exc)}"
+        ) from exc
+    outcome.written = True
+    outcome.write_seconds = time.monotonic() - started
+    return outcome

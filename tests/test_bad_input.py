@@ -19,6 +19,7 @@ from grpc import aio
 
 from consumer_proxy import dlq
 from consumer_proxy.proto.v1 import handler_pb2
+from consumer_proxy.tracker import PartitionTracker
 from tests.support.kafka import (
     committed_offsets,
     consume_all,
@@ -160,6 +161,24 @@ def _transaction(producer: Producer, topic: str, records: list[dict[str, Any]], 
         producer.commit_transaction(30)
     else:
         producer.abort_transaction(30)
+
+
+def test_the_tracker_skips_unfetchable_offsets_but_never_a_pending_one() -> None:
+    # Given offsets 10..12 tracked, 11 still pending, and the consumer's position at 15
+    tracker = PartitionTracker(10, 100)
+    for offset in (10, 11, 12):
+        assert tracker.track(offset)
+    tracker.done(10)
+    tracker.done(12)
+    tracker.skip_to(15)  # 13 and 14 were markers
+    # Then the pending offset still holds the commit, and nothing moves backwards
+    assert tracker.committable() == 11
+    tracker.skip_to(5)
+    tracker.done(11)
+    assert tracker.committable() == 15
+    # and a skipped offset is not taken again should it show up
+    assert not tracker.track(14)
+    assert tracker.track(15)
 
 
 def test_read_committed_skips_aborted_transactions_and_commits_past_the_markers(kafka) -> None:

@@ -90,6 +90,8 @@ def test_kill_9_the_proxy_repeatedly_loses_nothing(kafka, tmp_path: Path) -> Non
         config = write_config(
             tmp_path / "proxy.json", bootstrap, group, [topic], [service.address],
             delivery={"concurrency": 20, "max_in_flight": window},
+            # A killed member holds its partitions until its session expires: keep it short.
+            client={"session.timeout.ms": 3000, "heartbeat.interval.ms": 300},
         )
         log = tmp_path / "proxy.log"
         # When the proxy process is killed with SIGKILL five times while it delivers

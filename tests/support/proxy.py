@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from confluent_kafka import KafkaException
+
 from consumer_proxy.config import ProxyConfig
 from consumer_proxy.proxy import Proxy
 
@@ -69,10 +71,13 @@ def start_proxy(config: ProxyConfig, **kwargs: Any) -> tuple[Proxy, asyncio.Task
 
 async def caught_up(bootstrap: str, group: str, topic: str) -> bool:
     """True once the group's committed offsets equal the topic's end offsets everywhere."""
-    ends, committed = await asyncio.gather(
-        asyncio.to_thread(end_offsets, bootstrap, topic),
-        asyncio.to_thread(committed_offsets, bootstrap, group, topic),
-    )
+    try:
+        ends, committed = await asyncio.gather(
+            asyncio.to_thread(end_offsets, bootstrap, topic),
+            asyncio.to_thread(committed_offsets, bootstrap, group, topic),
+        )
+    except KafkaException:  # e.g. the group coordinator of a fresh broker is still loading
+        return False
     return all(committed.get(p, (None,))[0] == end for p, end in ends.items() if end > 0)
 
 
