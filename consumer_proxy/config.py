@@ -259,7 +259,15 @@ class DlqConfig(BaseModel):
     )
     create: bool = Field(True, description="Create missing DLQ and redrive topics at start.")
     partitions: int | None = Field(
-        None, ge=1, le=10_000, description="Partitions of created topics; the source topic's count."
+        None, ge=1, le=10_000, description="Partitions of a created DLQ topic; the source's count."
+    )
+    redrive_partitions: int = Field(
+        1,
+        ge=1,
+        le=10_000,
+        description="Partitions of a created redrive topic. One by default: the group's "
+        "consumers balance partitions across all their topics, so a redrive topic as wide as "
+        "the source could leave a worker holding only idle redrive partitions.",
     )
     replication_factor: int | None = Field(
         None, ge=1, le=32, description="Replication of created topics; the broker default."

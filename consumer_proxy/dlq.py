@@ -255,8 +255,9 @@ def ensure_topics(kafka: KafkaConfig, group: GroupConfig, timeout_s: float = 30.
         counts = [len(existing[t].partitions) for t in group.topics if t in existing]
         partitions = max(counts, default=1)
     replication = group.dlq.replication_factor or -1
+    widths = {group.dlq_topic: partitions, group.redrive_topic: group.dlq.redrive_partitions}
     futures = admin.create_topics(
-        [NewTopic(t, num_partitions=partitions, replication_factor=replication) for t in missing],
+        [NewTopic(t, num_partitions=widths[t], replication_factor=replication) for t in missing],
         request_timeout=timeout_s,
     )
     created = []
@@ -264,7 +265,7 @@ def ensure_topics(kafka: KafkaConfig, group: GroupConfig, timeout_s: float = 30.
         try:
             future.result(timeout=timeout_s)
             created.append(name)
-            log.info("group %s: created topic %s (%d partitions)", group.name, name, partitions)
+            log.info("group %s: created topic %s (%d partitions)", group.name, name, widths[name])
         except KafkaException as exc:
             error = exc.args[0] if exc.args else None
             if isinstance(error, KafkaError) and error.code() == KafkaError.TOPIC_ALREADY_EXISTS:
