@@ -109,7 +109,7 @@ def test_validate_exits_0_on_a_good_config_and_2_on_a_bad_one(tmp_path: Path) ->
     ok = run_cli("validate", "--config", str(good))
     failed = run_cli("validate", "--config", str(bad))
 
-    assert (ok.returncode, ok.stdout.strip()) == (0, f"{good}: OK (1 groups: g)")
+    assert (ok.returncode, ok.stdout.strip()) == (0, f"{good}: OK (1 group: g)")
     assert failed.returncode == 2 and failed.stdout == ""
     assert failed.stderr.strip() == (
         f"{bad}: groups.0(g).delivery.max_attempts: Input should be greater than or equal "

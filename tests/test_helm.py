@@ -263,7 +263,8 @@ def test_rendered_onboarding_config_passes_consumer_proxy_validate(
 
     # Then it is accepted, with the groups of the values
     assert proc.returncode == 0, proc.stderr
-    assert f"OK ({len(groups)} groups: {', '.join(groups)})" in proc.stdout
+    noun = "group" if len(groups) == 1 else "groups"
+    assert f"OK ({len(groups)} {noun}: {', '.join(groups)})" in proc.stdout
 
 
 def test_config_reaches_the_proxy_where_the_pod_reads_it(example_manifests: Manifests) -> None:
