@@ -33,6 +33,8 @@ examples:
   consumer-proxy run --config proxy.yaml --workers 2
   consumer-proxy status --config proxy.yaml --group billing --json
   consumer-proxy dlq inspect --config proxy.yaml --group billing --limit 5
+  consumer-proxy dlq merge --config proxy.yaml --group billing --status INVALID_ARGUMENT --yes
+  consumer-proxy dlq purge --config proxy.yaml --group billing --merged --yes
 
 Environment overrides: CONSUMER_PROXY_KAFKA__BOOTSTRAP_SERVERS=broker:9092 and the like
 (prefix CONSUMER_PROXY_, '__' between nested names).

@@ -250,23 +250,38 @@ def end_offsets(bootstrap: str, topic: str, *, committed_only: bool = False) -> 
 
 
 def committed_offsets(bootstrap: str, group: str, topic: str) -> dict[int, tuple[int, str | None]]:
-    """{partition: (committed offset, commit metadata)} for the partitions ``group`` committed."""
-    # The consumer's committed() carries commit metadata, as the proxy itself reads it back.
-    consumer = Consumer(
-        {"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False}
-    )
-    try:
-        wanted = [TopicPartition(topic, p) for p in partitions_of(bootstrap, topic)]
-        found = consumer.committed(wanted, timeout=ADMIN_TIMEOUT_S)
-    finally:
-        consumer.close()
-    result: dict[int, tuple[int, str | None]] = {}
-    for tp in found:
-        if tp.error is not None:
-            raise KafkaException(tp.error)
-        if tp.offset >= 0:
-            result[tp.partition] = (tp.offset, tp.metadata)
-    return result
+    """{partition: (committed offset, commit metadata)} for the partitions ``group`` committed.
+
+    Retried for a while when the group coordinator is not ready (a broker just started or
+    restarted answers NOT_COORDINATOR / COORDINATOR_LOAD_IN_PROGRESS for a few seconds).
+    """
+    transient = {
+        KafkaError.NOT_COORDINATOR,
+        KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+        KafkaError.COORDINATOR_NOT_AVAILABLE,
+        KafkaError._TIMED_OUT,
+    }
+    deadline = time.monotonic() + ADMIN_TIMEOUT_S
+    while True:
+        # The consumer's committed() carries commit metadata, as the proxy itself reads it.
+        consumer = Consumer(
+            {"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False}
+        )
+        try:
+            wanted = [TopicPartition(topic, p) for p in partitions_of(bootstrap, topic)]
+            found = consumer.committed(wanted, timeout=ADMIN_TIMEOUT_S)
+            errors = [tp.error for tp in found if tp.error is not None]
+        except KafkaException as exc:
+            found, errors = [], [exc.args[0]]
+        finally:
+            consumer.close()
+        if not errors:
+            break
+        code = errors[0].code() if isinstance(errors[0], KafkaError) else None
+        if code not in transient or time.monotonic() >= deadline:
+            raise KafkaException(errors[0])
+        time.sleep(0.2)
+    return {tp.partition: (tp.offset, tp.metadata) for tp in found if tp.offset >= 0}
 
 
 def consume_all(bootstrap: str, topic: str, timeout: float = 30.0) -> list[Message]:
