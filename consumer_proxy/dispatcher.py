@@ -379,4 +379,5 @@ class Dispatcher:
             delay = min(e.next_check for e in self.endpoints) - time.monotonic()
             if delay > 0:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), delay)
+                    async with asyncio.timeout(delay):  # not wait_for: see Breaker.acquire
+                        await wake.wait()

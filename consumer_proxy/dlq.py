@@ -18,7 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
-from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+from confluent_kafka.admin import (  # type: ignore[attr-defined]
+    AdminClient,
+    ConfigResource,
+    NewTopic,
+    ResourceType,
+)
 
 from .config import GroupConfig, KafkaConfig
 from .errors import DeadLetterWriteError, TopicSetupError
@@ -125,6 +130,9 @@ def producer_config(kafka: KafkaConfig, write_timeout_ms: int) -> dict[str, Any]
             "enable.idempotence": True,
             "acks": "all",
             "message.timeout.ms": write_timeout_ms,
+            # A DLQ copy is as large as its source record plus the cp-* headers: let the
+            # broker's topic limit decide, not librdkafka's 1 MB default.
+            "message.max.bytes": 64 * 1024 * 1024,
         }
     )
     return conf
@@ -256,8 +264,12 @@ def ensure_topics(kafka: KafkaConfig, group: GroupConfig, timeout_s: float = 30.
         partitions = max(counts, default=1)
     replication = group.dlq.replication_factor or -1
     widths = {group.dlq_topic: partitions, group.redrive_topic: group.dlq.redrive_partitions}
+    config = _record_size_config(admin, [t for t in group.topics if t in existing], timeout_s)
     futures = admin.create_topics(
-        [NewTopic(t, num_partitions=widths[t], replication_factor=replication) for t in missing],
+        [
+            NewTopic(t, num_partitions=widths[t], replication_factor=replication, config=config)
+            for t in missing
+        ],
         request_timeout=timeout_s,
     )
     created = []
@@ -282,3 +294,25 @@ def ensure_topics(kafka: KafkaConfig, group: GroupConfig, timeout_s: float = 30.
                 break
             time.sleep(0.1)
     return created
+
+
+def _record_size_config(admin: AdminClient, sources: list[str], timeout_s: float) -> dict[str, str]:
+    """``max.message.bytes`` for created DLQ/redrive topics: the largest of the source topics'.
+
+    A record that fits its source topic must fit the DLQ too (plus the cp-* headers), or its
+    dead letter could never be written and would hold the partition forever.
+    """
+    if not sources:
+        return {}
+    resources = [ConfigResource(ResourceType.TOPIC, t) for t in sources]
+    sizes: list[int] = []
+    try:
+        for future in admin.describe_configs(resources, request_timeout=timeout_s).values():
+            entry = future.result(timeout=timeout_s).get("max.message.bytes")
+            if entry is not None and entry.value is not None:
+                sizes.append(int(entry.value))
+    except (KafkaException, ValueError) as exc:
+        log.warning("cannot read the source topics' max.message.bytes (%s); broker default", exc)
+        return {}
+    # Headroom for the cp-* headers (about 1 KiB of reason plus the coordinates).
+    return {"max.message.bytes": str(max(sizes) + 16 * 1024)} if sizes else {}

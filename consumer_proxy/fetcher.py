@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
@@ -21,6 +22,7 @@ from .config import KafkaConfig
 log = logging.getLogger(__name__)
 
 TP = tuple[str, int]
+POSITIONS_INTERVAL_S = 0.2  # reading positions costs ~6 us per partition: not on every batch
 
 
 class RebalanceListener(Protocol):
@@ -86,7 +88,9 @@ class Fetcher:
         self.closed = False
         self.last_error: str | None = None
         self.positions: dict[TP, int] = {}
-        """Each assigned partition's position right after the latest ``consume()`` batch."""
+        """Each assigned partition's position after a recent ``consume()`` batch (re-read at
+        least every POSITIONS_INTERVAL_S, and at the end of any batch with a rebalance)."""
+        self._positions_due = 0.0
 
     async def _run(self, fn: Callable[[], Any]) -> Any:
         return await self._loop.run_in_executor(self._executor, fn)
@@ -116,6 +120,7 @@ class Fetcher:
         return future.result(timeout=self._callback_timeout_s)
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._positions_due = 0.0  # positions of a previous assignment must not outlive it
         if not partitions:
             return
         committed = None
@@ -137,6 +142,7 @@ class Fetcher:
         self._call_listener(self._listener.partitions_assigned(committed))
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._positions_due = 0.0
         if not partitions:
             return
         offsets = self._call_listener(self._listener.partitions_revoked(partitions))
@@ -147,6 +153,7 @@ class Fetcher:
                 log.warning("commit on revoke failed (acked messages may be redelivered): %s", exc)
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._positions_due = 0.0
         if partitions:
             self._call_listener(self._listener.partitions_lost(partitions))
 
@@ -164,13 +171,17 @@ class Fetcher:
             messages: list[Any] = consumer.consume(1, timeout_s)
             if messages and max_messages > 1:
                 messages += consumer.consume(max_messages - 1, 0)
-            # Read on this thread right after the batch: a position then counts only messages
+            # Read on this thread right after a batch: a position then counts only messages
             # handed over in this batch or before, plus what the consumer skipped without
             # handing it over (transaction markers, aborted records), which nobody will fetch.
-            self.positions = {
-                (tp.topic, tp.partition): tp.offset
-                for tp in consumer.position(consumer.assignment())
-            }
+            # An older reading stays true until the assignment changes (that forces a new one).
+            now = time.monotonic()
+            if now >= self._positions_due:
+                self._positions_due = now + POSITIONS_INTERVAL_S
+                self.positions = {
+                    (tp.topic, tp.partition): tp.offset
+                    for tp in consumer.position(consumer.assignment())
+                }
             return messages
 
         result: list[Any] = await self._run(consume)

@@ -156,8 +156,11 @@ class Breaker:
                 return probe
             changed = self._changed
             timeout = self.seconds_until_probe() or None
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancel that
+            # arrives as the event fires, and a worker that ignores its cancel hangs shutdown.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), timeout=timeout)
+                async with asyncio.timeout(timeout):
+                    await changed.wait()
 
     def record(self, service_failure: bool, probe: bool) -> None:
         """Report a finished push: ``service_failure`` as the classification says."""

@@ -128,6 +128,7 @@ class GroupRunner:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._dlq_tasks: set[asyncio.Task[Any]] = set()
         self._pushing: set[asyncio.Task[Any]] = set()
+        self._failure: BaseException | None = None  # a task that crashed fails the group
         self._call_ended = asyncio.Event()  # revocation waits on it for in-flight calls
         self.started = asyncio.Event()
         self.kafka_link = KafkaLink()  # the consumer's broker connections, for health
@@ -193,6 +194,8 @@ class GroupRunner:
                     raise task.exception()  # type: ignore[misc]
         finally:
             await self._shutdown()
+        if self._failure is not None:
+            raise self._failure
 
     def stop(self) -> None:
         """Ask the runner to shut down (idempotent)."""
@@ -211,6 +214,7 @@ class GroupRunner:
             log.error(
                 "group %s: task %s failed", self.name, task.get_name(), exc_info=task.exception()
             )
+            self._failure = task.exception()
             self._stopping.set()
 
     async def _shutdown(self) -> None:
@@ -299,7 +303,8 @@ class GroupRunner:
         while any(p.calls for p in parts) and loop.time() < deadline:
             self._call_ended.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._call_ended.wait(), deadline - loop.time())
+                async with asyncio.timeout(deadline - loop.time()):  # not wait_for (3.11)
+                    await self._call_ended.wait()
         offsets = []
         for part in parts:
             final = self._final_offset(part)

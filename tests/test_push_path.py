@@ -102,6 +102,7 @@ async def _head_of_line(bootstrap: str) -> None:
 
     async with TestService(behaviour) as service:
         proxy, task = start_proxy(make_config(bootstrap, group, [topic], [service.address]))
+
         # When all fast messages are acked
         def fast_done() -> bool:
             return sum(1 for d in service.deliveries if d.outcome == "ACK" and d.offset != 4) == 199
@@ -194,3 +195,60 @@ async def _dlq_outage(bootstrap: str) -> None:
     dead = await asyncio.to_thread(consume_all, bootstrap, f"{group}.dlq")
     assert [m.value() for m in dead] == [values[20].encode()]
     assert service.count(topic, 0, 20) == 1
+
+
+def test_a_large_poison_pill_fits_the_dlq_the_proxy_creates(kafka) -> None:
+    asyncio.run(_large_pill(kafka.bootstrap))
+
+
+async def _large_pill(bootstrap: str) -> None:
+    # Given a source topic that takes 3 MiB records and a 2 MiB poison pill in it
+    topic, group = unique_name("big"), unique_name("big")
+    create_topic(bootstrap, topic, partitions=1, config={"max.message.bytes": str(3 << 20)})
+    pill = b"poison" + bytes(range(256)) * (2 << 12)  # ~2 MiB of binary
+    await asyncio.to_thread(
+        produce, bootstrap, topic, [b"ok-1", pill, b"ok-2"], {"message.max.bytes": 4 << 20}
+    )
+
+    def behaviour(msg, n):
+        if msg.value.startswith(b"poison"):
+            return Behaviour(status=grpc.StatusCode.DATA_LOSS, details="corrupt")
+        return Behaviour()
+
+    async with TestService(behaviour) as service:
+        # When the proxy creates the DLQ topic itself and dead-letters the pill
+        proxy, task = start_proxy(make_config(bootstrap, group, [topic], [service.address]))
+        await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=60)
+        await proxy.shutdown()
+        await task
+    # Then the DLQ holds it byte for byte
+    dead = await asyncio.to_thread(consume_all, bootstrap, f"{group}.dlq")
+    assert [m.value() for m in dead] == [pill]
+
+
+def test_a_crashed_worker_fails_the_run_instead_of_stopping_quietly(kafka, monkeypatch) -> None:
+    # Given a proxy whose result handling breaks on one message (a stand-in for any bug)
+    from consumer_proxy.proxy import GroupRunner
+
+    original = GroupRunner._apply
+
+    def broken(self, delivery, result, endpoint):
+        if delivery.offset == 3:
+            raise RuntimeError("injected bug")
+        return original(self, delivery, result, endpoint)
+
+    monkeypatch.setattr(GroupRunner, "_apply", broken)
+
+    async def scenario() -> None:
+        topic, group = unique_name("crash"), unique_name("crash")
+        create_topic(kafka.bootstrap, topic, partitions=1)
+        await asyncio.to_thread(produce, kafka.bootstrap, topic, [f"m{i}" for i in range(10)])
+        async with TestService() as service:
+            _, task = start_proxy(make_config(kafka.bootstrap, group, [topic], [service.address]))
+            # When the worker crashes, Then the proxy's run ends with that error
+            with pytest.raises(RuntimeError, match="injected bug"):
+                await asyncio.wait_for(task, timeout=60)
+        committed = await asyncio.to_thread(committed_offsets, kafka.bootstrap, group, topic)
+        assert committed.get(0, (0,))[0] <= 3  # nothing past the message that was not handled
+
+    asyncio.run(scenario())

@@ -176,15 +176,25 @@ def test_a_wrong_password_fails_and_shows_neither_password(
         tmp_path / "bad.json", sasl_broker, group, topic, "127.0.0.1:1",
         **{"sasl.password": WRONG_PASSWORD},
     )
-    # When the proxy and the read-only commands run with it
-    run = run_cli("run", "--config", str(config), "--log-level", "debug")
-    status = run_cli("status", "--config", str(config), "--log-level", "debug")
-    inspect = run_cli("dlq", "inspect", "--config", str(config), "--group", group)
+    # When the proxy and the read-only commands run with it (side by side: each waits for
+    # its own timeouts before giving up)
+    commands = {
+        "run": ["run", "--config", str(config), "--log-level", "debug"],
+        "status": ["status", "--config", str(config), "--log-level", "debug"],
+        "dlq inspect": ["dlq", "inspect", "--config", str(config), "--group", group],
+    }
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "consumer_proxy", *args], cwd=ROOT, text=True,
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )
+        for name, args in commands.items()
+    }
+    outputs = {name: proc.communicate(timeout=120)[0] for name, proc in procs.items()}
     # Then each fails with exit code 1 and prints neither password (nor the key's)
-    for name, result in (("run", run), ("status", status), ("dlq inspect", inspect)):
-        output = result.stdout + result.stderr
-        assert result.returncode == 1, f"{name}: {output[-3000:]}"
-        assert_no_secret(name, output, WRONG_PASSWORD, PASSWORD, KEY_PASSWORD)
+    for name, proc in procs.items():
+        assert proc.returncode == 1, f"{name}: {outputs[name][-3000:]}"
+        assert_no_secret(name, outputs[name], WRONG_PASSWORD, PASSWORD, KEY_PASSWORD)
 
 
 # --------------------------------------------------------------------------- config errors
