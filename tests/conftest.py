@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 
@@ -25,6 +26,16 @@ def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
         yield broker
     finally:
         stop_broker(directory)
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging() -> Iterator[None]:
+    """The CLI's main() installs its own root log handler; give pytest's back afterwards."""
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level)
+    yield
+    root.handlers[:] = saved[0]
+    root.setLevel(saved[1])
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

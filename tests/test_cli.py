@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,16 +30,6 @@ from tests.support.waiting import async_wait_until, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMAND = [sys.executable, "-m", "consumer_proxy"]
-
-
-@pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
-    # main() installs its own handler on the root logger; give pytest's back afterwards.
-    root = logging.getLogger()
-    saved = (root.handlers[:], root.level)
-    yield
-    root.handlers[:] = saved[0]
-    root.setLevel(saved[1])
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

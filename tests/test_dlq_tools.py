@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import os
 import pty
 import random
@@ -72,16 +71,6 @@ def _group_coordinator_ready(kafka) -> None:
         return True
 
     wait_until(ready, timeout=60, message="the group coordinator to answer")
-
-
-@pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
-    # main() installs its own handler on the root logger; give pytest's back afterwards.
-    root = logging.getLogger()
-    saved = (root.handlers[:], root.level)
-    yield
-    root.handlers[:] = saved[0]
-    root.setLevel(saved[1])
 
 
 def write_config(path: Path, config: ProxyConfig) -> Path:

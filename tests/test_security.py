@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import os
 import re
 import subprocess
@@ -61,16 +60,6 @@ def sasl_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
         yield broker
     finally:
         stop_broker(directory)
-
-
-@pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
-    # main() installs its own handler on the root logger; give pytest's back afterwards.
-    root = logging.getLogger()
-    saved = (root.handlers[:], root.level)
-    yield
-    root.handlers[:] = saved[0]
-    root.setLevel(saved[1])
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
