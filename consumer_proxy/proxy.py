@@ -107,8 +107,10 @@ class GroupRunner:
         group: GroupConfig,
         metrics: ProxyMetrics,
         consumer_overrides: dict[str, Any] | None = None,
+        shutdown_grace_s: float = 25.0,
     ) -> None:
         self.kafka = kafka
+        self._grace_s = shutdown_grace_s
         self.group = group
         self.name = group.name
         self.metrics = metrics
@@ -147,7 +149,6 @@ class GroupRunner:
         )
         self.rate = RateLimiter(d.rate_limit_per_s) if d.rate_limit_per_s else None
         self.breaker = Breaker(self.name, group.circuit_breaker, self._breaker_changed)
-        self._labels = {"group": self.name}
         limit_gauge.set(self.limiter.limit)
         metrics.endpoints_ejected.labels(self.name).set(0)
         metrics.circuit_open.labels(self.name).set(0)
@@ -252,7 +253,6 @@ class GroupRunner:
             await self.dispatcher.close()
         log.info("group %s: stopped", self.name)
 
-    _grace_s = 25.0
 
     # -- rebalance (called from the consumer thread through the loop) -------------------
 
@@ -734,10 +734,11 @@ class Proxy:
         self.config = config
         self.metrics = metrics or ProxyMetrics()
         self.runners = [
-            GroupRunner(config.kafka, g, self.metrics, consumer_overrides) for g in config.groups
+            GroupRunner(
+                config.kafka, g, self.metrics, consumer_overrides, config.shutdown_grace_s
+            )
+            for g in config.groups
         ]
-        for runner in self.runners:
-            runner._grace_s = config.shutdown_grace_s
         self._stop = asyncio.Event()
         self._finished = asyncio.Event()
         self.http: HttpEndpoint | None = None
