@@ -286,7 +286,7 @@ def ensure_topics(kafka: KafkaConfig, group: GroupConfig, timeout_s: float = 30.
                 f"group {group.name}: cannot create topic {name}: {exc}; create it by hand "
                 "or grant the proxy's principal CREATE on it"
             ) from exc
-    with contextlib.suppress(Exception):
+    with contextlib.suppress(KafkaException):
         # Metadata propagation: wait until the new topics are visible before consuming them.
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

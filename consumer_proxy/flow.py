@@ -207,25 +207,27 @@ class ConcurrencyLimiter(Protocol):
 
 
 class StaticLimiter:
-    """A fixed number of concurrent pushes (``concurrency: N``)."""
+    """A fixed number of concurrent pushes (``concurrency: N``).
+
+    The group runs exactly N workers, each with at most one push under way, so the worker
+    pool is the limit: this limiter never has to make anyone wait, and keeps no semaphore on
+    the per-message path.
+    """
 
     def __init__(self, limit: int) -> None:
         self._limit = limit
-        self._sem = asyncio.Semaphore(limit)
 
     @property
     def limit(self) -> int:
-        """The configured number."""
+        """The configured number (= the group's worker count)."""
         return self._limit
 
     async def acquire(self) -> None:
-        """Wait for a slot."""
-        await self._sem.acquire()
+        """Nothing to wait for: a worker holds its slot for its whole life."""
 
     def release(self, rtt_s: float, result: Classification | None) -> None:
-        """Free a slot. A fixed limit learns nothing from the result: per-message backoff and
+        """A fixed limit learns nothing from the result: per-message backoff and
         ``retry_after`` still apply, but only an adaptive limit slows the whole group."""
-        self._sem.release()
 
 
 class AdaptiveLimit:

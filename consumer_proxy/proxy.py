@@ -487,18 +487,20 @@ class GroupRunner:
             # rate cap may be exceeded once, by at most the worker count, when it closes.
             probe = False
             result: Classification | None = None
-            started = loop.time()
+            rtt = 0.0
             try:
                 probe = await self.breaker.acquire()
                 if not delivery.part.revoked:
                     self._pushing.add(me)
                     started = loop.time()
                     result = await self._deliver(delivery, probe)
+                    rtt = loop.time() - started  # one timing feeds the histogram and limiter
+                    self._m_push.observe(rtt)
             finally:
                 self._pushing.discard(me)
                 if probe and result is None:
                     self.breaker.abandon_probe()
-                self.limiter.release(loop.time() - started, result)
+                self.limiter.release(rtt, result)
 
     async def _deliver(self, delivery: Delivery, probe: bool) -> Classification:
         assert self.dispatcher is not None
@@ -507,15 +509,12 @@ class GroupRunner:
         delivery.request.message.attempt = delivery.attempt
         part.calls += 1
         self._m_in_flight.inc()
-        loop = asyncio.get_running_loop()
-        started = loop.time()
         try:
             result = await self.dispatcher.push(delivery.request, endpoint)
         finally:
             part.calls -= 1
             self._call_ended.set()
             self._m_in_flight.dec()
-        self._m_push.observe(loop.time() - started)
         if result.service_failure:
             self._last_failure = f"{result.status} from {endpoint.target}: {result.reason}"
         if result.service_failure and endpoint.ejected:

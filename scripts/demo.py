@@ -27,7 +27,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -82,7 +82,7 @@ def reset_topics(bootstrap: str, partitions: int) -> None:
             future.result()
         while any(n in admin.list_topics(timeout=10).topics for n in old):
             time.sleep(0.2)
-    with contextlib.suppress(Exception):  # the group may not exist yet
+    with contextlib.suppress(KafkaException):  # the group may not exist yet
         admin.delete_consumer_groups([GROUP])[GROUP].result()
     for future in admin.create_topics([NewTopic(TOPIC, partitions, 1)]).values():
         future.result()

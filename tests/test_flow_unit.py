@@ -16,7 +16,6 @@ from consumer_proxy.flow import (
     AdaptiveLimit,
     AdaptiveLimiter,
     Breaker,
-    StaticLimiter,
     TokenBucket,
 )
 from consumer_proxy.outcomes import Classification, Outcome
@@ -307,21 +306,6 @@ def test_a_retry_after_answer_slows_the_whole_group() -> None:
         clock.now = 0.6
         await busy_round()
         assert limiter.core.value > 5
-
-    asyncio.run(scenario())
-
-
-def test_the_static_limiter_allows_exactly_n() -> None:
-    async def scenario() -> None:
-        limiter = StaticLimiter(2)
-        await limiter.acquire()
-        await limiter.acquire()
-        third = asyncio.ensure_future(limiter.acquire())
-        await asyncio.sleep(0)
-        assert not third.done()
-        limiter.release(0.01, EXHAUSTED)
-        await asyncio.sleep(0)
-        assert third.done() and limiter.limit == 2
 
     asyncio.run(scenario())
 

@@ -53,7 +53,8 @@ async def _mixed_run(bootstrap: str) -> None:
     await asyncio.to_thread(produce, bootstrap, topic, records)
     rng = random.Random(7)
 
-    # ... and a service with random latencies that fails some first attempts
+    # ... and a service with random latencies that fails some first attempts, pushed to with
+    # a static concurrency of 8
     def behaviour(msg, n):
         if msg.value.endswith(b"poison"):
             return Behaviour(status=grpc.StatusCode.INVALID_ARGUMENT, details="bad payload")
@@ -62,14 +63,18 @@ async def _mixed_run(bootstrap: str) -> None:
         return Behaviour(delay_s=rng.random() * 0.02)
 
     async with TestService(behaviour) as service:
-        config = make_config(bootstrap, group, [topic], [service.address])
+        config = make_config(
+            bootstrap, group, [topic], [service.address], delivery={"concurrency": 8}
+        )
         proxy, task = start_proxy(config)
         # When the proxy runs until everything is committed
         await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=90)
         await proxy.shutdown()
         await task
 
-    # Then every message was acked once or dead-lettered, and the DLQ holds the poison pills
+    # Then the service never had more than 8 calls at once, and the limit was used in full
+    assert service.peak_in_flight == 8
+    # and every message was acked once or dead-lettered, and the DLQ holds the poison pills
     acked = {d.value.decode() for d in service.deliveries if d.outcome == "ACK"}
     assert acked == {r["value"] for r in records} - {f"{p} poison" for p in poison}
     dead = await asyncio.to_thread(consume_all, bootstrap, f"{group}.dlq")
