@@ -21,6 +21,7 @@ install: $(STAMP)
 
 lint: install
 	$(VENV)/bin/ruff check consumer_proxy tests bench scripts examples
+	$(VENV)/bin/ruff format --check consumer_proxy tests bench scripts examples
 
 typecheck: install
 	$(VENV)/bin/mypy

@@ -95,7 +95,10 @@ async def through_proxy(
     await asyncio.to_thread(produce, bootstrap, topic, [b"x" * 100] * count)
     async with TestService(behaviour(random.Random(2)), max_concurrency=k) as service:
         config = make_config(
-            bootstrap, group, [topic], [service.address],
+            bootstrap,
+            group,
+            [topic],
+            [service.address],
             delivery={"backoff": {"initial_ms": 100, "max_ms": 30_000}, **delivery},
             shutdown_grace_s=1.0,
         )
@@ -121,7 +124,8 @@ async def through_proxy(
         deliveries = service.deliveries
         rejected = service.rejected
     window = [
-        d for d in deliveries
+        d
+        for d in deliveries
         if d.outcome == "ACK" and d.finished_at is not None and start <= d.finished_at <= end
     ]
     latency = sum(d.finished_at - d.received_at for d in window) / len(window)  # type: ignore[operator]
@@ -148,13 +152,19 @@ def seconds(value: float | None) -> str:
 
 
 async def run(bootstrap: str, k: int, warmup_s: float, window_s: float) -> None:
-    print(f"service: admits K={k} concurrent calls of {LATENCY_S[0] * 1000:.0f}-"
-          f"{LATENCY_S[1] * 1000:.0f} ms, RESOURCE_EXHAUSTED beyond")
+    print(
+        f"service: admits K={k} concurrent calls of {LATENCY_S[0] * 1000:.0f}-"
+        f"{LATENCY_S[1] * 1000:.0f} ms, RESOURCE_EXHAUSTED beyond"
+    )
     scenarios = [
-        ("adaptive, from 1", {"concurrency": "adaptive",
-                              "adaptive": {"min": 1, "max": 500, "initial": 1}}),
-        ("adaptive, from 100", {"concurrency": "adaptive",
-                                "adaptive": {"min": 1, "max": 500, "initial": 100}}),
+        (
+            "adaptive, from 1",
+            {"concurrency": "adaptive", "adaptive": {"min": 1, "max": 500, "initial": 1}},
+        ),
+        (
+            "adaptive, from 100",
+            {"concurrency": "adaptive", "adaptive": {"min": 1, "max": 500, "initial": 100}},
+        ),
         ("static 100 (too high)", {"concurrency": 100}),
         (f"static {max(1, k // 4)} (too low)", {"concurrency": max(1, k // 4)}),
     ]
@@ -164,8 +174,10 @@ async def run(bootstrap: str, k: int, warmup_s: float, window_s: float) -> None:
         r = results[-1]
         print(f"  {name}: {r.goodput:.0f} msg/s, ideal {r.ideal:.0f} msg/s", flush=True)
     print()
-    print(f"{'scenario':22} {'goodput/s':>9} {'ideal/s':>8} {'ratio':>6} {'slot use':>8} "
-          f"{'refused':>8} {'dead':>5} {'cpu ms/msg':>10}")
+    print(
+        f"{'scenario':22} {'goodput/s':>9} {'ideal/s':>8} {'ratio':>6} {'slot use':>8} "
+        f"{'refused':>8} {'dead':>5} {'cpu ms/msg':>10}"
+    )
     for r in results:
         # Slot use: goodput per slot the limit could fill (at most K) against the ideal per
         # slot; below 1 even at a perfect limit, as each slot idles during the client side
@@ -183,9 +195,11 @@ async def run(bootstrap: str, k: int, warmup_s: float, window_s: float) -> None:
                 f"after {seconds(r.first_near_k_s)}; within [K/2, 2K] for good after "
                 f"{seconds(r.settled_s)}; {r.inside:.0%} of the window within [K/2, 2K]"
             )
-    print(f"\n(window {window_s:.0f} s after a {warmup_s:.0f} s warm-up; ideal = K / the "
-          "service's mean latency in that window; ratio = goodput / ideal; slot use = ratio x "
-          "K / min(limit, K); dead = dead-lettered after max_attempts refusals)")
+    print(
+        f"\n(window {window_s:.0f} s after a {warmup_s:.0f} s warm-up; ideal = K / the "
+        "service's mean latency in that window; ratio = goodput / ideal; slot use = ratio x "
+        "K / min(limit, K); dead = dead-lettered after max_attempts refusals)"
+    )
 
 
 def main() -> None:

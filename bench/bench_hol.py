@@ -131,8 +131,12 @@ def sequential_throughput(
         committed = committed_sum(bootstrap, seq.group, topic)
     finally:
         seq.close()
-    return {"handled": count, "elapsed_s": now - first, "rate": rate(count, now - first),
-            "committed_offset": committed}
+    return {
+        "handled": count,
+        "elapsed_s": now - first,
+        "rate": rate(count, now - first),
+        "committed_offset": committed,
+    }
 
 
 def proxy_throughput(
@@ -153,7 +157,11 @@ def latency_summary(values: list[float]) -> dict[str, Any]:
 
 
 def proxy_latency(
-    bootstrap: str, handler: HandlerServer, slow: bool, rate_per_s: float, duration_s: float,
+    bootstrap: str,
+    handler: HandlerServer,
+    slow: bool,
+    rate_per_s: float,
+    duration_s: float,
     concurrency: int,
 ) -> dict[str, Any]:
     topic = create_topic(bootstrap, unique_name("bench-hol-lat"), partitions=1)
@@ -161,12 +169,16 @@ def proxy_latency(
     delivery = {"concurrency": concurrency, "max_in_flight": 10000, "commit_interval_ms": 200}
     handler.reset()
     produce_bulk(bootstrap, topic, 1, value=lambda _i: b"warm-up")
-    with ProxyProcess(proxy_config_yaml(bootstrap, group, [topic], [handler.address], delivery)
-                      ) as proxy:
+    with ProxyProcess(
+        proxy_config_yaml(bootstrap, group, [topic], [handler.address], delivery)
+    ) as proxy:
         handler.wait_seen(1, timeout_s=60)  # joined and delivering: start the clock now
         handler.reset()
         produced = produce_at_rate(
-            bootstrap, topic, rate_per_s, duration_s,
+            bootstrap,
+            topic,
+            rate_per_s,
+            duration_s,
             value=value_with_slow if slow else value_fast,
         )
         handler.wait_seen(produced, timeout_s=60)
@@ -223,19 +235,29 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=300.0, help="latency phase msg/s")
     parser.add_argument("--duration", type=float, default=15.0, help="latency phase s")
     parser.add_argument(
-        "--seq-rate", type=float, default=10.0,
+        "--seq-rate",
+        type=float,
+        default=10.0,
         help="sequential latency phase msg/s (0: skip; it must stay below ~24 msg/s)",
     )
     args = parser.parse_args()
     if args.quick:
         args.n, args.window, args.duration = 3000, 5.0, 5.0
         args.seq_rate = 0.0
-    result = Result("bench_hol", params={
-        "n": args.n, "concurrency": args.concurrency, "sequential_window_s": args.window,
-        "handler_ms": FAST_MS, "slow_ms": SLOW_MS, "slow_fraction": 0.01,
-        "latency_rate_per_s": args.rate, "latency_duration_s": args.duration,
-        "sequential_latency_rate_per_s": args.seq_rate,
-    })
+    result = Result(
+        "bench_hol",
+        params={
+            "n": args.n,
+            "concurrency": args.concurrency,
+            "sequential_window_s": args.window,
+            "handler_ms": FAST_MS,
+            "slow_ms": SLOW_MS,
+            "slow_fraction": 0.01,
+            "latency_rate_per_s": args.rate,
+            "latency_duration_s": args.duration,
+            "sequential_latency_rate_per_s": args.seq_rate,
+        },
+    )
     spec = HandlerSpec(delay_ms=FAST_MS, slow_ms=SLOW_MS)
     with broker(args.bootstrap) as bootstrap, HandlerServer(spec) as handler:
         topic = create_topic(bootstrap, unique_name("bench-hol"), partitions=1)
@@ -263,8 +285,10 @@ def main() -> int:
         lat = {}
         for slow in (False, True):
             label = "with_slow" if slow else "without_slow"
-            print(f"proxy latency, {label}, {args.rate:g} msg/s for {args.duration:g}s ...",
-                  flush=True)
+            print(
+                f"proxy latency, {label}, {args.rate:g} msg/s for {args.duration:g}s ...",
+                flush=True,
+            )
             lat[label] = proxy_latency(
                 bootstrap, handler, slow, args.rate, args.duration, args.concurrency
             )
@@ -276,12 +300,15 @@ def main() -> int:
         result.figures["proxy.latency"] = lat
         p99_with = lat["with_slow"]["fast"]["p99_ms"]
         p99_without = lat["without_slow"]["fast"]["p99_ms"]
-        result.ratio("fast_p99_with_over_without_slow", p99_with / p99_without, 1.5,
-                     higher_is_better=False)
+        result.ratio(
+            "fast_p99_with_over_without_slow", p99_with / p99_without, 1.5, higher_is_better=False
+        )
 
         if args.seq_rate > 0:
-            print(f"sequential latency, with slow, {args.seq_rate:g} msg/s for "
-                  f"{args.window:g}s ...", flush=True)
+            print(
+                f"sequential latency, with slow, {args.seq_rate:g} msg/s for {args.window:g}s ...",
+                flush=True,
+            )
             seq_lat = sequential_latency(bootstrap, handler, args.seq_rate, args.window)
             result.figure("sequential.with_slow.fast_p50_ms", seq_lat["fast"]["p50_ms"], "ms")
             result.figure("sequential.with_slow.fast_p99_ms", seq_lat["fast"]["p99_ms"], "ms")

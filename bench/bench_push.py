@@ -63,9 +63,13 @@ def proxy_run(
 ) -> dict[str, Any]:
     """One proxy run over the whole topic with a fresh group."""
     return proxy_backlog_run(
-        bootstrap, handler, topic, n,
+        bootstrap,
+        handler,
+        topic,
+        n,
         {"concurrency": concurrency, "commit_interval_ms": 200},
-        profile=profile, profile_out=profile_out,
+        profile=profile,
+        profile_out=profile_out,
     )
 
 
@@ -87,7 +91,12 @@ def bare_run(handler: HandlerServer, n: int, concurrency: int) -> dict[str, floa
 
 
 def profile_runs(
-    bootstrap: str, handler: HandlerServer, topic: str, n: int, concurrency: int, kind: str,
+    bootstrap: str,
+    handler: HandlerServer,
+    topic: str,
+    n: int,
+    concurrency: int,
+    kind: str,
     result: Result,
 ) -> None:
     """One profiled proxy run (and, with cProfile, one profiled bare run) and their hot spots.
@@ -117,8 +126,11 @@ def profile_runs(
     print(f"profiled bare run (cProfile, concurrency {concurrency})", flush=True)
     handler.reset()
     timing = run_bare_loop(handler.address, n, concurrency, profile_out=bare_out)
-    result.figure(f"profiled.c{concurrency}.bare_msgs_per_s",
-                  rate(n - 1, timing["ended"] - timing["started"]), "msg/s")
+    result.figure(
+        f"profiled.c{concurrency}.bare_msgs_per_s",
+        rate(n - 1, timing["ended"] - timing["started"]),
+        "msg/s",
+    )
     lines = summarise_cprofile(bare_out, n)
     print("\n".join(f"  {line}" for line in lines), flush=True)
     result.figures[f"profiled.c{concurrency}.bare"] = lines
@@ -138,32 +150,48 @@ def main() -> int:
     args = parser.parse_args()
     n = 5000 if args.quick else args.n
     rounds = 1 if args.quick else args.rounds
-    result = Result("bench_push", params={
-        "n": n, "partitions": PARTITIONS, "concurrency": args.concurrency,
-        "rounds": rounds, "handler": "no-op (separate process)", "value_bytes": 16,
-    })
+    result = Result(
+        "bench_push",
+        params={
+            "n": n,
+            "partitions": PARTITIONS,
+            "concurrency": args.concurrency,
+            "rounds": rounds,
+            "handler": "no-op (separate process)",
+            "value_bytes": 16,
+        },
+    )
     with broker(args.bootstrap) as bootstrap, HandlerServer(HandlerSpec()) as handler:
         topic = create_topic(bootstrap, unique_name("bench-push"), partitions=PARTITIONS)
         started = time.monotonic()
         produce_bulk(bootstrap, topic, n, partitions=PARTITIONS)
-        print(f"produced {n} messages to {topic} ({PARTITIONS} partitions) in "
-              f"{time.monotonic() - started:.1f}s", flush=True)
+        print(
+            f"produced {n} messages to {topic} ({PARTITIONS} partitions) in "
+            f"{time.monotonic() - started:.1f}s",
+            flush=True,
+        )
         for concurrency in args.concurrency:
             bares, proxies = [], []
             for round_ in range(rounds):
                 # Alternating, so a change in the neighbours' load hits both sides alike.
                 print(f"concurrency {concurrency}, round {round_ + 1}/{rounds}", flush=True)
                 bare = bare_run(handler, n, concurrency)
-                print(f"  bare : seen {bare['seen_rate']:,.0f}/s (steady "
-                      f"{bare['steady_rate']:,.0f}/s); CPU/msg client "
-                      f"{bare['client_cpu_us_per_msg']:.0f}us handler "
-                      f"{bare['handler_cpu_us_per_msg']:.0f}us", flush=True)
+                print(
+                    f"  bare : seen {bare['seen_rate']:,.0f}/s (steady "
+                    f"{bare['steady_rate']:,.0f}/s); CPU/msg client "
+                    f"{bare['client_cpu_us_per_msg']:.0f}us handler "
+                    f"{bare['handler_cpu_us_per_msg']:.0f}us",
+                    flush=True,
+                )
                 prox = proxy_run(bootstrap, handler, topic, n, concurrency)
-                print(f"  proxy: seen {prox['seen_rate']:,.0f}/s (steady "
-                      f"{prox['steady_rate']:,.0f}/s), committed {prox['committed_rate']:,.0f}/s,"
-                      f" start-up {prox['startup_s']:.1f}s; CPU/msg proxy "
-                      f"{prox['client_cpu_us_per_msg']:.0f}us handler "
-                      f"{prox['handler_cpu_us_per_msg']:.0f}us", flush=True)
+                print(
+                    f"  proxy: seen {prox['seen_rate']:,.0f}/s (steady "
+                    f"{prox['steady_rate']:,.0f}/s), committed {prox['committed_rate']:,.0f}/s,"
+                    f" start-up {prox['startup_s']:.1f}s; CPU/msg proxy "
+                    f"{prox['client_cpu_us_per_msg']:.0f}us handler "
+                    f"{prox['handler_cpu_us_per_msg']:.0f}us",
+                    flush=True,
+                )
                 bares.append(bare)
                 proxies.append(prox)
             c = f"c{concurrency}"
@@ -187,12 +215,14 @@ def main() -> int:
             result.figure(f"{c}.bare_client_cpu_us_per_msg", round(bare_cpu, 1), "us")
             result.figure(f"{c}.proxy_cpu_us_per_msg", round(proxy_cpu, 1), "us")
             result.figure(
-                f"{c}.handler_cpu_us_per_msg_bare", round(med(bares, "handler_cpu_us_per_msg"), 1),
+                f"{c}.handler_cpu_us_per_msg_bare",
+                round(med(bares, "handler_cpu_us_per_msg"), 1),
                 "us",
             )
             result.figure(
                 f"{c}.handler_cpu_us_per_msg_proxy",
-                round(med(proxies, "handler_cpu_us_per_msg"), 1), "us",
+                round(med(proxies, "handler_cpu_us_per_msg"), 1),
+                "us",
             )
             result.figures[f"{c}.runs"] = {"bare": bares, "proxy": proxies}
             pairs = list(zip(bares, proxies, strict=True))
@@ -201,9 +231,7 @@ def main() -> int:
             result.ratio(f"{c}.proxy_over_bare", statistics.median(per_round), 0.8)
             result.ratio(
                 f"{c}.proxy_committed_over_bare",
-                statistics.median(
-                    p["committed_rate"] / b["seen_rate"] for b, p in pairs
-                ),
+                statistics.median(p["committed_rate"] / b["seen_rate"] for b, p in pairs),
             )
             # CPU per message is what the neighbours' load disturbs least.
             result.ratio(f"{c}.bare_cpu_over_proxy_cpu", bare_cpu / proxy_cpu)

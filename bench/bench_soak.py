@@ -86,7 +86,9 @@ class SteadyProducer(threading.Thread):
             while True:
                 try:
                     self._producer.produce(
-                        self._topic, b"m%015d" % i, partition=i % self._partitions,
+                        self._topic,
+                        b"m%015d" % i,
+                        partition=i % self._partitions,
                         on_delivery=self._delivered,
                     )
                     break
@@ -118,17 +120,29 @@ def main() -> int:
     args = parser.parse_args()
     minutes = 1.0 if args.quick else args.minutes
     interval = 15.0 if args.quick else args.interval_s
-    result = Result("bench_soak", params={
-        "minutes": minutes, "rate_per_s": args.rate, "partitions": args.partitions,
-        "handler_delay_ms": args.delay_ms, "concurrency": args.concurrency,
-        "interval_s": interval, "workers": 1,
-    })
-    with broker(args.bootstrap) as bootstrap, \
-            HandlerServer(HandlerSpec(delay_ms=args.delay_ms)) as handler:
+    result = Result(
+        "bench_soak",
+        params={
+            "minutes": minutes,
+            "rate_per_s": args.rate,
+            "partitions": args.partitions,
+            "handler_delay_ms": args.delay_ms,
+            "concurrency": args.concurrency,
+            "interval_s": interval,
+            "workers": 1,
+        },
+    )
+    with (
+        broker(args.bootstrap) as bootstrap,
+        HandlerServer(HandlerSpec(delay_ms=args.delay_ms)) as handler,
+    ):
         topic = create_topic(bootstrap, unique_name("soak"), partitions=args.partitions)
         group = unique_name("soak")
         config = proxy_config_yaml(
-            bootstrap, group, [topic], [handler.address],
+            bootstrap,
+            group,
+            [topic],
+            [handler.address],
             {"concurrency": args.concurrency, "commit_interval_ms": 500},
         )
         proxy = ProxyProcess(config).start()
@@ -151,8 +165,12 @@ def main() -> int:
     result.figure("p50_ms_median_of_intervals", sorted(all_p50)[len(all_p50) // 2], "ms")
     result.figure("p99_ms_median_of_intervals", sorted(all_p99)[len(all_p99) // 2], "ms")
     result.figure("p99_ms_worst_interval", max(all_p99), "ms")
-    result.ratio("rss_end_over_rss_minute1", rows[-1]["rss_kib"] / first["rss_kib"], 1.25,
-                 higher_is_better=False)
+    result.ratio(
+        "rss_end_over_rss_minute1",
+        rows[-1]["rss_kib"] / first["rss_kib"],
+        1.25,
+        higher_is_better=False,
+    )
     if first["p99_ms"] and last["p99_ms"]:
         result.ratio("p99_last_over_p99_first", last["p99_ms"] / first["p99_ms"])
     result.write()
@@ -188,8 +206,11 @@ def soak(
     rss_start = rss_kib(proxy.pid)[0]
     producer = SteadyProducer(bootstrap, topic, args.partitions, args.rate)
     producer.start()
-    print(f"warm-up delivered after {time.monotonic() - proxy.started_at:.1f}s; proxy RSS "
-          f"{rss_start / 1024:.1f} MiB; soaking {minutes:g} min at {args.rate:g}/s", flush=True)
+    print(
+        f"warm-up delivered after {time.monotonic() - proxy.started_at:.1f}s; proxy RSS "
+        f"{rss_start / 1024:.1f} MiB; soaking {minutes:g} min at {args.rate:g}/s",
+        flush=True,
+    )
     print(_HEADER, flush=True)
     rows: list[dict[str, Any]] = []
     seen_latencies = 0
@@ -253,8 +274,10 @@ def soak(
     return rows
 
 
-_HEADER = (f"{'min':>6} {'RSS MiB':>8} {'HWM MiB':>8} {'msgs':>7} {'p50 ms':>8} {'p90 ms':>8} "
-           f"{'p99 ms':>8} {'max ms':>8} {'CPU s':>6} {'dups':>5} {'uncommitted':>11}")
+_HEADER = (
+    f"{'min':>6} {'RSS MiB':>8} {'HWM MiB':>8} {'msgs':>7} {'p50 ms':>8} {'p90 ms':>8} "
+    f"{'p99 ms':>8} {'max ms':>8} {'CPU s':>6} {'dups':>5} {'uncommitted':>11}"
+)
 
 
 def _ms(value: float | None) -> str:

@@ -24,9 +24,9 @@ from collections import deque
 from collections.abc import Callable
 from itertools import groupby
 
-from consumer_proxy import codec
-from consumer_proxy.codec import AckState, decode, encode
-from consumer_proxy.tracker import DEFAULT_METADATA_BUDGET, PartitionTracker
+from consumer_proxy.core import codec
+from consumer_proxy.core.codec import AckState, decode, encode
+from consumer_proxy.core.tracker import DEFAULT_METADATA_BUDGET, PartitionTracker
 
 WINDOW = 10_000
 BATCHES = 100  # 1,000,000 pairs per measurement

@@ -54,7 +54,11 @@ VARIANTS = {"proxy-created": 0, "redrive-1": 1}  # name: redrive partitions (0: 
 
 
 def one_run(
-    bootstrap: str, handler: HandlerServer, n: int, delivery: dict[str, Any], workers: int,
+    bootstrap: str,
+    handler: HandlerServer,
+    n: int,
+    delivery: dict[str, Any],
+    workers: int,
     redrive_partitions: int,
 ) -> dict[str, Any]:
     topic = create_topic(bootstrap, unique_name("bench-workers"), partitions=PARTITIONS)
@@ -62,16 +66,24 @@ def one_run(
     if redrive_partitions:
         create_topic(bootstrap, f"{group}.redrive", redrive_partitions)
     run = proxy_backlog_run(
-        bootstrap, handler, topic, n, delivery, workers=workers, group=group,
+        bootstrap,
+        handler,
+        topic,
+        n,
+        delivery,
+        workers=workers,
+        group=group,
         produce_after_join=lambda: produce_bulk(bootstrap, topic, n, partitions=PARTITIONS),
     )
     # Whether the work was actually split: source partitions per member when producing.
     run["split"] = sorted(len(m.get(topic, [])) for m in run["members"])
-    print(f"  seen {run['seen_rate']:,.0f}/s, steady {run['steady_rate']:,.0f}/s, committed "
-          f"{run['committed_rate']:,.0f}/s; group settled after {run['settled_s']:.1f}s, "
-          f"source partitions per member {run['split']}; CPU/msg proxy "
-          f"{run['client_cpu_us_per_msg']:.0f}us; duplicates {run['duplicates']:.0f}",
-          flush=True)
+    print(
+        f"  seen {run['seen_rate']:,.0f}/s, steady {run['steady_rate']:,.0f}/s, committed "
+        f"{run['committed_rate']:,.0f}/s; group settled after {run['settled_s']:.1f}s, "
+        f"source partitions per member {run['split']}; CPU/msg proxy "
+        f"{run['client_cpu_us_per_msg']:.0f}us; duplicates {run['duplicates']:.0f}",
+        flush=True,
+    )
     return run
 
 
@@ -81,16 +93,25 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=100, help="per worker (default 100)")
     parser.add_argument("--rounds", type=int, default=2, help="default 2")
     parser.add_argument(
-        "--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+        "--variants",
+        nargs="+",
+        choices=list(VARIANTS),
+        default=list(VARIANTS),
         help="--workers 2 variants (default: both)",
     )
     args = parser.parse_args()
     n, rounds = (6000, 1) if args.quick else (args.n, args.rounds)
-    result = Result("bench_workers", params={
-        "n": n, "partitions": PARTITIONS, "handler_ms": HANDLER_MS,
-        "concurrency_per_worker": args.concurrency, "rounds": rounds,
-        "variants": args.variants,
-    })
+    result = Result(
+        "bench_workers",
+        params={
+            "n": n,
+            "partitions": PARTITIONS,
+            "handler_ms": HANDLER_MS,
+            "concurrency_per_worker": args.concurrency,
+            "rounds": rounds,
+            "variants": args.variants,
+        },
+    )
     delivery = {"concurrency": args.concurrency, "commit_interval_ms": 200}
     runs: dict[str, list[dict[str, Any]]] = {"workers1": []}
     runs.update({f"workers2.{v}": [] for v in args.variants})
@@ -105,12 +126,21 @@ def main() -> int:
                 )
     for label, group_runs in runs.items():
         for key in ("seen_rate", "steady_rate", "committed_rate"):
-            result.figure(f"{label}.{key.replace('_rate', '')}_msgs_per_s",
-                          statistics.median(r[key] for r in group_runs), "msg/s")
-        result.figure(f"{label}.group_settled_s",
-                      round(statistics.median(r["settled_s"] for r in group_runs), 1), "s")
-        result.figure(f"{label}.proxy_cpu_us_per_msg", round(
-            statistics.median(r["client_cpu_us_per_msg"] for r in group_runs), 1), "us")
+            result.figure(
+                f"{label}.{key.replace('_rate', '')}_msgs_per_s",
+                statistics.median(r[key] for r in group_runs),
+                "msg/s",
+            )
+        result.figure(
+            f"{label}.group_settled_s",
+            round(statistics.median(r["settled_s"] for r in group_runs), 1),
+            "s",
+        )
+        result.figure(
+            f"{label}.proxy_cpu_us_per_msg",
+            round(statistics.median(r["client_cpu_us_per_msg"] for r in group_runs), 1),
+            "us",
+        )
         result.figure(f"{label}.duplicates", int(sum(r["duplicates"] for r in group_runs)))
         result.figure(f"{label}.source_partitions_per_member", [r["split"] for r in group_runs])
     # What two cores can carry at all: the proxy's and the handler's CPU per message (the
@@ -121,22 +151,27 @@ def main() -> int:
     ceiling = 2 * 1e6 / cpu
     result.figure("cpu_us_per_msg_proxy_plus_handler", round(cpu, 1), "us")
     result.figure("two_core_ceiling_msgs_per_s", round(ceiling), "msg/s")
-    result.figure("workers1.steady_share_of_ceiling", round(
-        statistics.median(r["steady_rate"] for r in runs["workers1"]) / ceiling, 2))
+    result.figure(
+        "workers1.steady_share_of_ceiling",
+        round(statistics.median(r["steady_rate"] for r in runs["workers1"]) / ceiling, 2),
+    )
     result.figures["runs"] = runs
     for variant in args.variants:
         label = f"workers2.{variant}"
         unsplit = sum(1 for r in runs[label] if min(r["split"]) == 0)
         if unsplit:
-            result.note(f"{variant}: {unsplit} of {len(runs[label])} --workers 2 runs had every "
-                        "source partition on one member (the other held only redrive "
-                        "partitions): no scale-out in those runs")
+            result.note(
+                f"{variant}: {unsplit} of {len(runs[label])} --workers 2 runs had every "
+                "source partition on one member (the other held only redrive "
+                "partitions): no scale-out in those runs"
+            )
         for key in ("steady_rate", "seen_rate", "committed_rate"):
             per_round = [
                 b[key] / a[key] for a, b in zip(runs["workers1"], runs[label], strict=True)
             ]
-            result.ratio(f"{label}_over_workers1.{key.replace('_rate', '')}",
-                         statistics.median(per_round))
+            result.ratio(
+                f"{label}_over_workers1.{key.replace('_rate', '')}", statistics.median(per_round)
+            )
     result.note("2 cores shared by the workers, the handler and the broker")
     result.write()
     return 0

@@ -581,8 +581,13 @@ class ProxyProcess:
         if profile is not None:
             assert profile_out is not None
             self.profile_out: Path | None = profile_out
-            cmd = [sys.executable, str(Path(__file__).resolve()), "profile-proxy", profile,
-                   str(profile_out)]
+            cmd = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "profile-proxy",
+                profile,
+                str(profile_out),
+            ]
         else:
             self.profile_out = None
             cmd = [sys.executable, "-m", "consumer_proxy"]
@@ -597,8 +602,12 @@ class ProxyProcess:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop())
         self.started_at = time.monotonic()
         self._proc = subprocess.Popen(
-            self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self._env,
-            stdin=subprocess.DEVNULL, cwd=str(ROOT),
+            self.cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=self._env,
+            stdin=subprocess.DEVNULL,
+            cwd=str(ROOT),
         )
         self.pid = self._proc.pid
         return self
@@ -623,9 +632,7 @@ class ProxyProcess:
     def check_alive(self) -> None:
         """Raise if the proxy exited on its own."""
         if self._proc is not None and self._proc.poll() is not None:
-            raise RuntimeError(
-                f"the proxy exited with {self._proc.returncode}:\n{self.log_tail()}"
-            )
+            raise RuntimeError(f"the proxy exited with {self._proc.returncode}:\n{self.log_tail()}")
 
     def assignments(self) -> dict[int, list[str]]:
         """{pid: partitions ever assigned to it}, from the log (needs ``log_level="info"``)."""
@@ -642,8 +649,9 @@ class ProxyProcess:
         """How many assigned / revoked / lost lines the log holds so far (log level info)."""
         with contextlib.suppress(OSError):
             text = self.log_path.read_text(errors="replace")
-            return len(re.findall(r"consumer_proxy\.proxy: group \S+: (?:assigned|revoked|lost) ",
-                                  text))
+            return len(
+                re.findall(r"consumer_proxy\.proxy: group \S+: (?:assigned|revoked|lost) ", text)
+            )
         return 0
 
     def log_tail(self, lines: int = 30) -> str:
@@ -851,8 +859,10 @@ def summarise_cprofile(path: Path, n: int, top: int = 20) -> list[str]:
             continue
         entries.append((tt, ct, nc, file, line, func))
     busy = sum(e[0] for e in entries)
-    lines = [f"profile {path.name}: loop busy {busy:.2f}s, idle in epoll {idle:.2f}s, "
-             f"{n} messages -> {1e6 * busy / n:.0f} us busy per message"]
+    lines = [
+        f"profile {path.name}: loop busy {busy:.2f}s, idle in epoll {idle:.2f}s, "
+        f"{n} messages -> {1e6 * busy / n:.0f} us busy per message"
+    ]
 
     def area(file: str, func: str) -> str:
         if file == "~":
@@ -860,8 +870,17 @@ def summarise_cprofile(path: Path, n: int, top: int = 20) -> list[str]:
         parts = Path(file).parts
         if "consumer_proxy" in parts:
             return "consumer_proxy." + Path(file).stem
-        for name in ("grpc", "asyncio", "google", "prometheus_client", "pybreaker",
-                     "confluent_kafka", "concurrent", "logging", "threading"):
+        for name in (
+            "grpc",
+            "asyncio",
+            "google",
+            "prometheus_client",
+            "pybreaker",
+            "confluent_kafka",
+            "concurrent",
+            "logging",
+            "threading",
+        ):
             if name in parts or Path(file).stem == name:
                 return {"google": "protobuf"}.get(name, name)
         return Path(file).name
@@ -876,8 +895,10 @@ def summarise_cprofile(path: Path, n: int, top: int = 20) -> list[str]:
     lines.append(f"{'own s':>7} {'busy %':>6} {'us/msg':>7} {'cum %':>6} {'calls':>8}  function")
     for tt, ct, nc, file, line, func in sorted(entries, key=lambda e: -e[0])[:top]:
         where = f"{Path(file).name}:{line}" if file != "~" else "~"
-        lines.append(f"{tt:7.2f} {100 * tt / busy:5.1f}% {1e6 * tt / n:7.1f} "
-                     f"{100 * ct / busy:5.1f}% {nc:8d}  {where}({func})")
+        lines.append(
+            f"{tt:7.2f} {100 * tt / busy:5.1f}% {1e6 * tt / n:7.1f} "
+            f"{100 * ct / busy:5.1f}% {nc:8d}  {where}({func})"
+        )
     return lines
 
 
@@ -918,14 +939,19 @@ class Result:
         shown = f"{value:,.1f}" if isinstance(value, float) else str(value)
         print(f"  {name:<48} {shown} {unit}".rstrip(), flush=True)
 
-    def ratio(self, name: str, value: float, target: float | None = None, *,
-              higher_is_better: bool = True) -> None:
+    def ratio(
+        self, name: str, value: float, target: float | None = None, *, higher_is_better: bool = True
+    ) -> None:
         meets = None
         if target is not None:
             meets = value >= target if higher_is_better else value <= target
         self.ratios[name] = {"value": round(value, 4), "target": target, "meets": meets}
-        goal = "" if target is None else f"  (target {'>=' if higher_is_better else '<='} " \
+        goal = (
+            ""
+            if target is None
+            else f"  (target {'>=' if higher_is_better else '<='} "
             f"{target:g}: {'MET' if meets else 'NOT MET'})"
+        )
         print(f"  RATIO {name:<42} {value:,.3f}{goal}", flush=True)
 
     def note(self, text: str) -> None:

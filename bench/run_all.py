@@ -37,8 +37,15 @@ SMALL_ARGS: dict[str, list[str]] = {
 # Benches that always get --quick from run_all (they would otherwise run for many minutes).
 ALWAYS_QUICK = {"bench_soak", "bench_dlq_merge", "bench_flow"}
 # The order: the fast, broker-free ones first.
-ORDER = ["bench_tracker", "bench_push", "bench_hol", "bench_workers", "bench_flow",
-         "bench_dlq_merge", "bench_soak"]
+ORDER = [
+    "bench_tracker",
+    "bench_push",
+    "bench_hol",
+    "bench_workers",
+    "bench_flow",
+    "bench_dlq_merge",
+    "bench_soak",
+]
 
 
 def discover() -> list[Path]:
@@ -85,7 +92,11 @@ def run_one(script: Path, bootstrap: str, quick: bool) -> dict[str, Any]:
     started_wall, started = time.time(), time.monotonic()
     tail: list[str] = []
     proc = subprocess.Popen(
-        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(ROOT),
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=str(ROOT),
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     assert proc.stdout is not None
@@ -114,8 +125,9 @@ def summary(runs: list[dict[str, Any]]) -> list[str]:
         ratios = {k: v for r in run["results"] for k, v in r.get("ratios", {}).items()}
         for name, ratio in ratios.items():
             target = ratio.get("target")
-            verdict = "" if ratio.get("meets") is None else (
-                "  MET" if ratio["meets"] else "  NOT MET")
+            verdict = (
+                "" if ratio.get("meets") is None else ("  MET" if ratio["meets"] else "  NOT MET")
+            )
             shown_target = "" if target is None else f"{target:g}"
             lines.append(f"  {name:<56} {ratio['value']:>10,.3f}  {shown_target}{verdict}")
         if not ratios:

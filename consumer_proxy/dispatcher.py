@@ -34,7 +34,7 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .config import ServiceConfig, TlsConfig
-from .outcomes import Classification, Classifier
+from .core.outcomes import Classification, Classifier
 from .proto.v1 import handler_pb2, handler_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -250,8 +250,9 @@ class Dispatcher:
         if endpoint.consecutive_failures < EJECT_AFTER_FAILURES or endpoint.ejected:
             return
         duration = min(EJECT_MAX_S, EJECT_BASE_S * 2**endpoint.ejections)
-        if self._eject(endpoint, duration, f"{endpoint.consecutive_failures} {result.status} "
-                       "in a row"):
+        if self._eject(
+            endpoint, duration, f"{endpoint.consecutive_failures} {result.status} in a row"
+        ):
             endpoint.ejections += 1
             endpoint.consecutive_failures = 0
 
@@ -370,8 +371,8 @@ class Dispatcher:
                 results = await asyncio.gather(*(self.check(e) for e in due))
                 for endpoint, health in zip(due, results, strict=True):
                     self._apply_health(endpoint, health)
-                    interval = self._ejected_interval_s if endpoint.ejected else (
-                        self._health_interval_s
+                    interval = (
+                        self._ejected_interval_s if endpoint.ejected else (self._health_interval_s)
                     )
                     endpoint.next_check = max(endpoint.next_check, time.monotonic() + interval)
                 self._return_due(time.monotonic())

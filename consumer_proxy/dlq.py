@@ -26,8 +26,8 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 )
 
 from .config import GroupConfig, KafkaConfig
+from .core.outcomes import clip_reason
 from .errors import DeadLetterWriteError, TopicSetupError
-from .outcomes import clip_reason
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from typing import Protocol
 import pybreaker
 
 from .config import AdaptiveConfig, CircuitBreakerConfig
-from .outcomes import Classification
+from .core.outcomes import Classification
 
 log = logging.getLogger(__name__)
 
@@ -272,8 +272,9 @@ class AdaptiveLimit:
         baseline_tau_s: float = 60.0,
     ) -> None:
         if not 1 <= min_limit <= initial <= max_limit:
-            raise ValueError(f"need 1 <= min <= initial <= max, got {min_limit}, {initial}, "
-                             f"{max_limit}")
+            raise ValueError(
+                f"need 1 <= min <= initial <= max, got {min_limit}, {initial}, {max_limit}"
+            )
         self.min_limit = min_limit
         self.max_limit = max_limit
         self._limit = float(initial)

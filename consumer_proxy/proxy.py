@@ -31,8 +31,10 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from .codec import CodecError, decode
 from .config import GroupConfig, KafkaConfig, ProxyConfig
+from .core.codec import CodecError, decode
+from .core.outcomes import Classification, Classifier, Outcome, backoff_s
+from .core.tracker import PartitionTracker
 from .dispatcher import Dispatcher
 from .dlq import (
     DeadLetterWriter,
@@ -47,9 +49,7 @@ from .fetcher import TP, Fetcher, consumer_config
 from .flow import AdaptiveLimiter, Breaker, ConcurrencyLimiter, RateLimiter, StaticLimiter
 from .health import KafkaLink, ProxyHealth
 from .metrics import HttpEndpoint, ProxyMetrics
-from .outcomes import Classification, Classifier, Outcome, backoff_s
 from .proto.v1 import handler_pb2
-from .tracker import PartitionTracker
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +252,6 @@ class GroupRunner:
         if self.dispatcher is not None:
             await self.dispatcher.close()
         log.info("group %s: stopped", self.name)
-
 
     # -- rebalance (called from the consumer thread through the loop) -------------------
 
@@ -733,9 +732,7 @@ class Proxy:
         self.config = config
         self.metrics = metrics or ProxyMetrics()
         self.runners = [
-            GroupRunner(
-                config.kafka, g, self.metrics, consumer_overrides, config.shutdown_grace_s
-            )
+            GroupRunner(config.kafka, g, self.metrics, consumer_overrides, config.shutdown_grace_s)
             for g in config.groups
         ]
         self._stop = asyncio.Event()

@@ -11,8 +11,8 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
-from .codec import CodecError, decode
 from .config import GroupConfig, KafkaConfig
+from .core.codec import CodecError, decode
 from .errors import KafkaUnavailableError
 
 

@@ -18,8 +18,8 @@ from confluent_kafka import Producer
 from grpc import aio
 
 from consumer_proxy import dlq
+from consumer_proxy.core.tracker import PartitionTracker
 from consumer_proxy.proto.v1 import handler_pb2
-from consumer_proxy.tracker import PartitionTracker
 from tests.support.kafka import (
     committed_offsets,
     consume_all,
@@ -427,11 +427,15 @@ async def _garbage(bootstrap: str) -> None:
     junk_address = f"127.0.0.1:{junk.sockets[0].getsockname()[1]}"
     try:
         config = make_config(
-            bootstrap, group, [topic], [f"127.0.0.1:{service.port}", junk_address],
+            bootstrap,
+            group,
+            [topic],
+            [f"127.0.0.1:{service.port}", junk_address],
             service={"timeout_ms": 1000},
             delivery={"backoff": {"initial_ms": 20, "max_ms": 300}},
         )
         proxy, task = start_proxy(config)
+
         # When the proxy works through them
         async def finished() -> bool:
             return task.done() or await caught_up(bootstrap, group, topic)

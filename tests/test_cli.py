@@ -34,8 +34,13 @@ COMMAND = [sys.executable, "-m", "consumer_proxy"]
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*COMMAND, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-        stdin=subprocess.DEVNULL, check=False,
+        [*COMMAND, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        check=False,
     )
 
 
@@ -133,8 +138,9 @@ def test_run_refuses_worker_ports_that_overlap(
     config = make_config("127.0.0.1:1", "g", ["t"], ["127.0.0.1:1"], metrics_port=9464)
     path = tmp_path / "proxy.yaml"
     path.write_text(
-        yaml.safe_dump({**config.model_dump(mode="json", exclude_none=True),
-                        "health": {"grpc_port": 9465}})
+        yaml.safe_dump(
+            {**config.model_dump(mode="json", exclude_none=True), "health": {"grpc_port": 9465}}
+        )
     )
 
     code = main(["run", "--config", str(path), "--workers", "2"])
@@ -155,10 +161,14 @@ def finished_run(kafka, tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
     topic, group = unique_name("cli"), unique_name("cli")
     create_topic(kafka.bootstrap, topic, partitions=2)
     values = [f"m{i}" if i % 10 else f"poison {i}" for i in range(30)]
-    produce(kafka.bootstrap, topic, [
-        {"key": f"k{i}", "value": v, "headers": [("trace-id", f"t{i}")]}
-        for i, v in enumerate(values)
-    ])
+    produce(
+        kafka.bootstrap,
+        topic,
+        [
+            {"key": f"k{i}", "value": v, "headers": [("trace-id", f"t{i}")]}
+            for i, v in enumerate(values)
+        ],
+    )
 
     def behaviour(msg, _n):
         if msg.value.startswith(b"poison"):
@@ -256,7 +266,10 @@ def test_run_logs_json_lines_and_exits_0_on_sigterm(kafka, tmp_path: Path) -> No
         with log.open("w") as stderr:
             process = subprocess.Popen(
                 [*COMMAND, "run", "--config", str(path), "--log-format", "json"],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr, cwd=ROOT,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                cwd=ROOT,
             )
             try:
                 wait_until(lambda: len(service.counts) == 10, timeout=60)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from consumer_proxy.codec import MAX_OFFSET_END, PREFIX, AckState, CodecError, decode, encode
+from consumer_proxy.core.codec import MAX_OFFSET_END, PREFIX, AckState, CodecError, decode, encode
 
 # No per-example deadline: the suite shares small CI boxes, where a descheduled process would
 # otherwise fail an example for being slow rather than wrong.

@@ -88,7 +88,11 @@ def test_kill_9_the_proxy_repeatedly_loses_nothing(kafka, tmp_path: Path) -> Non
     produce(bootstrap, topic, ledger.records(n, partitions=partitions))
     with ThreadedService(lambda m, k: Behaviour(delay_s=0.005)) as service:
         config = write_config(
-            tmp_path / "proxy.json", bootstrap, group, [topic], [service.address],
+            tmp_path / "proxy.json",
+            bootstrap,
+            group,
+            [topic],
+            [service.address],
             delivery={"concurrency": 20, "max_in_flight": window},
             # A killed member holds its partitions until its session expires: keep it short.
             client={"session.timeout.ms": 3000, "heartbeat.interval.ms": 300},
@@ -146,7 +150,10 @@ async def _service_outages(bootstrap: str) -> None:
 
     async with TestService(behaviour) as a, TestService(behaviour) as b:
         config = make_config(
-            bootstrap, group, [topic], [a.address, b.address],
+            bootstrap,
+            group,
+            [topic],
+            [a.address, b.address],
             delivery={"concurrency": 20, "max_in_flight": 200},
             breaker={"failure_threshold": 5, "reset_timeout_s": 0.5},
         )
@@ -215,7 +222,10 @@ async def _broker_restart(bootstrap: str, directory: Path) -> None:
     await asyncio.to_thread(produce, bootstrap, topic, ledger.records(2000, partitions=partitions))
     async with TestService(lambda m, k: Behaviour(delay_s=0.005)) as service:
         config = make_config(
-            bootstrap, group, [topic], [service.address],
+            bootstrap,
+            group,
+            [topic],
+            [service.address],
             delivery={"concurrency": 10, "max_in_flight": window},
         )
         proxy, task = start_proxy(config)
@@ -224,9 +234,7 @@ async def _broker_restart(bootstrap: str, directory: Path) -> None:
         await asyncio.to_thread(stop_broker, directory)
         assert _distinct_acked(ledger, service) < 2000
         assert not task.done()
-        restarted = await asyncio.to_thread(
-            start_broker, directory, None, watch_pid=os.getpid()
-        )
+        restarted = await asyncio.to_thread(start_broker, directory, None, watch_pid=os.getpid())
         assert restarted.bootstrap == bootstrap
         # and more messages arrive after the restart
         await asyncio.to_thread(
@@ -279,7 +287,10 @@ async def _dlq_outage(bootstrap: str) -> None:
 
     async with TestService(behaviour) as service:
         config = make_config(
-            bootstrap, group, [topic], [service.address],
+            bootstrap,
+            group,
+            [topic],
+            [service.address],
             delivery={"concurrency": 20, "max_in_flight": window},
         )
         proxy, task = start_proxy(config)
@@ -337,11 +348,19 @@ def test_a_rebalance_storm_of_worker_processes_loses_nothing(kafka, tmp_path: Pa
         # member finishes it.
         delivery = {"concurrency": concurrency, "max_in_flight": window}
         storm_config = write_config(
-            tmp_path / "storm.json", bootstrap, group, [topic], [service.address],
+            tmp_path / "storm.json",
+            bootstrap,
+            group,
+            [topic],
+            [service.address],
             delivery={**delivery, "rate_limit_per_s": 25},
         )
         final_config = write_config(
-            tmp_path / "final.json", bootstrap, group, [topic], [service.address],
+            tmp_path / "final.json",
+            bootstrap,
+            group,
+            [topic],
+            [service.address],
             delivery=delivery,
         )
         members: list[ProxyProcess] = []
@@ -353,7 +372,8 @@ def test_a_rebalance_storm_of_worker_processes_loses_nothing(kafka, tmp_path: Pa
             members.append(member)
             # Joined once it logs an assignment (cooperative: the others keep theirs meanwhile).
             wait_until(
-                lambda: ": assigned " in member.output() or not member.alive(), timeout=90,
+                lambda: ": assigned " in member.output() or not member.alive(),
+                timeout=90,
                 message="the new member to be assigned partitions",
             )
             assert member.alive(), member.output()[-3000:]

@@ -12,8 +12,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from consumer_proxy.config import ServiceConfig
+from consumer_proxy.core.outcomes import Classifier
 from consumer_proxy.dispatcher import Dispatcher
-from consumer_proxy.outcomes import Classifier
 from consumer_proxy.proxy import GroupRunner, Proxy
 from tests.support.kafka import consume_all, create_topic, produce, unique_name
 from tests.support.proxy import caught_up, make_config, start_proxy
@@ -77,7 +77,10 @@ async def _outage(bootstrap: str, mode: str) -> None:
     working = always(Behaviour(delay_s=0.05))
     async with TestService(working) as service:
         config = make_config(
-            bootstrap, group, [topic], [service.address],
+            bootstrap,
+            group,
+            [topic],
+            [service.address],
             delivery={"concurrency": 10},
             breaker={"failure_threshold": 5, "reset_timeout_s": RESET_S},
         )
@@ -107,12 +110,13 @@ async def _outage(bootstrap: str, mode: str) -> None:
 
         # Then delivery resumes and everything is committed
         await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=90)
-        closes = metric(proxy, "consumer_proxy_circuit_transitions_total", group=group,
-                        state="closed")
-        opens = metric(proxy, "consumer_proxy_circuit_transitions_total", group=group,
-                       state="open")
-        probes = metric(proxy, "consumer_proxy_circuit_transitions_total", group=group,
-                        state="half-open")
+        closes = metric(
+            proxy, "consumer_proxy_circuit_transitions_total", group=group, state="closed"
+        )
+        opens = metric(proxy, "consumer_proxy_circuit_transitions_total", group=group, state="open")
+        probes = metric(
+            proxy, "consumer_proxy_circuit_transitions_total", group=group, state="half-open"
+        )
         await proxy.shutdown()
         await task
 
@@ -160,7 +164,10 @@ async def _one_bad_instance(bootstrap: str) -> None:
         TestService(always(Behaviour(status=grpc.StatusCode.UNAVAILABLE))) as bad,
     ):
         config = make_config(
-            bootstrap, group, [topic], [one.address, two.address, bad.address],
+            bootstrap,
+            group,
+            [topic],
+            [one.address, two.address, bad.address],
             delivery={"concurrency": 30},
         )
         proxy, task = start_proxy(config)
@@ -197,8 +204,12 @@ async def _health_checks() -> None:
         ejected_counts: list[int] = []
         service = ServiceConfig(endpoints=[a.address, b.address])
         dispatcher = Dispatcher(
-            "g", service, Classifier(), on_ejected=ejected_counts.append,
-            health_interval_s=0.1, ejected_check_interval_s=0.1,
+            "g",
+            service,
+            Classifier(),
+            on_ejected=ejected_counts.append,
+            health_interval_s=0.1,
+            ejected_check_interval_s=0.1,
         )
         dispatcher.start()
         ea, eb = dispatcher.endpoints
@@ -249,10 +260,15 @@ async def _capacity(bootstrap: str) -> None:
     await asyncio.to_thread(produce, bootstrap, topic, [f"m{i}" for i in range(2400)])
     async with TestService(always(Behaviour(delay_s=0.02)), max_concurrency=k) as service:
         config = make_config(
-            bootstrap, group, [topic], [service.address],
-            delivery={"concurrency": "adaptive",
-                      "adaptive": {"min": 1, "max": 64, "initial": 2},
-                      "max_attempts": 10},
+            bootstrap,
+            group,
+            [topic],
+            [service.address],
+            delivery={
+                "concurrency": "adaptive",
+                "adaptive": {"min": 1, "max": 64, "initial": 2},
+                "max_attempts": 10,
+            },
         )
         proxy, task = start_proxy(config)
         runner = proxy.runners[0]

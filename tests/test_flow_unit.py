@@ -9,6 +9,7 @@ import random
 import pytest
 
 from consumer_proxy.config import AdaptiveConfig, CircuitBreakerConfig
+from consumer_proxy.core.outcomes import Classification, Outcome
 from consumer_proxy.flow import (
     CLOSED,
     HALF_OPEN,
@@ -18,7 +19,6 @@ from consumer_proxy.flow import (
     Breaker,
     TokenBucket,
 )
-from consumer_proxy.outcomes import Classification, Outcome
 
 
 class FakeClock:
@@ -292,6 +292,7 @@ def test_a_retry_after_answer_slows_the_whole_group() -> None:
             limiter.release(0.01, None)
         # Then the group's limit drops, and does not grow back for those 500 ms
         assert limiter.limit == 5
+
         async def busy_round() -> None:  # the full limit in use, every call a success
             n = limiter.limit
             for _ in range(n):

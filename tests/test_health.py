@@ -34,7 +34,10 @@ async def _service_outage(bootstrap: str) -> None:
     create_topic(bootstrap, topic, partitions=2)
     async with TestService() as service:
         config = make_config(
-            bootstrap, group, [topic], [service.address],
+            bootstrap,
+            group,
+            [topic],
+            [service.address],
             breaker={"failure_threshold": 3, "reset_timeout_s": 0.5},
             metrics_port=0,
         ).model_copy(update={"health": HealthConfig(grpc_port=0, host="127.0.0.1")})
@@ -56,7 +59,8 @@ async def _service_outage(bootstrap: str) -> None:
 
             # When the consumer is up and the service answers
             await async_wait_until(
-                lambda: _equals(probes(), (SERVING, SERVING, 200)), timeout=30,
+                lambda: _equals(probes(), (SERVING, SERVING, 200)),
+                timeout=30,
                 message="SERVING once the consumer is up",
             )
             await asyncio.to_thread(produce, bootstrap, topic, [f"a{i}" for i in range(20)])
@@ -72,7 +76,8 @@ async def _service_outage(bootstrap: str) -> None:
             await asyncio.to_thread(produce, bootstrap, topic, [f"b{i}" for i in range(20)])
             # Then the breaker opens and both probes say not serving, with the reason
             await async_wait_until(
-                lambda: _equals(probes(), (NOT_SERVING, NOT_SERVING, 503)), timeout=30,
+                lambda: _equals(probes(), (NOT_SERVING, NOT_SERVING, 503)),
+                timeout=30,
                 message="NOT_SERVING while the breaker is open",
             )
             assert proxy.runners[0].breaker.is_open
@@ -86,7 +91,8 @@ async def _service_outage(bootstrap: str) -> None:
             await service.restart()
             # Then a probe closes the breaker and the proxy serves again
             await async_wait_until(
-                lambda: _equals(probes(), (SERVING, SERVING, 200)), timeout=60,
+                lambda: _equals(probes(), (SERVING, SERVING, 200)),
+                timeout=60,
                 message="SERVING again after the service returned",
             )
             await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=60)
@@ -136,8 +142,12 @@ def test_kafka_reachability_comes_from_the_consumers_statistics(kafka) -> None:
     consumers = []
     for name, bootstrap in (("live", kafka.bootstrap), ("dead", dead)):
         link = KafkaLink()
-        conf = {"bootstrap.servers": bootstrap, "group.id": unique_name("link"),
-                "statistics.interval.ms": 200, "log_level": 0}
+        conf = {
+            "bootstrap.servers": bootstrap,
+            "group.id": unique_name("link"),
+            "statistics.interval.ms": 200,
+            "log_level": 0,
+        }
         link.attach(conf)
         consumer = Consumer(conf)
         consumer.subscribe([unique_name("absent")])
@@ -151,8 +161,7 @@ def test_kafka_reachability_comes_from_the_consumers_statistics(kafka) -> None:
             return all(link.reachable is not None for link in links.values())
 
         wait_until(reported, timeout=30)
-        wait_until(lambda: [c.poll(0.1) for c in consumers] and links["live"].reachable,
-                   timeout=30)
+        wait_until(lambda: [c.poll(0.1) for c in consumers] and links["live"].reachable, timeout=30)
     finally:
         for consumer in consumers:
             consumer.close()

@@ -91,13 +91,18 @@ async def _metrics_run(bootstrap: str) -> None:
 
     async with TestService(behaviour) as service:
         config = make_config(
-            bootstrap, group, [topic], [service.address],
-            delivery={"max_attempts": MAX_ATTEMPTS}, metrics_port=0,
+            bootstrap,
+            group,
+            [topic],
+            [service.address],
+            delivery={"max_attempts": MAX_ATTEMPTS},
+            metrics_port=0,
         )
         proxy, task = start_proxy(config)
         try:
-            await async_wait_until(lambda: proxy.http is not None and proxy.health.ready()[0],
-                                   timeout=30)
+            await async_wait_until(
+                lambda: proxy.http is not None and proxy.health.ready()[0], timeout=30
+            )
             assert proxy.http is not None
             port = proxy.http.port
 
@@ -105,7 +110,8 @@ async def _metrics_run(bootstrap: str) -> None:
             done_first = len(first) + KINDS["retry"] + KINDS["flaky"] + 2 * KINDS["hopeless"]
             await async_wait_until(lambda: len(service.finished()) == done_first, timeout=60)
             mid = await async_wait_until(
-                lambda: _adds_up(port, group, service), timeout=10,
+                lambda: _adds_up(port, group, service),
+                timeout=10,
                 message="messages_total to match the service's deliveries mid-run",
             )
             assert mid["ack"] == KINDS["ack"] + KINDS["retry"] + KINDS["flaky"]
@@ -114,14 +120,21 @@ async def _metrics_run(bootstrap: str) -> None:
             second = batch("b") + [{"key": f"slow{i}", "value": f"slow-b-{i}"} for i in range(3)]
             await asyncio.to_thread(produce, bootstrap, topic, second)
             await async_wait_until(
-                lambda: sum(1 for d in service.deliveries
-                            if d.value.startswith(b"slow") and d.outcome == "PENDING") == 3,
+                lambda: (
+                    sum(
+                        1
+                        for d in service.deliveries
+                        if d.value.startswith(b"slow") and d.outcome == "PENDING"
+                    )
+                    == 3
+                ),
                 timeout=30,
             )
             during = await scrape(port)
             assert during.value("consumer_proxy_in_flight", group=group) >= 3
             window = await async_wait_until(
-                lambda: _uncommitted(port, group), timeout=3,
+                lambda: _uncommitted(port, group),
+                timeout=3,
                 message="uncommitted_messages to count the slow messages",
             )
             assert window >= 3
@@ -129,7 +142,8 @@ async def _metrics_run(bootstrap: str) -> None:
             # When everything is committed
             await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=90)
             final = await async_wait_until(
-                lambda: _settled(port, group, topic, bootstrap), timeout=15,
+                lambda: _settled(port, group, topic, bootstrap),
+                timeout=15,
                 message="committed_offset = end offsets, lag 0, in_flight 0",
             )
         finally:
@@ -150,9 +164,10 @@ async def _metrics_run(bootstrap: str) -> None:
     # one push duration per delivery
     deliveries = len(service.deliveries)
     assert final.value("consumer_proxy_push_duration_seconds_count", group=group) == deliveries
-    assert final.value(
-        "consumer_proxy_push_duration_seconds_bucket", group=group, le="+Inf"
-    ) == deliveries
+    assert (
+        final.value("consumer_proxy_push_duration_seconds_bucket", group=group, le="+Inf")
+        == deliveries
+    )
     assert final.value("consumer_proxy_push_duration_seconds_sum", group=group) >= 3 * 4.0
     assert final.types["consumer_proxy_push_duration_seconds"] == "histogram"
     # the DLQ writes are confirmed, and the DLQ holds exactly the dead letters
@@ -163,8 +178,11 @@ async def _metrics_run(bootstrap: str) -> None:
     assert final.value("consumer_proxy_circuit_open", group=group) == 0
     assert final.value("consumer_proxy_partitions_paused", group=group) == 0
     # per-partition series stay bounded by the assignment (source and redrive partitions)
-    for name in ("consumer_proxy_committed_offset", "consumer_proxy_lag_messages",
-                 "consumer_proxy_uncommitted_messages"):
+    for name in (
+        "consumer_proxy_committed_offset",
+        "consumer_proxy_lag_messages",
+        "consumer_proxy_uncommitted_messages",
+    ):
         topics = {labels["topic"] for labels, _ in final.series(name, group=group)}
         assert topics <= {topic, f"{group}.redrive"}
         assert len(final.series(name, group=group)) <= 3 + 3

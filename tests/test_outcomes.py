@@ -8,7 +8,13 @@ import grpc
 import pytest
 
 from consumer_proxy.config import BackoffConfig
-from consumer_proxy.outcomes import MAX_REASON_BYTES, Classifier, Outcome, backoff_s, clip_reason
+from consumer_proxy.core.outcomes import (
+    MAX_REASON_BYTES,
+    Classifier,
+    Outcome,
+    backoff_s,
+    clip_reason,
+)
 from consumer_proxy.proto.v1 import handler_pb2
 
 C = grpc.StatusCode

@@ -64,8 +64,13 @@ def sasl_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "consumer_proxy", *args], capture_output=True, text=True,
-        timeout=timeout, cwd=ROOT, stdin=subprocess.DEVNULL, check=False,
+        [sys.executable, "-m", "consumer_proxy", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        check=False,
     )
 
 
@@ -80,9 +85,19 @@ def sasl_config(
     """A config file reaching Kafka only through the SASL listener, with metrics on."""
     assert broker.sasl_bootstrap is not None
     write_config(
-        path, broker.sasl_bootstrap, group, [topic], [endpoint],
-        client={**SASL_CLIENT_CONFIG, "ssl.key.password": KEY_PASSWORD, **DEBUG,
-                "session.timeout.ms": 6000, "heartbeat.interval.ms": 500, **client},
+        path,
+        broker.sasl_bootstrap,
+        group,
+        [topic],
+        [endpoint],
+        client={
+            **SASL_CLIENT_CONFIG,
+            "ssl.key.password": KEY_PASSWORD,
+            **DEBUG,
+            "session.timeout.ms": 6000,
+            "heartbeat.interval.ms": 500,
+            **client,
+        },
     )
     config = json.loads(path.read_text())
     config["metrics"] = {"enabled": True, "host": "127.0.0.1", "port": 0}
@@ -107,9 +122,9 @@ def test_the_proxy_delivers_through_sasl_and_no_output_shows_the_password(
     topic, group = unique_name("sasl"), unique_name("sasl")
     create_topic(sasl_broker.bootstrap, topic, partitions=2)
     ledger = Ledger("SASL_PLAINTEXT end to end")
-    records = ledger.records(300, partitions=2, value=lambda i, ident: (
-        b"poison" if i % 30 == 0 else ident.encode()
-    ))
+    records = ledger.records(
+        300, partitions=2, value=lambda i, ident: b"poison" if i % 30 == 0 else ident.encode()
+    )
     produce(sasl_broker.bootstrap, topic, records)
 
     def behaviour(msg, n):
@@ -124,7 +139,8 @@ def test_the_proxy_delivers_through_sasl_and_no_output_shows_the_password(
             # When it runs until every offset is committed
             wait_until(
                 lambda: _caught_up(sasl_broker.bootstrap, group, topic) or not proxy.alive(),
-                timeout=120, interval=0.3,
+                timeout=120,
+                interval=0.3,
             )
             assert proxy.alive(), proxy.output()[-3000:]
             port = int(re.findall(r"serving /metrics.* on 127\.0\.0\.1:(\d+)", proxy.output())[0])
@@ -162,7 +178,11 @@ def test_a_wrong_password_fails_and_shows_neither_password(
     topic, group = unique_name("sasl-bad"), unique_name("sasl-bad")
     create_topic(sasl_broker.bootstrap, topic, partitions=1)
     config = sasl_config(
-        tmp_path / "bad.json", sasl_broker, group, topic, "127.0.0.1:1",
+        tmp_path / "bad.json",
+        sasl_broker,
+        group,
+        topic,
+        "127.0.0.1:1",
         **{"sasl.password": WRONG_PASSWORD},
     )
     # When the proxy and the read-only commands run with it (side by side: each waits for
@@ -174,8 +194,12 @@ def test_a_wrong_password_fails_and_shows_neither_password(
     }
     procs = {
         name: subprocess.Popen(
-            [sys.executable, "-m", "consumer_proxy", *args], cwd=ROOT, text=True,
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", "consumer_proxy", *args],
+            cwd=ROOT,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
         )
         for name, args in commands.items()
     }

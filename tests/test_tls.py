@@ -105,7 +105,8 @@ def test_a_wrong_ca_opens_the_breaker_and_dead_letters_nothing(
 
     # and the log says why, naming the group and the TLS failure
     opened = [
-        r.getMessage() for r in caplog.records
+        r.getMessage()
+        for r in caplog.records
         if r.levelno == logging.ERROR and "circuit open" in r.getMessage()
     ]
     assert opened, caplog.text
@@ -122,7 +123,11 @@ async def _wrong_ca(bootstrap: str, pki: Pki) -> None:
 
     async with TestService(server_credentials=pki.server_credentials(mtls=False)) as service:
         config = make_config(
-            bootstrap, group, [topic], [service.address], service={"tls": tls},
+            bootstrap,
+            group,
+            [topic],
+            [service.address],
+            service={"tls": tls},
             breaker={"failure_threshold": 3, "reset_timeout_s": 60},
         )
         proxy, task = start_proxy(config)

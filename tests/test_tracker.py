@@ -16,8 +16,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from consumer_proxy.codec import AckState, decode, encode
-from consumer_proxy.tracker import DEFAULT_METADATA_BUDGET, PartitionTracker
+from consumer_proxy.core.codec import AckState, decode, encode
+from consumer_proxy.core.tracker import DEFAULT_METADATA_BUDGET, PartitionTracker
 
 TOP = 2**63 - 1  # the largest Kafka offset
 

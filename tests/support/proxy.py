@@ -138,8 +138,15 @@ class ProxyProcess:
     def start(self) -> ProxyProcess:
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "consumer_proxy", "run", "--config", str(self.config),
-                 *self.args],
+                [
+                    sys.executable,
+                    "-m",
+                    "consumer_proxy",
+                    "run",
+                    "--config",
+                    str(self.config),
+                    *self.args,
+                ],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

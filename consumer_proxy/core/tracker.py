@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator
 
-from consumer_proxy.codec import AckState, encode
+from .codec import AckState, encode
 
 __all__ = ["DEFAULT_METADATA_BUDGET", "PartitionTracker"]
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from .config import BackoffConfig
-from .proto.v1 import handler_pb2
+from ..config import BackoffConfig
+from ..proto.v1 import handler_pb2
 
 MAX_REASON_BYTES = 1024
 
