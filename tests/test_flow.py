@@ -14,7 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from consumer_proxy.config import ServiceConfig
 from consumer_proxy.core.outcomes import Classifier
 from consumer_proxy.dispatcher import Dispatcher
-from consumer_proxy.proxy import GroupRunner, Proxy
+from consumer_proxy.group import GroupRunner
+from consumer_proxy.proxy import Proxy
 from tests.support.kafka import consume_all, create_topic, produce, unique_name
 from tests.support.proxy import caught_up, make_config, start_proxy
 from tests.support.service import Behaviour, TestService, always

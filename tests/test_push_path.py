@@ -233,7 +233,7 @@ async def _large_pill(bootstrap: str) -> None:
 
 def test_a_crashed_worker_fails_the_run_instead_of_stopping_quietly(kafka, monkeypatch) -> None:
     # Given a proxy whose result handling breaks on one message (a stand-in for any bug)
-    from consumer_proxy.proxy import GroupRunner
+    from consumer_proxy.group import GroupRunner
 
     original = GroupRunner._apply
 
