@@ -1,0 +1,100 @@
+"""Record headers and original coordinates: the DLQ record's ``cp-*`` contract, pure.
+
+Shared by the push path (a redriven record carries its origin), the DLQ writer and the DLQ
+tools, so it lives in the core: no I/O, no Kafka client.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from .outcomes import clip_reason
+
+CP_PREFIX = "cp-"
+H_TOPIC = "cp-original-topic"
+H_PARTITION = "cp-original-partition"
+H_OFFSET = "cp-original-offset"
+H_TIMESTAMP = "cp-original-timestamp"
+H_ATTEMPT = "cp-attempt"
+H_STATUS = "cp-status"
+H_REASON = "cp-reason"
+H_ENDPOINT = "cp-endpoint"
+H_GROUP = "cp-group"
+H_DEAD_LETTERED_AT = "cp-dead-lettered-at"
+
+UserHeaders = list[tuple[str, bytes]]
+Headers = list[tuple[str, str | bytes | None]]  # what the producer takes
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """The original coordinates of a message (kept across DLQ and redrive)."""
+
+    topic: str
+    partition: int
+    offset: int
+    timestamp_ms: int
+    attempt: int  # counted attempts already made before this record was written
+
+
+def split_headers(headers: Any) -> tuple[UserHeaders, dict[str, str]]:
+    """User headers (in order, ``cp-*`` removed) and the proxy's ``cp-*`` headers decoded.
+
+    Accepts what confluent-kafka returns (a list of pairs, or None) or a dict.
+    """
+    user: UserHeaders = []
+    ours: dict[str, str] = {}
+    pairs: Iterable[tuple[str, str | bytes | None]] = (
+        headers.items() if isinstance(headers, dict) else headers or ()
+    )
+    for key, value in pairs:
+        data = value.encode() if isinstance(value, str) else value or b""
+        if key.startswith(CP_PREFIX):
+            ours[key] = data.decode("utf-8", "replace")
+        else:
+            user.append((key, data))
+    return user, ours
+
+
+def origin_from_headers(ours: dict[str, str]) -> Origin | None:
+    """The origin recorded in a DLQ or redrive record, or None when the headers are incomplete."""
+    try:
+        return Origin(
+            ours[H_TOPIC],
+            int(ours[H_PARTITION]),
+            int(ours[H_OFFSET]),
+            int(ours.get(H_TIMESTAMP, "0") or 0),
+            int(ours.get(H_ATTEMPT, "0") or 0),
+        )
+    except (KeyError, ValueError):
+        return None
+
+
+def dlq_headers(
+    user_headers: UserHeaders,
+    origin: Origin,
+    *,
+    attempt: int,
+    status: str,
+    reason: str,
+    endpoint: str,
+    group: str,
+    now_ms: int | None = None,
+) -> Headers:
+    """The DLQ record's headers: the user's, then the ``cp-*`` contract headers (UTF-8 text)."""
+    ours = {
+        H_TOPIC: origin.topic,
+        H_PARTITION: str(origin.partition),
+        H_OFFSET: str(origin.offset),
+        H_TIMESTAMP: str(origin.timestamp_ms),
+        H_ATTEMPT: str(attempt),
+        H_STATUS: status,
+        H_REASON: clip_reason(reason),
+        H_ENDPOINT: endpoint,
+        H_GROUP: group,
+        H_DEAD_LETTERED_AT: str(now_ms if now_ms is not None else int(time.time() * 1000)),
+    }
+    return [*user_headers, *((k, v.encode("utf-8")) for k, v in ours.items())]
