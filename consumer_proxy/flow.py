@@ -71,6 +71,10 @@ class Breaker:
         self._clock = clock
         self._opened_at = 0.0
         self._probe_in_flight = False
+        self.successes = 0
+        """Calls recorded without a service failure: evidence that the service answers."""
+        self.openings = 0
+        """Transitions to open: a call in flight across one is not charged to its message."""
         self._changed = asyncio.Event()
         outer = self
 
@@ -90,6 +94,7 @@ class Breaker:
     def _state_changed(self, old: str, new: str) -> None:
         if new == OPEN:
             self._opened_at = self._clock()
+            self.openings += 1
             log.warning(
                 "group %s: circuit breaker %s -> open: delivery paused, a probe in %.1fs",
                 self._group,
@@ -165,6 +170,8 @@ class Breaker:
     def record(self, service_failure: bool, probe: bool) -> None:
         """Report a finished push: ``service_failure`` as the classification says."""
         cb = self._cb
+        if not service_failure:
+            self.successes += 1
         if not (service_failure or probe) and cb.fail_counter == 0 and cb.current_state == CLOSED:
             return  # the common case, once per push: nothing for pybreaker to learn
         if probe:

@@ -233,16 +233,16 @@ async def _large_pill(bootstrap: str) -> None:
 
 def test_a_crashed_worker_fails_the_run_instead_of_stopping_quietly(kafka, monkeypatch) -> None:
     # Given a proxy whose result handling breaks on one message (a stand-in for any bug)
-    from consumer_proxy.group import GroupRunner
+    from consumer_proxy.core.partitions import PartitionSet
 
-    original = GroupRunner._apply
+    original = PartitionSet.finish
 
-    def broken(self, delivery, result, endpoint):
+    def broken(self, delivery, result, probe):
         if delivery.offset == 3:
             raise RuntimeError("injected bug")
-        return original(self, delivery, result, endpoint)
+        return original(self, delivery, result, probe)
 
-    monkeypatch.setattr(GroupRunner, "_apply", broken)
+    monkeypatch.setattr(PartitionSet, "finish", broken)
 
     async def scenario() -> None:
         topic, group = unique_name("crash"), unique_name("crash")

@@ -64,7 +64,7 @@ def test_workers_share_the_partitions_of_a_group(kafka, tmp_path: Path) -> None:
     bootstrap = kafka.bootstrap
     topic, group = unique_name("workers"), unique_name("workers")
     create_topic(bootstrap, topic, partitions=6)
-    assigned = re.compile(r"\[(\d+)\] consumer_proxy.proxy: group \S+: assigned")
+    assigned = re.compile(r"\[(\d+)\] consumer_proxy\.\S+: group \S+: assigned")
     with ThreadedService(lambda m, n: Behaviour(delay_s=0.001)) as service:
         config = tmp_path / "proxy.yaml"
         config.write_text(

@@ -93,6 +93,9 @@ class PartitionTracker:
         """
         if offset - 1 > self._last:
             self._last = offset - 1
+        restored = self._restored
+        if restored is not None and offset >= restored.end:
+            self._restored = None  # fetching has passed the restored range
 
     def done(self, offset: int) -> None:
         """Mark a tracked offset done; unknown or already done offsets are ignored.
@@ -128,6 +131,12 @@ class PartitionTracker:
         """Number of tracked offsets at or above C, done or not: the window's size."""
         self.committable()
         return len(self._offsets)
+
+    @property
+    def restoring(self) -> bool:
+        """True while fetching has not yet passed the end of a restored ack state: only
+        fetching, not acks, can shrink the metadata until then."""
+        return self._restored is not None
 
     @property
     def pending(self) -> int:

@@ -1,0 +1,106 @@
+"""The outcome decision: what becomes of a message after one push.
+
+(the message's attempt counts, the classified result, what the breaker saw around the call,
+the policy) -> ack / drop / retry(delay, counted) / dead-letter(reason). Pure: no I/O, no
+asyncio; the randomness of the backoff jitter comes from an injected ``random.Random``.
+
+The outage rule (DESIGN.md, guarantee 2): a failure the breaker counts (a deadline, say) is
+charged to the message only while the service is demonstrably healthy, i.e. it answered some
+other call successfully since this message's previous attempt ended (or, for a first attempt,
+since this call started). A failed half-open probe is never charged, and neither is a call
+that was in flight when the breaker opened. A message that keeps timing out while the service
+answers others is still dead-lettered after ``max_attempts``.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from dataclasses import dataclass
+
+from ..config import BackoffConfig
+from .outcomes import Classification, Outcome, backoff_s
+
+
+class Action(enum.Enum):
+    """What the shell does with the message next."""
+
+    ACK = "ack"
+    DROP = "drop"
+    RETRY = "retry"
+    DEAD_LETTER = "dead_letter"
+
+
+@dataclass(frozen=True, slots=True)
+class Evidence:
+    """What the breaker saw around one call (all pure counts, no clock)."""
+
+    probe: bool = False
+    """The call was the half-open probe."""
+    opened_during_call: bool = False
+    """The breaker opened while the call was in flight."""
+    service_answered: bool = True
+    """Another call succeeded since this message's previous attempt ended (or this call began)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """The group's retry policy."""
+
+    max_attempts: int
+    backoff: BackoffConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The next step for one message."""
+
+    action: Action
+    delay_s: float = 0.0
+    counted: bool = False
+    reason: str = ""
+
+
+_ACK = Decision(Action.ACK)
+_DROP = Decision(Action.DROP)
+
+
+def charged(result: Classification, evidence: Evidence) -> bool:
+    """Whether a failed attempt counts towards ``max_attempts``."""
+    if not result.counted:
+        return False
+    if not result.service_failure:
+        return True  # the message's own failure (INTERNAL, RESOURCE_EXHAUSTED, ...)
+    return not evidence.probe and not evidence.opened_during_call and evidence.service_answered
+
+
+def decide(
+    counted: int,
+    uncounted: int,
+    result: Classification,
+    evidence: Evidence,
+    policy: Policy,
+    rng: random.Random,
+) -> Decision:
+    """The decision after a push, given the failures already counted / not counted."""
+    outcome = result.outcome
+    if outcome is Outcome.ACK:
+        return _ACK
+    if outcome is Outcome.DROP:
+        return _DROP
+    if outcome is Outcome.DEAD_LETTER:
+        return Decision(Action.DEAD_LETTER, reason=result.reason)
+    if charged(result, evidence):
+        if counted + 1 >= policy.max_attempts:
+            reason = f"gave up after {counted + 1} attempts: {result.reason}"
+            return Decision(Action.DEAD_LETTER, counted=True, reason=reason)
+        delay = backoff_s(counted + 1, policy.backoff, rng)
+        is_counted = True
+    else:
+        delay = backoff_s(uncounted + 1, policy.backoff, rng)
+        is_counted = False
+    if result.retry_after_ms:
+        # Capped by backoff.max_ms: a service asking for days would hold the partition's
+        # commit (and its window) for that long.
+        delay = min(result.retry_after_ms, policy.backoff.max_ms) / 1000.0
+    return Decision(Action.RETRY, delay, is_counted, result.reason)

@@ -1,0 +1,507 @@
+"""The partition set of one group: every decision between a fetched record and a commit.
+
+Assignment and revocation with restored ack state, intake into the tracker windows (with a
+backlog when a window is full), the byte budget, results (through ``decision.decide``),
+retries on an injected scheduler, DLQ writes pending, the pause plan and the commit plan.
+Pure: no asyncio, no Kafka client, no gRPC I/O. The shell (``group.py``) feeds it records
+and results and executes what it returns; the simulation (``tests/sim``) feeds it the same
+way on a virtual clock.
+
+Follow one message: ``intake`` -> (backlog ->) ``emit`` (ready for a worker) -> ``begin``
+(a push starts) -> ``finish`` (the result, decided) -> done, or a retry (``schedule`` ->
+``emit`` again), or a DLQ write (``dead_lettered`` when confirmed -> done).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..config import DeliveryConfig
+from .codec import AckState, CodecError, decode
+from .decision import Action, Decision, Evidence, Policy, decide
+from .outcomes import Classification
+from .records import Origin, UserHeaders, origin_from_headers, split_headers
+from .tracker import PartitionTracker
+
+log = logging.getLogger(__name__)
+
+TP = tuple[str, int]
+SOURCE_PRIMARY = 1  # handler.proto DeliverySource values (the core does not import protos)
+SOURCE_REDRIVE = 2
+
+
+class Record(Protocol):
+    """What the core reads of a fetched record (a confluent_kafka.Message fits)."""
+
+    def topic(self) -> str | None: ...
+    def partition(self) -> int | None: ...
+    def offset(self) -> int | None: ...
+    def key(self) -> bytes | None: ...
+    def value(self) -> bytes | None: ...
+    def headers(self) -> Any: ...
+    def timestamp(self) -> tuple[int, int]: ...
+
+
+class BreakerView(Protocol):
+    """The breaker's counters the outage rule reads."""
+
+    @property
+    def successes(self) -> int: ...
+    @property
+    def openings(self) -> int: ...
+    @property
+    def is_open(self) -> bool: ...
+
+
+class Handle(Protocol):
+    """A scheduled callback that can be cancelled."""
+
+    def cancel(self) -> None: ...
+
+
+Scheduler = Callable[[float, Callable[[], None]], Handle]
+
+
+@dataclass(eq=False, slots=True)
+class PartitionState:
+    """One assigned partition."""
+
+    topic: str
+    partition: int
+    committed: int | None
+    restored: AckState | None = None
+    tracker: PartitionTracker | None = None
+    backlog: deque[Record] = field(default_factory=deque)
+    paused: bool | None = None  # None: unknown (librdkafka keeps a pause across re-assign)
+    revoked: bool = False
+    leaving: bool = False  # being revoked: in-flight calls may finish, no new push starts
+    epoch: int = 0  # bumped when the log is reset below the window: older results are stale
+    received_end: int = -1  # the offset after the last record received (tracked or backlog)
+    meta_over_budget: bool = False
+    last_commit: tuple[int, str] | None = None
+    calls: int = 0  # pushes and DLQ writes under way
+    bytes: int = 0
+    timers: set[Handle] = field(default_factory=set)
+
+    @property
+    def tp(self) -> TP:
+        """(topic, partition)."""
+        return (self.topic, self.partition)
+
+
+@dataclass(eq=False, slots=True)
+class Delivery:
+    """One message on its way through the proxy."""
+
+    part: PartitionState
+    epoch: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: UserHeaders
+    origin: Origin
+    size: int
+    source: int
+    attempt: int  # the attempt number the handler sees (carries on across redrive)
+    counted_here: int = 0  # counted failures in this proxy: the max_attempts budget
+    uncounted: int = 0  # service-level failures (outage): never dead-letter
+    successes_mark: int = -1  # breaker successes when the previous attempt ended
+    openings_mark: int = 0  # breaker openings when this call started
+    request: Any = None  # the shell's cached request object
+
+    @property
+    def stale(self) -> bool:
+        """The partition was revoked or its log reset since this message was fetched."""
+        part = self.part
+        return part.revoked or part.epoch != self.epoch
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """One partition's planned commit."""
+
+    part: PartitionState
+    offset: int
+    metadata: str
+
+
+@dataclass(slots=True)
+class PausePlan:
+    """Partitions to pause and to resume now."""
+
+    pause: list[TP]
+    resume: list[TP]
+    paused: int  # partitions paused after the plan
+
+
+@dataclass(slots=True)
+class Counters:
+    """Monotonic counts the shell turns into metrics."""
+
+    ack: int = 0
+    drop: int = 0
+    retry: int = 0
+    dead_letter: int = 0
+    over_budget: int = 0
+    resets: int = 0
+
+
+class PartitionSet:
+    """All partitions of one group owned by this member, and what happens to their messages.
+
+    ``emit(delivery)`` hands a message to the workers; ``schedule(delay_s, fn)`` runs ``fn``
+    later (``loop.call_later`` in the shell, the virtual clock in the simulation);
+    ``on_idle()`` tells the committer that a partition has nothing pending any more, so its
+    progress can be committed soon instead of at the next interval.
+    """
+
+    def __init__(
+        self,
+        group: str,
+        delivery: DeliveryConfig,
+        redrive_topic: str,
+        breaker: BreakerView,
+        emit: Callable[[Delivery], None],
+        schedule: Scheduler,
+        on_idle: Callable[[], None] | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.group = group
+        self.parts: dict[TP, PartitionState] = {}
+        self.bytes = 0
+        self.counters = Counters()
+        self._max_in_flight = delivery.max_in_flight
+        self._max_bytes = delivery.max_in_flight_bytes
+        self._budget = delivery.metadata_budget_bytes
+        self._policy = Policy(delivery.max_attempts, delivery.backoff)
+        self._redrive = redrive_topic
+        self._breaker = breaker
+        self._emit = emit
+        self._schedule = schedule
+        self._on_idle = on_idle
+        self._rng = rng or random.Random()
+
+    # -- assignment ----------------------------------------------------------------------
+
+    def assign(self, topic: str, partition: int, committed: int | None, metadata: str) -> None:
+        """A partition arrives with its committed offset and commit metadata."""
+        restored = None
+        if committed is not None and metadata:
+            try:
+                restored = decode(metadata)
+            except CodecError as exc:
+                log.warning(
+                    "group %s: %s[%d]: ignoring commit metadata that is not ours (%s); "
+                    "messages above offset %d may be redelivered",
+                    self.group,
+                    topic,
+                    partition,
+                    exc,
+                    committed,
+                )
+        part = PartitionState(topic, partition, committed, restored)
+        if committed is not None:
+            part.tracker = PartitionTracker(committed, self._max_in_flight, restored)
+            part.last_commit = (committed, metadata or "")
+            part.received_end = committed
+        old = self.parts.get(part.tp)
+        if old is not None:
+            self.forget(old)
+        self.parts[part.tp] = part
+        log.info(
+            "group %s: assigned %s[%d] at offset %s%s",
+            self.group,
+            topic,
+            partition,
+            committed,
+            " with ack state" if restored is not None else "",
+        )
+
+    def final_commit(self, part: PartitionState) -> Commit | None:
+        """The commit to send as ``part`` leaves (None when nothing new is done)."""
+        tracker = part.tracker
+        if tracker is None:
+            return None
+        offset = tracker.committable()
+        meta, _ = tracker.metadata(self._budget)
+        if part.last_commit == (offset, meta):
+            return None
+        return Commit(part, offset, meta)
+
+    def forget(self, part: PartitionState) -> None:
+        """Drop a partition (revoked or lost): its timers, backlog and bytes go with it."""
+        part.revoked = True
+        for timer in part.timers:
+            timer.cancel()
+        part.timers.clear()
+        self.bytes -= part.bytes
+        part.bytes = 0
+        part.backlog.clear()
+        if self.parts.get(part.tp) is part:
+            del self.parts[part.tp]
+
+    # -- intake --------------------------------------------------------------------------
+
+    def intake(self, record: Record) -> None:
+        """A fetched record (errors already handled by the shell)."""
+        part = self.parts.get((record.topic() or "", record.partition() or 0))
+        if part is None:
+            return  # revoked while the batch was in flight
+        offset = record.offset() or 0
+        if offset < part.received_end and part.tracker is not None:
+            self._reset(part, offset)
+        part.received_end = offset + 1
+        if part.tracker is None:
+            part.tracker = PartitionTracker(offset, self._max_in_flight)
+        if part.backlog or part.tracker.is_full or self.bytes >= self._max_bytes:
+            part.backlog.append(record)
+            return
+        self._accept(part, record)
+
+    def _reset(self, part: PartitionState, offset: int) -> None:
+        """The consumer went back below what it handed over: the log was truncated (an
+        unclean leader election) or the offset was reset. Start a new window at ``offset``;
+        results of the old one are stale. Redelivering is safe, skipping would lose."""
+        log.warning(
+            "group %s: %s[%d]: position reset from %d to %d (log truncated or offset reset); "
+            "delivering from %d again",
+            self.group,
+            part.topic,
+            part.partition,
+            part.received_end,
+            offset,
+            offset,
+        )
+        self.counters.resets += 1
+        part.epoch += 1
+        for timer in part.timers:
+            timer.cancel()
+        part.timers.clear()
+        part.backlog.clear()
+        part.restored = None
+        part.tracker = PartitionTracker(offset, self._max_in_flight)
+
+    def skip_unfetchable(self, positions: dict[TP, int]) -> None:
+        """Let the commit pass what the consumer skipped (transaction markers, aborted records).
+
+        Only for partitions without a backlog: a backlog holds handed-over messages that are
+        not tracked yet, and skipping past them would lose them.
+        """
+        for tp, position in positions.items():
+            part = self.parts.get(tp)
+            if part is None or part.backlog or position < 0 or position < part.received_end:
+                continue
+            if part.tracker is None:  # no commit yet and nothing but markers so far
+                part.tracker = PartitionTracker(position, self._max_in_flight)
+            else:
+                part.tracker.skip_to(position)
+            part.received_end = position
+
+    def _accept(self, part: PartitionState, record: Record) -> None:
+        tracker = part.tracker
+        assert tracker is not None
+        offset = record.offset() or 0
+        if not tracker.track(offset):
+            return  # done before a restart or rebalance: the commit metadata says so
+        user, ours = split_headers(record.headers())
+        key = record.key()
+        value = record.value()
+        source = SOURCE_PRIMARY
+        origin = None
+        attempt = 1
+        if part.topic == self._redrive:
+            origin = origin_from_headers(ours)
+            if origin is not None:
+                source = SOURCE_REDRIVE
+                attempt = origin.attempt + 1
+        if origin is None:
+            _, ts = record.timestamp()
+            origin = Origin(part.topic, part.partition, offset, max(ts, 0), 0)
+        size = len(key or b"") + len(value or b"") + sum(len(k) + len(v) for k, v in user)
+        part.bytes += size
+        self.bytes += size
+        self._emit(
+            Delivery(part, part.epoch, offset, key, value, user, origin, size, source, attempt)
+        )
+
+    def _drain_backlog(self, part: PartitionState) -> None:
+        tracker = part.tracker
+        backlog = part.backlog
+        while backlog and tracker is not None and not tracker.is_full:
+            if self.bytes >= self._max_bytes:
+                return
+            self._accept(part, backlog.popleft())
+
+    # -- delivery ------------------------------------------------------------------------
+
+    def begin(self, delivery: Delivery) -> bool:
+        """A worker is about to push ``delivery``; False when it is stale (skip it)."""
+        if delivery.stale or delivery.part.leaving:
+            return False
+        delivery.part.calls += 1
+        breaker = self._breaker
+        delivery.openings_mark = breaker.openings
+        if delivery.successes_mark < 0:
+            delivery.successes_mark = breaker.successes
+        return True
+
+    def finish(self, delivery: Delivery, result: Classification, probe: bool) -> Decision | None:
+        """The push of ``delivery`` ended with ``result``; returns the decision taken, or None
+        when the result is stale (the partition was revoked or reset meanwhile)."""
+        part = delivery.part
+        part.calls -= 1
+        breaker = self._breaker
+        evidence = Evidence(
+            probe=probe,
+            opened_during_call=breaker.openings != delivery.openings_mark,
+            service_answered=breaker.successes > delivery.successes_mark,
+        )
+        delivery.successes_mark = breaker.successes
+        if delivery.stale:
+            self._release(delivery)
+            return None
+        decision = decide(
+            delivery.counted_here, delivery.uncounted, result, evidence, self._policy, self._rng
+        )
+        action = decision.action
+        counters = self.counters
+        if action is Action.ACK:
+            counters.ack += 1
+            self._done(delivery)
+        elif action is Action.DROP:
+            counters.drop += 1
+            self._done(delivery)
+        elif action is Action.DEAD_LETTER:
+            counters.dead_letter += 1
+            part.calls += 1  # the DLQ write: the partition's revoke waits for it too
+        else:
+            counters.retry += 1
+            if decision.counted:
+                delivery.counted_here += 1
+                delivery.attempt += 1
+            else:
+                delivery.uncounted += 1
+            self._retry_later(delivery, decision.delay_s)
+        return decision
+
+    def abandon(self, delivery: Delivery) -> None:
+        """A push that began never reached the service (cancelled): deliver it again now."""
+        delivery.part.calls -= 1
+        if delivery.stale:
+            self._release(delivery)
+        else:
+            self._emit(delivery)
+
+    def _retry_later(self, delivery: Delivery, delay_s: float) -> None:
+        part = delivery.part
+        handle: Handle | None = None
+
+        def requeue() -> None:
+            part.timers.discard(handle)
+            if delivery.stale:
+                self._release(delivery)
+            else:
+                self._emit(delivery)
+
+        handle = self._schedule(delay_s, requeue)
+        part.timers.add(handle)
+
+    def dead_lettered(self, delivery: Delivery) -> None:
+        """The DLQ write of ``delivery`` is confirmed: its offset is done."""
+        delivery.part.calls -= 1
+        if delivery.stale:
+            self._release(delivery)
+        else:
+            self._done(delivery)
+
+    def dead_letter_abandoned(self, delivery: Delivery) -> None:
+        """The DLQ write was cancelled (revoked, shutdown): the next owner dead-letters it."""
+        delivery.part.calls -= 1
+        self._release(delivery)
+
+    def _release(self, delivery: Delivery) -> None:
+        part = delivery.part
+        if not part.revoked:  # a revoked partition's bytes were returned by forget()
+            part.bytes -= delivery.size
+            self.bytes -= delivery.size
+
+    def _done(self, delivery: Delivery) -> None:
+        part = delivery.part
+        tracker = part.tracker
+        assert tracker is not None
+        tracker.done(delivery.offset)
+        self._release(delivery)
+        if part.backlog:
+            self._drain_backlog(part)
+        elif tracker.pending == 0 and self._on_idle is not None:
+            self._on_idle()
+
+    # -- plans ---------------------------------------------------------------------------
+
+    def pause_plan(self) -> PausePlan:
+        """Which partitions to pause and resume now (drains backlogs that fit first).
+
+        A partition pauses while the breaker is open, the group is over its byte budget, it
+        has a backlog, its window is full, or its ack state is over the metadata budget and
+        can still shrink by acks (never while it is re-fetching a restored range: only
+        fetching could undo that). A partition whose pause state is unknown (just assigned:
+        librdkafka keeps a pause across revoke and re-assign) always gets an explicit call.
+        """
+        breaker_open = self._breaker.is_open
+        pause: list[TP] = []
+        resume: list[TP] = []
+        paused = 0
+        for part in self.parts.values():
+            if part.backlog and not breaker_open:
+                self._drain_backlog(part)
+            tracker = part.tracker
+            want = (
+                breaker_open
+                or self.bytes >= self._max_bytes
+                or bool(part.backlog)
+                or (tracker is not None and tracker.is_full)
+                or (part.meta_over_budget and tracker is not None and not tracker.restoring)
+            )
+            if want is not part.paused:
+                (pause if want else resume).append(part.tp)
+                part.paused = want
+            paused += want
+        return PausePlan(pause, resume, paused)
+
+    def commit_plan(self) -> tuple[list[Commit], list[PartitionState]]:
+        """Each owned partition's commit (done prefix + ack state) that differs from the last
+        one, and the partitions whose ack state newly went over the metadata budget."""
+        plan: list[Commit] = []
+        over: list[PartitionState] = []
+        for part in self.parts.values():
+            tracker = part.tracker
+            if tracker is None:
+                continue
+            offset = tracker.committable()
+            meta, complete = tracker.metadata(self._budget)
+            if not complete and not part.meta_over_budget:
+                self.counters.over_budget += 1
+                over.append(part)
+            part.meta_over_budget = not complete
+            if part.last_commit != (offset, meta):
+                plan.append(Commit(part, offset, meta))
+        return plan, over
+
+    @staticmethod
+    def committed(plan: Iterable[Commit]) -> list[Commit]:
+        """Record a confirmed commit; returns the entries still owned."""
+        kept = []
+        for commit in plan:
+            if not commit.part.revoked:
+                commit.part.last_commit = (commit.offset, commit.metadata)
+                kept.append(commit)
+        return kept
+
+    def owned(self, tps: Sequence[TP]) -> list[PartitionState]:
+        """The states of those of ``tps`` this member owns."""
+        return [self.parts[tp] for tp in tps if tp in self.parts]
