@@ -2,6 +2,7 @@
 #   make demo   - a local Kafka, example service instances, the proxy and sample traffic
 #   make test   - ruff, mypy --strict, stale-stub check and the whole pytest suite (real Kafka)
 #   make bench  - the benchmarks in bench/ (not part of the test suite)
+#   make simulate - the long soak of the core's deterministic simulation (1M steps)
 
 PYTHON ?= python3
 VENV   := .venv
@@ -9,7 +10,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install test lint typecheck demo bench protos kafka-start kafka-stop clean
+.PHONY: install test lint typecheck demo bench simulate protos kafka-start kafka-stop clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +36,11 @@ demo: install
 
 bench: install
 	$(PY) bench/run_all.py
+
+# The long soak of the deterministic simulation (1M steps); a failure prints its seed,
+# replayed with: .venv/bin/python -m tests.sim --seed N
+simulate: install
+	$(PY) -m tests.sim --steps 2000 --total-steps $(or $(SIM_STEPS),1000000)
 
 protos: install
 	$(PY) scripts/gen_protos.py

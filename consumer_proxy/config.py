@@ -436,6 +436,10 @@ class HealthConfig(BaseModel):
     host: str = Field("0.0.0.0", min_length=1, description="Address the health service binds.")
 
 
+REVOKE_MARGIN_MS = 30_000
+"""Room left in max.poll.interval.ms after the revoke grace (the final commit, the callback)."""
+
+
 class ProxyConfig(BaseSettings):
     """The whole onboarding configuration of one proxy deployment."""
 
@@ -489,6 +493,22 @@ class ProxyConfig(BaseSettings):
                 ("health", "grpc_port"),
                 f"port {port} is also metrics.port; the gRPC health service needs its own port",
             )
+        return self
+
+    @model_validator(mode="after")
+    def _grace_within_poll_interval(self) -> ProxyConfig:
+        # The revoke callback runs inside the consumer's poll: waiting longer than
+        # max.poll.interval.ms would get this member thrown out of the group mid-revoke.
+        poll_ms = int(self.kafka.client.get("max.poll.interval.ms", 300_000))
+        for index, group in enumerate(self.groups):
+            grace = group.delivery.revoke_grace_ms
+            if grace + REVOKE_MARGIN_MS > poll_ms:
+                raise FieldProblem(
+                    ("groups", index, "delivery", "revoke_grace_ms"),
+                    f"{grace} ms leaves less than {REVOKE_MARGIN_MS} ms of kafka.client "
+                    f"max.poll.interval.ms ({poll_ms} ms): the revoke wait runs inside the "
+                    "consumer's poll; lower it or raise max.poll.interval.ms",
+                )
         return self
 
     def group(self, name: str) -> GroupConfig:

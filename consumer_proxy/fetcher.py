@@ -22,6 +22,7 @@ from .config import KafkaConfig
 log = logging.getLogger(__name__)
 
 TP = tuple[str, int]
+_TRUNCATION = KafkaError._LOG_TRUNCATION
 POSITIONS_INTERVAL_S = 0.2  # reading positions costs ~6 us per partition: not on every batch
 
 
@@ -176,6 +177,8 @@ class Fetcher:
             # handing it over (transaction markers, aborted records), which nobody will fetch.
             # An older reading stays true until the assignment changes (that forces a new one).
             now = time.monotonic()
+            if any(m.error() is not None and m.error().code() == _TRUNCATION for m in messages):
+                self._positions_due = 0.0  # the shell reads the position of a truncation now
             if now >= self._positions_due:
                 self._positions_due = now + POSITIONS_INTERVAL_S
                 self.positions = {

@@ -30,7 +30,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from .config import GroupConfig, KafkaConfig
+from .config import REVOKE_MARGIN_MS, GroupConfig, KafkaConfig
 from .core.decision import Action
 from .core.outcomes import Classification, Classifier
 from .core.partitions import TP, Commit, Delivery, PartitionSet, PartitionState
@@ -44,8 +44,6 @@ from .proto.v1 import handler_pb2
 
 log = logging.getLogger(__name__)
 
-CALLBACK_MARGIN_S = 30.0
-"""How much longer than the revoke grace the consumer thread waits for a rebalance callback."""
 IDLE_COMMIT_GAP_S = 0.1
 """At most this often an idle partition's progress is committed before the next interval."""
 
@@ -139,7 +137,7 @@ class GroupRunner:
         topics = [*self.group.topics, self.group.redrive_topic]
         grace_s = self.group.delivery.revoke_grace_ms / 1000.0
         self.fetcher = Fetcher(
-            conf, topics, self, loop, callback_timeout_s=grace_s + CALLBACK_MARGIN_S
+            conf, topics, self, loop, callback_timeout_s=grace_s + REVOKE_MARGIN_MS / 1000.0
         )
         try:
             await self.fetcher.start()
@@ -296,6 +294,10 @@ class GroupRunner:
                     partitions.intake(message)
                 elif error.fatal():
                     raise KafkaException(error)
+                elif error.code() == KafkaError._LOG_TRUNCATION:
+                    log.warning("group %s: %s", self.name, error.str())
+                    tp = (message.topic() or "", message.partition() or 0)
+                    partitions.truncated(tp, fetcher.positions.get(tp))
                 elif error.code() != KafkaError._PARTITION_EOF:
                     log.warning("group %s: consumer error: %s", self.name, error)
             partitions.skip_unfetchable(fetcher.positions)

@@ -330,6 +330,12 @@ BAD_CONFIGS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
         "also metrics.port",
     ),
     ("grace period not a number", top(shutdown_grace_s="soon"), "shutdown_grace_s", "valid number"),
+    (
+        "revoke grace beyond the poll interval",
+        group(delivery={"revoke_grace_ms": 290_000}),
+        f"{G}.delivery.revoke_grace_ms",
+        "max.poll.interval.ms (300000 ms)",
+    ),
     ("group is not a mapping", top(groups=["billing"]), "groups.0", "valid dictionary"),
 ]
 

@@ -80,7 +80,8 @@ class PartitionState:
     paused: bool | None = None  # None: unknown (librdkafka keeps a pause across re-assign)
     revoked: bool = False
     leaving: bool = False  # being revoked: in-flight calls may finish, no new push starts
-    epoch: int = 0  # bumped when the log is reset below the window: older results are stale
+    epoch: int = 0  # bumped when the log is cut below what was received
+    cuts: list[tuple[int, int]] = field(default_factory=list)  # (epoch, offset) of each cut
     received_end: int = -1  # the offset after the last record received (tracked or backlog)
     meta_over_budget: bool = False
     last_commit: tuple[int, str] | None = None
@@ -116,9 +117,14 @@ class Delivery:
 
     @property
     def stale(self) -> bool:
-        """The partition was revoked or its log reset since this message was fetched."""
+        """The partition was revoked, or its log was cut below this offset, since this
+        message was fetched (a record at this offset now is another message)."""
         part = self.part
-        return part.revoked or part.epoch != self.epoch
+        if part.revoked:
+            return True
+        if part.epoch == self.epoch:
+            return False
+        return any(self.offset >= cut for epoch, cut in part.cuts if epoch > self.epoch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,7 +234,7 @@ class PartitionSet:
         if tracker is None:
             return None
         offset = tracker.committable()
-        meta, _ = tracker.metadata(self._budget)
+        meta = tracker.metadata(self._budget)[0]
         if part.last_commit == (offset, meta):
             return None
         return Commit(part, offset, meta)
@@ -265,8 +271,9 @@ class PartitionSet:
 
     def _reset(self, part: PartitionState, offset: int) -> None:
         """The consumer went back below what it handed over: the log was truncated (an
-        unclean leader election) or the offset was reset. Start a new window at ``offset``;
-        results of the old one are stale. Redelivering is safe, skipping would lose."""
+        unclean leader election) or the offset was reset. Everything at or above ``offset``
+        is forgotten and delivered again as it is fetched; results for those offsets that
+        arrive later are stale. Redelivering is safe, skipping would lose."""
         log.warning(
             "group %s: %s[%d]: position reset from %d to %d (log truncated or offset reset); "
             "delivering from %d again",
@@ -279,12 +286,27 @@ class PartitionSet:
         )
         self.counters.resets += 1
         part.epoch += 1
-        for timer in part.timers:
-            timer.cancel()
-        part.timers.clear()
-        part.backlog.clear()
+        part.cuts.append((part.epoch, offset))
+        part.received_end = offset
+        part.backlog = deque(r for r in part.backlog if (r.offset() or 0) < offset)
         part.restored = None
-        part.tracker = PartitionTracker(offset, self._max_in_flight)
+        assert part.tracker is not None
+        part.tracker.truncate(offset)
+
+    def truncated(self, tp: TP, position: int | None) -> None:
+        """The consumer detected log truncation on ``tp`` (an unclean leader election) and
+        moved its position back to ``position`` (None if unknown). What was received at or
+        above it is gone and will be fetched anew; a restored ack state above what was
+        received may describe records that are gone too, so it is dropped (redelivery, not
+        loss). A cut below what was received but not reported here is caught by ``intake``."""
+        part = self.parts.get(tp)
+        if part is None or part.tracker is None:
+            return
+        if position is not None and 0 <= position < part.received_end:
+            self._reset(part, position)
+        else:
+            part.tracker.truncate(max(part.received_end, 0))
+            part.restored = None
 
     def skip_unfetchable(self, positions: dict[TP, int]) -> None:
         """Let the commit pass what the consumer skipped (transaction markers, aborted records).
@@ -446,7 +468,9 @@ class PartitionSet:
     def pause_plan(self) -> PausePlan:
         """Which partitions to pause and resume now (drains backlogs that fit first).
 
-        A partition pauses while the breaker is open, the group is over its byte budget, it
+        A partition pauses while the breaker is open and it holds messages (one with none
+        keeps fetching: the half-open probe needs a message, and after a rebalance during an
+        outage nothing else would bring one), the group is over its byte budget, it
         has a backlog, its window is full, or its ack state is over the metadata budget and
         can still shrink by acks (never while it is re-fetching a restored range: only
         fetching could undo that). A partition whose pause state is unknown (just assigned:
@@ -460,8 +484,9 @@ class PartitionSet:
             if part.backlog and not breaker_open:
                 self._drain_backlog(part)
             tracker = part.tracker
+            holding = bool(part.backlog) or (tracker is not None and tracker.pending > 0)
             want = (
-                breaker_open
+                (breaker_open and holding)
                 or self.bytes >= self._max_bytes
                 or bool(part.backlog)
                 or (tracker is not None and tracker.is_full)

@@ -97,6 +97,18 @@ class PartitionTracker:
         if restored is not None and offset >= restored.end:
             self._restored = None  # fetching has passed the restored range
 
+    def truncate(self, offset: int) -> None:
+        """The log was cut at ``offset`` (an unclean leader election): forget every offset at
+        or above it, done or not; new records will reuse those offsets. Offsets below it keep
+        their state. The committable offset drops to ``offset`` if it was above."""
+        self._offsets = deque(o for o in self._offsets if o < offset)
+        self._pending = {o for o in self._pending if o < offset}
+        self._last = min(self._last, offset - 1)
+        self._committed = min(self._committed, offset)
+        restored = self._restored
+        if restored is not None and restored.end > offset:
+            self._restored = None  # its acks above the cut describe records that are gone
+
     def done(self, offset: int) -> None:
         """Mark a tracked offset done; unknown or already done offsets are ignored.
 

@@ -1,0 +1,1 @@
+"""Deterministic simulation of the pure core (``python -m tests.sim --help``)."""

@@ -1,0 +1,430 @@
+"""Seeded random schedules driving the real core (PartitionSet, decide, Breaker, Classifier).
+
+One member of a group works a topic of a few partitions while the schedule produces records
+(with gaps), rebalances (graceful revoke and re-assign to the same member), restarts (with a
+different metadata budget: pods of a config roll), crashes, truncates logs, takes the
+service down (UNAVAILABLE or hung) and the DLQ. Invariants are checked at every step:
+
+- a commit never passes an offset whose record is not done, nor marks one done in metadata;
+- commits never go backwards for an owned partition (except after a detected log reset);
+- nothing acked is delivered again unless a crash (or a state over the metadata budget at a
+  graceful hand-over) allowed it;
+- no message is dead-lettered because of an outage (only poison ones, and ones that time out
+  several times while the service answers others);
+- in-flight offsets and bytes stay within their bounds;
+- liveness: after the schedule, with a healthy service, every partition drains (its commit
+  reaches the log end) within a bounded virtual time.
+
+Replay a failing seed with ``python -m tests.sim --seed N``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import grpc
+
+from consumer_proxy.config import BackoffConfig, CircuitBreakerConfig, DeliveryConfig
+from consumer_proxy.core.codec import decode
+from consumer_proxy.core.decision import Action
+from consumer_proxy.core.outcomes import Classification, Classifier
+from consumer_proxy.core.partitions import Delivery, PartitionSet
+from consumer_proxy.flow import Breaker
+from consumer_proxy.proto.v1 import handler_pb2
+from tests.sim.world import TP, Clock, Consumer, Log, Msg, Timer
+
+TOPIC = "t"
+REDRIVE = "g.redrive"
+TIMEOUT_S = 1.0
+DRAIN_LIMIT_S = 600.0
+
+
+class InvariantViolation(AssertionError):
+    """An invariant failed; the message names the seed and step."""
+
+
+@dataclass
+class Stats:
+    """What a run did (to see that schedules exercise what they should)."""
+
+    steps: int = 0
+    produced: int = 0
+    acked: int = 0
+    dead_lettered: int = 0
+    rebalances: int = 0
+    restarts: int = 0
+    crashes: int = 0
+    truncations: int = 0
+    outages: int = 0
+    pauses: int = 0
+    resets: int = 0
+
+
+@dataclass
+class Truth:
+    """Ground truth about every message."""
+
+    behaviour: dict[int, str] = field(default_factory=dict)
+    done: set[int] = field(default_factory=set)  # acked, dropped or confirmed in the DLQ
+    acked: set[int] = field(default_factory=set)
+    dlq: list[int] = field(default_factory=list)
+    dup_ok: set[int] = field(default_factory=set)  # may be delivered again (crash, budget)
+    attempts: dict[int, int] = field(default_factory=dict)
+
+
+class Member:
+    """One proxy process: the core, a breaker and the calls it has under way."""
+
+    def __init__(self, sim: Simulation, budget: int) -> None:
+        self.sim = sim
+        self.ready: list[Delivery] = []
+        self.calls: dict[Delivery, Timer] = {}
+        self.dlq_writes: dict[Delivery, Timer] = {}
+        self.breaker = Breaker(
+            "g", CircuitBreakerConfig(failure_threshold=5, reset_timeout_s=2.0), clock=sim.clock
+        )
+        config = DeliveryConfig(
+            max_in_flight=sim.max_in_flight,
+            max_in_flight_bytes=1024,
+            max_attempts=5,
+            metadata_budget_bytes=budget,
+            backoff=BackoffConfig(initial_ms=10, max_ms=500),
+        )
+        self.core = PartitionSet(
+            "g",
+            config,
+            REDRIVE,
+            self.breaker,
+            emit=self.ready.append,
+            schedule=sim.clock.call_later,
+            rng=random.Random(sim.rng.random()),
+        )
+
+
+class Simulation:
+    """One seeded schedule."""
+
+    def __init__(self, seed: int, partitions: int = 3) -> None:
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.clock = Clock()
+        self.classifier = Classifier()
+        self.truth = Truth()
+        self.stats = Stats()
+        self.max_in_flight = self.rng.choice([4, 8, 32])
+        self.concurrency = self.rng.choice([1, 3, 8])
+        self.tps: list[TP] = [(TOPIC, p) for p in range(partitions)]
+        self.logs = {tp: Log() for tp in self.tps}
+        self.commits: dict[TP, tuple[int, str]] = {}
+        self.last_commit: dict[TP, int] = {}
+        self.consumer = Consumer(self.logs, self.commits)
+        self.outage: str | None = None  # None | "unavailable" | "hung"
+        self.dlq_down = False
+        self.next_ident = 0
+        self.step_no = 0
+        self.member = Member(self, self.rng.choice([64, 4000]))
+        self._assign(self.tps)
+
+    # -- checks ------------------------------------------------------------------------
+
+    def fail(self, what: str) -> None:
+        raise InvariantViolation(
+            f"seed {self.seed}, step {self.step_no}, t={self.clock.now:.3f}s: {what} "
+            f"(replay: python -m tests.sim --seed {self.seed})"
+        )
+
+    def check_commit(self, tp: TP, offset: int, metadata: str) -> None:
+        log = self.logs[tp]
+        truth = self.truth
+        for o, msg in log.records.items():
+            if o < offset and msg.ident not in truth.done:
+                self.fail(f"commit {tp}@{offset} passes offset {o} (message {msg.ident} not done)")
+        if metadata:
+            state = decode(metadata)
+            for o in range(state.base, state.end):
+                msg = log.records.get(o)
+                if state.is_done(o) and msg is not None and msg.ident not in truth.done:
+                    self.fail(
+                        f"commit metadata of {tp} marks offset {o} done (message {msg.ident})"
+                    )
+        if offset < self.last_commit.get(tp, 0) and tp not in self.reset_tps:
+            self.fail(f"commit of {tp} goes back from {self.last_commit[tp]} to {offset}")
+        self.last_commit[tp] = offset
+        self.reset_tps.discard(tp)
+
+    reset_tps: set[TP] = set()
+
+    def check_bounds(self) -> None:
+        core = self.member.core
+        for part in core.parts.values():
+            if part.tracker is not None and part.tracker.in_flight > self.max_in_flight:
+                self.fail(f"{part.tp} holds {part.tracker.in_flight} offsets in flight")
+        if core.bytes > 1024 + 64:
+            self.fail(f"{core.bytes} bytes held over the 1024-byte budget")
+        if len(self.member.calls) > self.concurrency:
+            self.fail(f"{len(self.member.calls)} calls over concurrency {self.concurrency}")
+
+    # -- the group protocol --------------------------------------------------------------
+
+    def _assign(self, tps: list[TP]) -> None:
+        for tp, committed, meta in self.consumer.assign(tps):
+            self.member.core.assign(tp[0], tp[1], committed, meta)
+
+    def _revoke(self, tps: list[TP], graceful: bool = True) -> None:
+        member = self.member
+        core = member.core
+        parts = core.owned(tps)
+        for part in parts:
+            part.leaving = True
+        # The revoke grace (longer than the call timeout): in-flight calls finish.
+        deadline = self.clock.now + TIMEOUT_S + 0.5
+        while any(d.part in parts for d in member.calls) and self.clock.now < deadline:
+            due = self.clock.next_due()
+            if due is None:
+                break
+            self.clock.run_until(min(due, deadline))
+        for delivery, timer in list(member.dlq_writes.items()):
+            if delivery.part in parts:
+                timer.cancel()
+                del member.dlq_writes[delivery]
+                core.dead_letter_abandoned(delivery)
+        for part in parts:
+            final = core.final_commit(part) if graceful else None
+            if final is not None:
+                self.check_commit(part.tp, final.offset, final.metadata)
+                self.consumer.commit(part.tp, final.offset, final.metadata)
+                _, complete = part.tracker.metadata(core._budget) if part.tracker else ("", True)
+                if not complete:
+                    self._allow_dups(part.tp)
+            core.forget(part)
+        self.consumer.revoke(tps)
+
+    def _allow_dups(self, tp: TP) -> None:
+        for msg in self.logs[tp].records.values():
+            if msg.ident in self.truth.acked:
+                self.truth.dup_ok.add(msg.ident)
+
+    # -- events --------------------------------------------------------------------------
+
+    def produce(self) -> None:
+        r = self.rng.random
+        for _ in range(self.rng.randint(1, 12)):
+            tp = self.rng.choice(self.tps)
+            x = r()
+            behaviour = (
+                "poison"
+                if x < 0.03
+                else f"timeout:{self.rng.randint(1, 8)}"
+                if x < 0.04
+                else "drop"
+                if x < 0.05
+                else f"flaky:{self.rng.randint(1, 3)}"
+                if x < 0.12
+                else "ok"
+            )
+            msg = Msg(self.next_ident, behaviour, value=b"v" * self.rng.randint(0, 40))
+            self.truth.behaviour[msg.ident] = behaviour
+            self.next_ident += 1
+            self.logs[tp].append(msg, gap=1 if r() < 0.05 else 0)
+            self.stats.produced += 1
+
+    def fetch(self) -> None:
+        core = self.member.core
+        for record in self.consumer.fetch(self.rng, 5):
+            core.intake(record)
+        positions = {tp: self.consumer.position[tp] for tp in self.consumer.assigned}
+        core.skip_unfetchable(positions)
+        plan = core.pause_plan()
+        self.stats.pauses += len(plan.pause)
+        self.consumer.set_paused(plan.pause, plan.resume)
+
+    def dispatch(self) -> None:
+        member = self.member
+        while member.ready and len(member.calls) < self.concurrency:
+            allowed, probe = member.breaker.try_acquire()
+            if not allowed:
+                return
+            delivery = member.ready.pop(0)
+            if not member.core.begin(delivery):
+                if probe:
+                    member.breaker.abandon_probe()
+                continue
+            self._push(delivery, probe)
+
+    def _push(self, delivery: Delivery, probe: bool) -> None:
+        ident = int(dict(delivery.headers)["id"])
+        truth = self.truth
+        if ident in truth.acked and ident not in truth.dup_ok:
+            self.fail(f"message {ident} pushed again after it was acked")
+        truth.attempts[ident] = truth.attempts.get(ident, 0) + 1
+        behaviour = truth.behaviour[ident]
+        latency = self.rng.uniform(0.001, 0.05)
+        result: Classification
+        if self.outage == "unavailable":
+            result = self.classifier.from_status(grpc.StatusCode.UNAVAILABLE, "down")
+            latency = 0.001
+        elif self.outage == "hung" or (
+            behaviour.startswith("timeout:") and truth.attempts[ident] <= int(behaviour[8:])
+        ):
+            result = self.classifier.from_status(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline")
+            latency = TIMEOUT_S
+        elif behaviour == "poison":
+            result = self.classifier.from_status(grpc.StatusCode.INVALID_ARGUMENT, "poison")
+        elif behaviour == "drop":
+            result = self.classifier.from_response(
+                handler_pb2.HandleMessageResponse(action=handler_pb2.HandleMessageResponse.DROP)
+            )
+        elif behaviour.startswith("flaky:") and truth.attempts[ident] <= int(behaviour[6:]):
+            result = self.classifier.from_status(grpc.StatusCode.INTERNAL, "flaky")
+        else:
+            result = self.classifier.from_response(handler_pb2.HandleMessageResponse())
+        member = self.member
+
+        def done() -> None:
+            if self.member is not member:
+                return  # the process that made the call is gone
+            del member.calls[delivery]
+            member.breaker.record(result.service_failure, probe)
+            decision = member.core.finish(delivery, result, probe)
+            if decision is None:
+                return
+            if decision.action is Action.ACK:
+                truth.acked.add(ident)
+                truth.done.add(ident)
+                self.stats.acked += 1
+            elif decision.action is Action.DROP:
+                truth.done.add(ident)
+            elif decision.action is Action.DEAD_LETTER:
+                if not truth.behaviour[ident].startswith(("poison", "timeout:")):
+                    self.fail(f"message {ident} ({truth.behaviour[ident]}) dead-lettered")
+                self._write_dlq(delivery, ident)
+
+        member.calls[delivery] = self.clock.call_later(latency, done)
+
+    def _write_dlq(self, delivery: Delivery, ident: int) -> None:
+        member = self.member
+
+        def attempt() -> None:
+            if self.member is not member or delivery not in member.dlq_writes:
+                return
+            if self.dlq_down:
+                member.dlq_writes[delivery] = self.clock.call_later(0.2, attempt)
+                return
+            del member.dlq_writes[delivery]
+            self.truth.dlq.append(ident)
+            self.truth.done.add(ident)
+            self.stats.dead_lettered += 1
+            member.core.dead_lettered(delivery)
+
+        member.dlq_writes[delivery] = self.clock.call_later(self.rng.uniform(0.001, 0.02), attempt)
+
+    def commit(self) -> None:
+        core = self.member.core
+        plan, _ = core.commit_plan()
+        for c in plan:
+            self.check_commit(c.part.tp, c.offset, c.metadata)
+            self.consumer.commit(c.part.tp, c.offset, c.metadata)
+        core.committed(plan)
+
+    def rebalance(self) -> None:
+        owned = sorted(self.consumer.assigned)
+        if not owned:
+            self._assign(self.tps)
+            return
+        tps = self.rng.sample(owned, self.rng.randint(1, len(owned)))
+        self._revoke(tps)
+        self._assign(tps)  # cooperative-sticky: the same member gets them back
+        self.stats.rebalances += 1
+
+    def restart(self, crash: bool) -> None:
+        if crash:
+            for ident in self.truth.acked:
+                self.truth.dup_ok.add(ident)
+            self.stats.crashes += 1
+        else:
+            self._revoke(sorted(self.consumer.assigned))
+            self.stats.restarts += 1
+        for timer in [*self.member.calls.values(), *self.member.dlq_writes.values()]:
+            timer.cancel()
+        self.consumer = Consumer(self.logs, self.commits)  # a new process: no pause flags
+        self.member = Member(self, self.rng.choice([64, 4000]))
+        self._assign(self.tps)
+
+    def truncate(self) -> None:
+        tp = self.rng.choice(self.tps)
+        log = self.logs[tp]
+        floor = self.commits.get(tp, (0, ""))[0]
+        if log.end <= floor:
+            return
+        cut = self.rng.randint(floor, log.end - 1)
+        for msg in log.truncate(cut):
+            self.truth.done.discard(msg.ident)  # gone: no longer owed to anyone
+        self.consumer.truncated(tp, cut)
+        self._allow_dups(tp)  # the ack state above the fetch position is dropped
+        # librdkafka raises _LOG_TRUNCATION to the app; the shell reads the position then.
+        self.member.core.truncated(tp, self.consumer.position.get(tp))
+        self.reset_tps.add(tp)
+        self.stats.truncations += 1
+
+    # -- schedule ------------------------------------------------------------------------
+
+    def step(self) -> None:
+        self.step_no += 1
+        x = self.rng.random()
+        if x < 0.25:
+            self.produce()
+        elif x < 0.50:
+            self.fetch()
+        elif x < 0.55:
+            self.commit()
+        elif x < 0.565:
+            self.rebalance()
+        elif x < 0.57:
+            self.restart(crash=self.rng.random() < 0.3)
+        elif x < 0.572:
+            self.truncate()
+        elif x < 0.58:
+            self.outage = None if self.outage else self.rng.choice(["unavailable", "hung"])
+            self.stats.outages += self.outage is not None
+        elif x < 0.585:
+            self.dlq_down = not self.dlq_down
+        else:
+            self.clock.run_until(self.clock.now + self.rng.uniform(0.0, 0.3))
+        self.dispatch()
+        self.check_bounds()
+
+    def drain(self) -> None:
+        """Heal everything and require every partition to drain in bounded virtual time."""
+        self.outage = None
+        self.dlq_down = False
+        if not self.consumer.assigned:
+            self._assign(self.tps)
+        deadline = self.clock.now + DRAIN_LIMIT_S
+        while self.clock.now < deadline:
+            self.fetch()
+            self.dispatch()
+            self.commit()
+            if all(self.commits.get(tp, (0, ""))[0] >= self.logs[tp].end for tp in self.tps):
+                break
+            self.clock.run_until(self.clock.now + 0.05)
+            self.check_bounds()
+        else:
+            lag = {tp: (self.commits.get(tp, (0, ""))[0], self.logs[tp].end) for tp in self.tps}
+            self.fail(f"partitions did not drain in {DRAIN_LIMIT_S:.0f}s: (committed, end) {lag}")
+        for tp, log in self.logs.items():
+            for o, msg in log.records.items():
+                if msg.ident not in self.truth.done:
+                    self.fail(f"message {msg.ident} at {tp}@{o} was never done")
+        self.stats.resets = self.member.core.counters.resets
+
+
+def run(seed: int, steps: int) -> Stats:
+    """One schedule of ``steps`` events, then the drain; raises InvariantViolation."""
+    sim = Simulation(seed)
+    sim.reset_tps = set()
+    for _ in range(steps):
+        sim.step()
+    sim.drain()
+    sim.stats.steps = steps
+    return sim.stats

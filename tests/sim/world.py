@@ -1,0 +1,199 @@
+"""A deterministic world for the pure core: virtual clock, Kafka, service and DLQ.
+
+The simulated consumer keeps librdkafka's behaviour where it matters to the core:
+- a pause flag survives revoke and re-assign of the same partition (librdkafka issue 1849);
+- on assign the position is the committed offset (earliest when there is none);
+- fetches skip offsets that are not in the log (compaction, transaction markers), and the
+  consumer's position moves past them;
+- an unclean leader election can truncate a partition's log below the consumer's position,
+  and new records then reuse the truncated offsets;
+- commits carry metadata and are stored per partition.
+
+Everything runs on one virtual clock; randomness comes from one seeded ``random.Random``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+TP = tuple[str, int]
+
+
+class Clock:
+    """Virtual time plus a timer heap; ``call_later`` returns a cancellable handle."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Timer]] = []
+        self._seq = itertools.count()
+
+    def __call__(self) -> float:
+        return self.now
+
+    def call_later(self, delay_s: float, fn: Callable[[], None]) -> Timer:
+        timer = Timer(fn)
+        heapq.heappush(self._heap, (self.now + max(0.0, delay_s), next(self._seq), timer))
+        return timer
+
+    def next_due(self) -> float | None:
+        while self._heap and self._heap[0][2].cancelled:
+            heapq.heappop(self._heap)
+        return self._heap[0][0] if self._heap else None
+
+    def run_until(self, until: float) -> None:
+        """Fire every timer due up to ``until`` in order, then set the time to ``until``."""
+        while True:
+            due = self.next_due()
+            if due is None or due > until:
+                break
+            when, _, timer = heapq.heappop(self._heap)
+            self.now = max(self.now, when)
+            timer.fire()
+        self.now = max(self.now, until)
+
+
+@dataclass(eq=False)
+class Timer:
+    """A scheduled callback."""
+
+    fn: Callable[[], None]
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def fire(self) -> None:
+        if not self.cancelled:
+            self.cancelled = True
+            self.fn()
+
+
+@dataclass(frozen=True)
+class Msg:
+    """One record in a simulated log; ``ident`` is unique across the whole run."""
+
+    ident: int
+    behaviour: str  # ok | flaky:N | poison | timeout:N (N deadlines, then ok) | drop
+    key: bytes | None = None
+    value: bytes | None = b"v"
+
+
+class Record:
+    """A fetched record with confluent_kafka.Message's accessors."""
+
+    __slots__ = ("_msg", "_offset", "_partition", "_topic")
+
+    def __init__(self, topic: str, partition: int, offset: int, msg: Msg) -> None:
+        self._topic = topic
+        self._partition = partition
+        self._offset = offset
+        self._msg = msg
+
+    @property
+    def msg(self) -> Msg:
+        return self._msg
+
+    def topic(self) -> str:
+        return self._topic
+
+    def partition(self) -> int:
+        return self._partition
+
+    def offset(self) -> int:
+        return self._offset
+
+    def key(self) -> bytes | None:
+        return self._msg.key
+
+    def value(self) -> bytes | None:
+        return self._msg.value
+
+    def headers(self) -> Any:
+        return [("id", str(self._msg.ident).encode())]
+
+    def timestamp(self) -> tuple[int, int]:
+        return (1, 0)
+
+    def error(self) -> None:
+        return None
+
+
+@dataclass
+class Log:
+    """One partition's log: offset -> message (missing offsets are gaps)."""
+
+    records: dict[int, Msg] = field(default_factory=dict)
+    end: int = 0  # the next offset to be written
+
+    def append(self, msg: Msg, gap: int = 0) -> None:
+        self.end += gap  # offsets skipped: compaction or transaction markers
+        self.records[self.end] = msg
+        self.end += 1
+
+    def truncate(self, offset: int) -> list[Msg]:
+        gone = [m for o, m in self.records.items() if o >= offset]
+        self.records = {o: m for o, m in self.records.items() if o < offset}
+        self.end = offset
+        return gone
+
+
+class Consumer:
+    """One member's consumer of a simulated cluster (one topic, several partitions)."""
+
+    def __init__(self, logs: dict[TP, Log], commits: dict[TP, tuple[int, str]]) -> None:
+        self.logs = logs
+        self.commits = commits  # shared: the group coordinator's committed offsets
+        self.assigned: set[TP] = set()
+        self.paused: set[TP] = set()  # survives revoke and re-assign, like librdkafka's flag
+        self.position: dict[TP, int] = {}
+
+    def assign(self, tps: list[TP]) -> list[tuple[TP, int | None, str]]:
+        out = []
+        for tp in tps:
+            self.assigned.add(tp)
+            committed = self.commits.get(tp)
+            self.position[tp] = committed[0] if committed else 0
+            out.append((tp, committed[0] if committed else None, committed[1] if committed else ""))
+        return out
+
+    def revoke(self, tps: list[TP]) -> None:
+        for tp in tps:
+            self.assigned.discard(tp)
+            self.position.pop(tp, None)
+
+    def set_paused(self, pause: list[TP], resume: list[TP]) -> None:
+        for tp in pause:
+            if tp in self.assigned:
+                self.paused.add(tp)
+        for tp in resume:
+            if tp in self.assigned:
+                self.paused.discard(tp)
+
+    def truncated(self, tp: TP, offset: int) -> None:
+        """The leader's log was cut at ``offset``: a position past it goes back to it."""
+        if tp in self.position and self.position[tp] > offset:
+            self.position[tp] = offset
+
+    def fetch(self, rng: random.Random, max_records: int) -> list[Record]:
+        out: list[Record] = []
+        tps = sorted(self.assigned - self.paused)
+        rng.shuffle(tps)
+        for tp in tps:
+            log = self.logs[tp]
+            pos = self.position[tp]
+            while pos < log.end and len(out) < max_records:
+                msg = log.records.get(pos)
+                if msg is not None:
+                    out.append(Record(tp[0], tp[1], pos, msg))
+                pos += 1
+            self.position[tp] = pos
+        return out
+
+    def commit(self, tp: TP, offset: int, metadata: str) -> None:
+        if tp in self.assigned:
+            self.commits[tp] = (offset, metadata)
