@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,48 @@ def test_workers_share_the_partitions_of_a_group(kafka, tmp_path: Path) -> None:
         pids = set(assigned.findall(text))
         assert len(pids) == 2 and str(proc.pid) not in pids and str(os.getpid()) not in pids
         assert len(service.counts) == 3000
+
+
+def test_a_partition_paused_by_load_and_reassigned_to_the_same_member_drains(kafka) -> None:
+    asyncio.run(_paused_then_reassigned(kafka.bootstrap))
+
+
+async def _paused_then_reassigned(bootstrap: str) -> None:
+    # Given a member whose partitions are paused by load: windows of 5 messages held by calls
+    # that hang until the gate opens, and a backlog far larger than the windows
+    topic, group = unique_name("repause"), unique_name("repause")
+    create_topic(bootstrap, topic, partitions=2)
+    await asyncio.to_thread(produce, bootstrap, topic, [f"m{i}" for i in range(1500)])
+    gate = threading.Event()
+    behaviour = lambda m, n: Behaviour(delay_s=0.002 if gate.is_set() else 30)  # noqa: E731
+    with ThreadedService(behaviour) as service:
+        config = make_config(
+            bootstrap,
+            group,
+            [topic],
+            [service.address],
+            service={"timeout_ms": 1000},
+            delivery={"concurrency": 20, "max_in_flight": 5, "revoke_grace_ms": 200},
+            breaker={"failure_threshold": 10_000},
+        )
+        first, first_task = start_proxy(config)
+        runner = first.runners[0]
+        own = lambda: [tp for tp in runner.assignment() if tp[0] == topic]  # noqa: E731
+        await async_wait_until(lambda: len(own()) == 2, timeout=60)
+        parts = runner.partitions.parts
+        await async_wait_until(
+            lambda: all(parts[tp].paused for tp in own()), timeout=60, message="windows to fill"
+        )
+        # When a second member joins and takes a partition (revoked from the first while
+        # paused), then leaves, so that the partition comes back to the first member
+        second, second_task = start_proxy(config)
+        await async_wait_until(lambda: len(own()) < 2, timeout=60, message="a revocation")
+        gate.set()
+        await second.shutdown()
+        await second_task
+        await async_wait_until(lambda: len(own()) == 2, timeout=60, message="the hand-back")
+        # Then every partition drains (librdkafka kept the pause: the proxy must resume it)
+        await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=120)
+        await first.shutdown()
+        await first_task
+    assert len(service.counts) == 1500
