@@ -122,12 +122,19 @@ Cross-field rules JSON Schema cannot say clearly; each fails the render with a p
 {{- fail (printf "autoscaling.minReplicas (%d) is above autoscaling.maxReplicas (%d)" (int .Values.autoscaling.minReplicas) (int .Values.autoscaling.maxReplicas)) -}}
 {{- end -}}
 {{- if not (kindIs "invalid" .Values.grpcHealth.port) -}}
-{{- $first := int .Values.metrics.port -}}
-{{- $last := add $first (sub (int .Values.workers) 1) -}}
-{{- if and (ge (int .Values.grpcHealth.port) $first) (le (int .Values.grpcHealth.port) $last) -}}
-{{- fail (printf "grpcHealth.port %d clashes with the metrics ports %d-%d (metrics.port + worker index)" (int .Values.grpcHealth.port) $first $last) -}}
+{{- /* Worker i serves metrics on metrics.port + i and gRPC health on grpcHealth.port + i. */ -}}
+{{- $workers := int .Values.workers -}}
+{{- $metrics := int .Values.metrics.port -}}
+{{- $health := int .Values.grpcHealth.port -}}
+{{- $gap := sub $health $metrics -}}
+{{- if lt (ternary $gap (mul -1 $gap) (ge $gap 0)) $workers -}}
+{{- fail (printf "grpcHealth.port %d clashes with the metrics ports %d-%d: with %d worker(s), worker i serves gRPC health on grpcHealth.port + i (%d-%d); move the ports at least %d apart" $health $metrics (add $metrics $workers -1) $workers $health (add $health $workers -1) $workers) -}}
+{{- end -}}
+{{- if gt (add $health $workers -1) 65535 -}}
+{{- fail (printf "grpcHealth.port %d: with %d workers the last worker's port %d is above 65535" $health $workers (add $health $workers -1)) -}}
 {{- end -}}
 {{- end -}}
+{{- include "consumer-proxy.validateOnboarding" . -}}
 {{- $names := dict "config" true "tmp" true -}}
 {{- range .Values.secretMounts -}}
 {{- if hasKey $names .name -}}
@@ -136,6 +143,57 @@ Cross-field rules JSON Schema cannot say clearly; each fails the render with a p
 {{- $_ := set $names .name true -}}
 {{- if or (eq (trimSuffix "/" .mountPath) "/tmp" "/etc/consumer-proxy/config") (hasPrefix "/etc/consumer-proxy/config/" .mountPath) (hasPrefix "/tmp/" .mountPath) -}}
 {{- fail (printf "secretMounts[%s].mountPath %q overlaps the chart's own mounts (/etc/consumer-proxy/config, /tmp); use e.g. /etc/consumer-proxy/tls/<name>" .name .mountPath) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The onboarding config's rules across fields, as the proxy's validators (consumer_proxy/config.py)
+apply them, so that `helm install` refuses what `consumer-proxy validate` would refuse. Field
+shapes, ranges and syntax are in values.schema.json (generated from the same models); the
+defaults and the proxy-owned properties come from _model.tpl (generated too). What only the
+pod can check (TLS files exist) is left to `consumer-proxy validate` in the init container.
+*/}}
+{{- define "consumer-proxy.validateOnboarding" -}}
+{{- $owned := include "consumer-proxy.proxyOwnedClientProperties" . | fromJsonArray -}}
+{{- range $prop := keys (default (dict) .Values.kafka.client) | sortAlpha -}}
+{{- if has $prop $owned -}}
+{{- fail (printf "kafka.client.%s is set by the proxy and cannot be overridden (the proxy owns %s)" $prop (join ", " $owned)) -}}
+{{- end -}}
+{{- end -}}
+{{- $defaults := include "consumer-proxy.groupDefaults" . | fromJson -}}
+{{- $names := dict -}}
+{{- range $i, $given := .Values.groups -}}
+{{- $at := printf "groups[%d]" $i -}}
+{{- if hasKey $names $given.name -}}
+{{- fail (printf "%s.name: group name %q is already used by groups[%d]; each group needs a name of its own" $at $given.name (get $names $given.name)) -}}
+{{- end -}}
+{{- $_ := set $names $given.name $i -}}
+{{- $group := mergeOverwrite (deepCopy $defaults) (deepCopy $given) -}}
+{{- $backoff := $group.delivery.backoff -}}
+{{- if lt (float64 $backoff.max_ms) (float64 $backoff.initial_ms) -}}
+{{- fail (printf "%s.delivery.backoff.max_ms (%v) is below initial_ms (%v)" $at $backoff.max_ms $backoff.initial_ms) -}}
+{{- end -}}
+{{- $adaptive := $group.delivery.adaptive -}}
+{{- if or (gt (float64 $adaptive.min) (float64 $adaptive.initial)) (gt (float64 $adaptive.initial) (float64 $adaptive.max)) -}}
+{{- fail (printf "%s.delivery.adaptive: need min <= initial <= max, got %v, %v, %v" $at $adaptive.min $adaptive.initial $adaptive.max) -}}
+{{- end -}}
+{{- $dlq := $group.dlq.topic | default (printf "%s.dlq" $given.name) -}}
+{{- $redrive := $group.dlq.redrive_topic | default (printf "%s.redrive" $given.name) -}}
+{{- range $field := list "topic" "redrive_topic" -}}
+{{- $topic := ternary $dlq $redrive (eq $field "topic") -}}
+{{- if has $topic $given.topics -}}
+{{- $isDefault := empty (get (default (dict) $given.dlq) $field) -}}
+{{- fail (printf "%s.dlq.%s: %q%s is also a source topic of the group; the dlq.%s must be a topic of its own" $at $field $topic (ternary " (the default)" "" $isDefault) $field) -}}
+{{- end -}}
+{{- end -}}
+{{- if eq $dlq $redrive -}}
+{{- fail (printf "%s.dlq.redrive_topic: %q is also the DLQ topic; dlq.topic and dlq.redrive_topic must differ" $at $redrive) -}}
+{{- end -}}
+{{- with $group.service.tls -}}
+{{- if ne (empty .cert_file) (empty .key_file) -}}
+{{- fail (printf "%s.service.tls: cert_file and key_file go together (both for mTLS, or neither)" $at) -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}

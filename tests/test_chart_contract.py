@@ -1,0 +1,281 @@
+"""The chart refuses what the proxy refuses: one source of truth for the onboarding config.
+
+Every value below was once accepted by `helm install` and then refused by the proxy at
+start-up, so the pods crash-looped. Each is rendered here with `helm template` and with
+`helm install --dry-run=client` (the same schema validation and template checks as a real
+install, without a cluster) and must be refused with a message naming the field; the same
+config given straight to the proxy must be refused by `consumer-proxy validate` too, so the
+two stay in step. The good values must render and pass `consumer-proxy validate`.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from consumer_proxy.config import load_config
+from consumer_proxy.errors import ConfigError
+from tests.support.kube_api import discovery_only_api
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "helm" / "consumer-proxy"
+EXAMPLE_VALUES = ROOT / "helm" / "values-example.yaml"
+RELEASE, NAMESPACE = "payments-proxy", "payments"
+HELM_TIMEOUT_S = 120
+
+# The first test to ask for helm may wait for its build (minutes on two cores, once).
+pytestmark = pytest.mark.timeout(1800)
+
+GROUP: dict[str, Any] = {
+    "name": "billing",
+    "topics": ["trips"],
+    "service": {"endpoints": ["billing:50051"]},
+}
+
+
+def group(**changes: Any) -> dict[str, Any]:
+    """Values with one group: GROUP with ``changes`` merged in (one level deep)."""
+    merged = copy.deepcopy(GROUP)
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return {"groups": [merged]}
+
+
+@dataclass(frozen=True)
+class Bad:
+    """A value the proxy refuses: the values, the field helm must name, the proxy's field."""
+
+    values: dict[str, Any]
+    helm_field: str
+    proxy_field: str | None = None  # None: refused by `run --workers`, not by `validate`
+    tls_files: list[str] = field(default_factory=list)
+
+
+BAD: dict[str, Bad] = {
+    "endpoint-without-port": Bad(
+        group(service={"endpoints": ["svc"]}),
+        "/groups/0/service/endpoints/0",
+        "groups.0(billing).service.endpoints",
+    ),
+    "endpoint-port-out-of-range": Bad(
+        group(service={"endpoints": ["svc:99999"]}),
+        "/groups/0/service/endpoints/0",
+        "groups.0(billing).service.endpoints",
+    ),
+    "dns-target-without-name": Bad(
+        group(service={"endpoints": ["dns:///"]}),
+        "/groups/0/service/endpoints/0",
+        "groups.0(billing).service.endpoints",
+    ),
+    "bootstrap-without-port": Bad(
+        {"kafka": {"bootstrap_servers": "kafka"}},
+        "/kafka/bootstrap_servers",
+        "kafka.bootstrap_servers",
+    ),
+    "client-sets-group-id": Bad(
+        {"kafka": {"client": {"group.id": "mine"}}}, "kafka.client.group.id", "kafka.client"
+    ),
+    "client-sets-auto-commit": Bad(
+        {"kafka": {"client": {"enable.auto.commit": True}}},
+        "kafka.client.enable.auto.commit",
+        "kafka.client",
+    ),
+    "duplicate-group-name": Bad(
+        {"groups": [GROUP, {**GROUP, "topics": ["rides"]}]},
+        "groups[1].name",
+        "groups.1(billing).name",
+    ),
+    "topic-dot": Bad(group(topics=["."]), "/groups/0/topics/0", "groups.0(billing).topics"),
+    "group-name-dot-dot": Bad(group(name=".."), "/groups/0/name", "groups.0(..).name"),
+    "backoff-max-below-initial": Bad(
+        group(delivery={"backoff": {"initial_ms": 500, "max_ms": 100}}),
+        "groups[0].delivery.backoff.max_ms",
+        "groups.0(billing).delivery.backoff",
+    ),
+    "adaptive-min-above-max": Bad(
+        group(delivery={"concurrency": "adaptive", "adaptive": {"min": 50, "max": 10}}),
+        "groups[0].delivery.adaptive",
+        "groups.0(billing).delivery.adaptive",
+    ),
+    "dlq-topic-is-a-source": Bad(
+        group(topics=["trips", "trips.dead"], dlq={"topic": "trips.dead"}),
+        "groups[0].dlq.topic",
+        "groups.0(billing).dlq.topic",
+    ),
+    "default-dlq-topic-is-a-source": Bad(
+        group(topics=["trips", "billing.dlq"]),
+        "groups[0].dlq.topic",
+        "groups.0(billing).dlq.topic",
+    ),
+    "dlq-topic-is-the-redrive-topic": Bad(
+        group(dlq={"topic": "billing.again", "redrive_topic": "billing.again"}),
+        "groups[0].dlq.redrive_topic",
+        "groups.0(billing).dlq.redrive_topic",
+    ),
+    "tls-cert-without-key": Bad(
+        group(service={"endpoints": ["billing:50051"], "tls": {"cert_file": "/tls/tls.crt"}}),
+        "groups[0].service.tls",
+        "groups.0(billing).service.tls",
+        tls_files=["/tls/tls.crt"],
+    ),
+    "grpc-health-overlaps-worker-metrics": Bad(
+        {"workers": 2, "grpcHealth": {"port": 9463}}, "grpcHealth.port"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Helm:
+    """The helm binary, run against a discovery-only API server (no cluster exists here)."""
+
+    binary: str
+    env: dict[str, str]
+
+    def run(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [self.binary, *args],
+            capture_output=True,
+            text=True,
+            timeout=HELM_TIMEOUT_S,
+            check=False,
+            cwd=ROOT,
+            env={**os.environ, **self.env},
+        )
+
+    def deploy(self, how: str, *args: str) -> subprocess.CompletedProcess[str]:
+        """`helm template`, or `helm install --dry-run=client` (the real install path)."""
+        verb = (
+            ["template"]
+            if how == "template"
+            else ["install", "--dry-run=client", "--disable-openapi-validation"]
+        )
+        return self.run(*verb, RELEASE, str(CHART), "--namespace", NAMESPACE, *args)
+
+
+@pytest.fixture(scope="module")
+def helm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Helm]:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "helm")],
+        capture_output=True,
+        text=True,
+        timeout=1700,
+        check=False,
+    )
+    assert proc.returncode == 0, f"scripts/helm could not provide helm:\n{proc.stderr}"
+    with discovery_only_api(tmp_path_factory.mktemp("kube")) as env:
+        yield Helm(proc.stdout.strip(), env)
+
+
+def write_values(tmp_path: Path, values: dict[str, Any]) -> str:
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values), encoding="utf-8")
+    return str(path)
+
+
+def proxy_config(values: dict[str, Any], root: Path) -> dict[str, Any]:
+    """The onboarding config the proxy would read for these values (chart defaults under)."""
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text(encoding="utf-8"))
+    kafka = {**defaults["kafka"], **values.get("kafka", {})}
+    groups = copy.deepcopy(values.get("groups", defaults["groups"]))
+    for item in groups:
+        tls = item["service"].get("tls") or {}
+        for key, path in tls.items():  # TLS files exist in the pod (secretMounts): here too
+            tls[key] = str(root / path.lstrip("/"))
+    return {
+        "kafka": {k: kafka[k] for k in ("bootstrap_servers", "client") if k in kafka},
+        "groups": groups,
+    }
+
+
+@pytest.mark.parametrize("how", ["template", "install"])
+@pytest.mark.parametrize("case", list(BAD.values()), ids=list(BAD))
+def test_values_the_proxy_refuses_are_refused_at_install_naming_the_field(
+    helm: Helm, tmp_path: Path, case: Bad, how: str
+) -> None:
+    # Given values that the proxy would refuse at start-up
+    values = write_values(tmp_path, case.values)
+
+    # When the chart is rendered or installed (client-side dry run: no cluster here)
+    proc = helm.deploy(how, "-f", values)
+
+    # Then helm refuses, renders nothing, and names the field
+    assert proc.returncode != 0, f"helm {how} accepted {case.values}"
+    assert proc.stdout == ""
+    assert case.helm_field in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "case",
+    [c for c in BAD.values() if c.proxy_field],
+    ids=[k for k, c in BAD.items() if c.proxy_field],
+)
+def test_the_proxy_refuses_the_same_values(
+    tmp_path: Path, case: Bad, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given the config the chart would have rendered (TLS files present, as in the pod)
+    for name in list(os.environ):
+        if name.startswith("CONSUMER_PROXY_"):
+            monkeypatch.delenv(name)
+    for file in case.tls_files:
+        (tmp_path / file.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / file.lstrip("/")).touch()
+    path = tmp_path / "proxy.yaml"
+    path.write_text(yaml.safe_dump(proxy_config(case.values, tmp_path)), encoding="utf-8")
+
+    # When the proxy validates it, then it is refused naming the same field
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert any(f": {case.proxy_field}" in line for line in caught.value.problems), (
+        caught.value.problems
+    )
+
+
+def _rendered_config(stdout: str) -> str:
+    for doc in yaml.safe_load_all(stdout):
+        if doc and doc["kind"] == "ConfigMap" and "proxy.yaml" in doc.get("data", {}):
+            return str(doc["data"]["proxy.yaml"])
+    raise AssertionError("no ConfigMap with proxy.yaml was rendered")
+
+
+@pytest.mark.parametrize("values", [[], ["-f", str(EXAMPLE_VALUES)]], ids=["defaults", "example"])
+def test_good_values_install_and_pass_consumer_proxy_validate(
+    helm: Helm, tmp_path: Path, values: list[str]
+) -> None:
+    # Given the default and the example values, installed (client-side dry run)
+    proc = helm.deploy("install", *values)
+    assert proc.returncode == 0, proc.stderr
+
+    # When the rendered config is validated by the proxy (TLS files where the pod mounts them)
+    text = _rendered_config(proc.stdout.split("\nMANIFEST:\n", 1)[-1].split("\nNOTES:\n")[0])
+    for file in re.findall(r"/etc/consumer-proxy/tls/\S+", text):
+        (tmp_path / file.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / file.lstrip("/")).touch()
+    text = text.replace("/etc/consumer-proxy/tls/", f"{tmp_path}/etc/consumer-proxy/tls/")
+    config = tmp_path / "proxy.yaml"
+    config.write_text(text, encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONSUMER_PROXY_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "consumer_proxy", "validate", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
+    )
+
+    # Then the proxy accepts it
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK (" in proc.stdout
