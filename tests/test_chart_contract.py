@@ -11,19 +11,21 @@ two stay in step. The good values must render and pass `consumer-proxy validate`
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import yaml
 
-from consumer_proxy.config import load_config
+from consumer_proxy.config import GroupConfig, KafkaConfig, check_endpoint, load_config
 from consumer_proxy.errors import ConfigError
 from tests.support.kube_api import discovery_only_api
 
@@ -279,3 +281,100 @@ def test_good_values_install_and_pass_consumer_proxy_validate(
     # Then the proxy accepts it
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK (" in proc.stdout
+
+
+# -- the generated schema agrees with the validators it was generated from -----------------
+
+
+def _chart_schema() -> dict[str, Any]:
+    return dict(json.loads((CHART / "values.schema.json").read_text(encoding="utf-8")))
+
+
+def _schema_accepts(schema: dict[str, Any], value: Any) -> bool:
+    return jsonschema.Draft7Validator(schema).is_valid(value)
+
+
+def _validator_accepts(check: Callable[[str], object], value: str) -> bool:
+    try:
+        check(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _endpoint_samples() -> list[str]:
+    ports = [str(n) for n in range(70_000)] + [f"{n:05d}" for n in range(0, 70_000, 7)]
+    ports += ["000000", "0065535", "123456", "", "-1"]
+    hosts = ["svc", "svc.ns.svc.cluster.local", "10.0.0.1", "[::1]", "[fe80::1%eth0]", "a b"]
+    schemes = [
+        f"{scheme}:{rest}"
+        for scheme in ("dns", "ipv4", "ipv6", "unix", "unix-abstract", "http")
+        for rest in ("", "/", "///", "///svc:50051", "svc", "/tmp/s.sock", "//x/")
+    ]
+    return [f"svc:{p}" for p in ports] + [f"{h}:50051" for h in hosts] + hosts + schemes
+
+
+def _bootstrap(value: str) -> object:
+    return KafkaConfig(bootstrap_servers=value)
+
+
+def test_endpoint_and_bootstrap_patterns_accept_exactly_what_the_proxy_accepts() -> None:
+    # Given the generated schema of an endpoint and of bootstrap_servers
+    schema = _chart_schema()
+    endpoint = schema["properties"]["groups"]["items"]["properties"]["service"]["properties"][
+        "endpoints"
+    ]["items"]
+    bootstrap = schema["properties"]["kafka"]["properties"]["bootstrap_servers"]
+
+    # Then for every port 0-69999 and a spread of hosts and schemes, the schema and the
+    # proxy's own validators agree on every endpoint
+    samples = _endpoint_samples()
+    differ = [
+        s for s in samples if _schema_accepts(endpoint, s) != _validator_accepts(check_endpoint, s)
+    ]
+    assert not differ, differ[:20]
+    assert sum(_schema_accepts(endpoint, s) for s in samples) > 60_000  # not all refused
+    # and on bootstrap server lists
+    servers = [
+        "kafka:9092",
+        "kafka",
+        "kafka:0",
+        "kafka:99999",
+        "a:1,b:2",
+        " a:1 , b:2 ",
+        "a:1,",
+        ",a:1",
+        "SASL_SSL://a:9093,PLAINTEXT://b:9092",
+        "://a:1",
+        "a:1,b",
+        "[::1]:9092",
+        "",
+    ]
+    differ = [
+        s
+        for s in servers
+        if _schema_accepts(bootstrap, s) != _validator_accepts(_bootstrap, s)  # type: ignore[arg-type]
+    ]
+    assert not differ, differ
+
+
+def test_topic_and_group_name_rules_match_the_proxy() -> None:
+    # Given the generated schemas of a topic, a DLQ topic and a group name
+    group = _chart_schema()["properties"]["groups"]["items"]
+    topic = group["properties"]["topics"]["items"]
+    dlq_topic = group["properties"]["dlq"]["properties"]["topic"]
+    name = group["properties"]["name"]
+    base = {"topics": ["t"], "service": {"endpoints": ["h:1"]}}
+
+    # Then each agrees with the proxy's model on every sample
+    samples = [".", "..", "...", "a", "a.b", "_-.", "a b", "ü", "x" * 200, "x" * 241, "x" * 250, ""]
+    for sample in samples:
+        as_topic = _validator_accepts(
+            lambda s: GroupConfig(name="g", topics=[s], service={"endpoints": ["h:1"]}),  # type: ignore[arg-type]
+            sample,
+        )
+        assert _schema_accepts(topic, sample) == as_topic, sample
+        assert _schema_accepts(dlq_topic, sample) == as_topic, sample
+        as_name = _validator_accepts(lambda s: GroupConfig(name=s, **base), sample)  # type: ignore[arg-type]
+        assert _schema_accepts(name, sample) == as_name, sample
+    assert _schema_accepts(dlq_topic, None)

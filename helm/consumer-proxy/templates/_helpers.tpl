@@ -18,6 +18,15 @@ Names: the chart name, the release's full name (63 characters at most, a DNS lab
 {{- end -}}
 {{- end -}}
 
+{{/*
+The metrics Service's name. A Service name is an RFC 1035 label (63 characters at most, a
+letter first, no dots) while a release name may have 53 characters, dots and a digit first:
+see consumer-proxy.labelName.
+*/}}
+{{- define "consumer-proxy.metricsServiceName" -}}
+{{- include "consumer-proxy.labelName" (dict "context" . "suffix" "metrics") -}}
+{{- end -}}
+
 {{- define "consumer-proxy.chart" -}}
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
@@ -61,6 +70,13 @@ The metrics port names, one per worker: worker i listens on metrics.port + i.
 */}}
 {{- define "consumer-proxy.metricsPortName" -}}
 {{- if eq (int .index) 0 -}}metrics{{- else -}}{{ printf "metrics-%d" (int .index) }}{{- end -}}
+{{- end -}}
+
+{{/*
+The gRPC health port names, one per worker: worker i serves grpc.health.v1 on grpcHealth.port + i.
+*/}}
+{{- define "consumer-proxy.grpcHealthPortName" -}}
+{{- if eq (int .index) 0 -}}grpc-health{{- else -}}{{ printf "grpc-health-%d" (int .index) }}{{- end -}}
 {{- end -}}
 
 {{/*
@@ -134,6 +150,11 @@ Cross-field rules JSON Schema cannot say clearly; each fails the render with a p
 {{- fail (printf "grpcHealth.port %d: with %d workers the last worker's port %d is above 65535" $health $workers (add $health $workers -1)) -}}
 {{- end -}}
 {{- end -}}
+{{- with .Values.metrics.serviceMonitor -}}
+{{- if and .enabled (gt (include "consumer-proxy.durationMs" .scrapeTimeout | int64) (include "consumer-proxy.durationMs" .interval | int64)) -}}
+{{- fail (printf "metrics.serviceMonitor.scrapeTimeout (%s) is longer than metrics.serviceMonitor.interval (%s); Prometheus refuses a scrape timeout above the interval" .scrapeTimeout .interval) -}}
+{{- end -}}
+{{- end -}}
 {{- include "consumer-proxy.validateOnboarding" . -}}
 {{- $names := dict "config" true "tmp" true -}}
 {{- range .Values.secretMounts -}}
@@ -196,4 +217,116 @@ pod can check (TLS files exist) is left to `consumer-proxy validate` in the init
 {{- end -}}
 {{- end -}}
 {{- end -}}
+{{- end -}}
+
+{{/*
+A Prometheus duration of the schema's form (a number and one unit: ms, s, m or h) in ms.
+*/}}
+{{- define "consumer-proxy.durationMs" -}}
+{{- $unit := regexReplaceAll "^[0-9]+" . "" -}}
+{{- mul (regexFind "^[0-9]+" . | int64) (get (dict "ms" 1 "s" 1000 "m" 60000 "h" 3600000) $unit) -}}
+{{- end -}}
+
+{{/*
+The proxy's environment: Kafka secrets as CONSUMER_PROXY_KAFKA__CLIENT__* from the existing
+Secret, then extraEnv and extraEnvFrom. Shared by the proxy, the init container and the test.
+*/}}
+{{- define "consumer-proxy.proxyEnv" -}}
+{{- if or .Values.kafka.secretProperties .Values.extraEnv }}
+env:
+  {{- range $prop, $key := .Values.kafka.secretProperties }}
+  # librdkafka {{ $prop }}, merged into kafka.client by the proxy.
+  - name: CONSUMER_PROXY_KAFKA__CLIENT__{{ $prop }}
+    valueFrom:
+      secretKeyRef:
+        name: {{ $.Values.kafka.existingSecret }}
+        key: {{ $key }}
+  {{- end }}
+  {{- with .Values.extraEnv }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- end }}
+{{- with .Values.extraEnvFrom }}
+envFrom:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/*
+The config, /tmp and the Secret mounts, and the volumes behind them.
+*/}}
+{{- define "consumer-proxy.volumeMounts" -}}
+# A directory mount, not subPath: secretMounts may sit beside it under
+# /etc/consumer-proxy, never inside the read-only ConfigMap volume.
+- name: config
+  mountPath: /etc/consumer-proxy/config
+  readOnly: true
+- name: tmp
+  mountPath: /tmp
+{{- range .Values.secretMounts }}
+- name: {{ .name }}
+  mountPath: {{ .mountPath }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "consumer-proxy.volumes" -}}
+- name: config
+  configMap:
+    name: {{ include "consumer-proxy.fullname" . }}
+- name: tmp
+  emptyDir:
+    {{- with .Values.tmp.sizeLimit }}
+    sizeLimit: {{ . }}
+    {{- end }}
+{{- range .Values.secretMounts }}
+- name: {{ .name }}
+  secret:
+    secretName: {{ .secretName }}
+    defaultMode: {{ .defaultMode | default 288 | int }}
+    {{- with .items }}
+    items:
+      {{- toYaml . | nindent 6 }}
+    {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/*
+A container running `consumer-proxy validate` on the mounted config, as the proxy would read it
+(same image, environment and mounts): the init container and the `helm test` Pod.
+*/}}
+{{- define "consumer-proxy.validateContainer" -}}
+- name: validate-config
+  image: {{ include "consumer-proxy.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  args:
+    - validate
+    - --config
+    - /etc/consumer-proxy/config/proxy.yaml
+  # The validator's lines (field path and problem) become the termination message.
+  terminationMessagePolicy: FallbackToLogsOnError
+  {{- with include "consumer-proxy.proxyEnv" . | trim }}
+  {{- . | nindent 2 }}
+  {{- end }}
+  {{- with .Values.resources }}
+  resources:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  securityContext:
+    {{- toYaml .Values.securityContext | nindent 4 }}
+  volumeMounts:
+    {{- include "consumer-proxy.volumeMounts" . | nindent 4 }}
+{{- end -}}
+
+{{/*
+A name made of the full name and a suffix that fits an RFC 1035 label (63 characters, a letter
+first, no dots): Service and Pod names. The full name is cut before the suffix is added.
+*/}}
+{{- define "consumer-proxy.labelName" -}}
+{{- $base := include "consumer-proxy.fullname" .context | replace "." "-" -}}
+{{- if regexMatch "^[0-9]" $base -}}
+{{- $base = printf "cp-%s" $base -}}
+{{- end -}}
+{{- $room := sub 62 (len .suffix) | int -}}
+{{- printf "%s-%s" ($base | trunc $room | trimSuffix "-") .suffix -}}
 {{- end -}}
