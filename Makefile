@@ -1,7 +1,7 @@
 # consumer-proxy: every target installs what it needs (idempotently) into .venv.
 #   make demo   - a local Kafka, example service instances, the proxy and sample traffic
-#   make test   - ruff, mypy --strict, stale-stub and stale-chart-schema checks and the whole
-#                 pytest suite (real Kafka)
+#   make test   - ruff, mypy --strict, stale-stub (Python, Go) and stale-chart-schema checks and
+#                 the whole pytest suite (real Kafka; builds and runs the Go example)
 #   make bench  - the benchmarks in bench/ (not part of the test suite)
 
 PYTHON ?= python3
@@ -30,6 +30,7 @@ typecheck: install
 test: lint typecheck
 	$(PY) scripts/gen_protos.py --check
 	$(PY) scripts/gen_values_schema.py --check
+	$(PY) scripts/gen_go.py --check
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: install
@@ -40,6 +41,7 @@ bench: install
 
 protos: install
 	$(PY) scripts/gen_protos.py
+	$(PY) scripts/gen_go.py
 
 kafka-start:
 	scripts/kafka start
