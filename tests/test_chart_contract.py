@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import random
 import re
 import subprocess
 import sys
@@ -378,3 +379,65 @@ def test_topic_and_group_name_rules_match_the_proxy() -> None:
         as_name = _validator_accepts(lambda s: GroupConfig(name=s, **base), sample)  # type: ignore[arg-type]
         assert _schema_accepts(name, sample) == as_name, sample
     assert _schema_accepts(dlq_topic, None)
+
+
+def _random_group(rng: random.Random, name: str) -> dict[str, Any]:
+    """A group whose cross-field rules hold or not (about half of the time), from small pools."""
+    clash = rng.random() < 0.2  # a default DLQ or redrive topic among the sources
+    pool = ["trips", "other", "rides"] + ([f"{name}.dlq", f"{name}.redrive"] if clash else [])
+    group: dict[str, Any] = {
+        "name": name,
+        "topics": rng.sample(pool, k=2),
+        "service": {"endpoints": [rng.choice(["svc:1", "dns:///svc:50051", "[::1]:9"])]},
+        "delivery": {},
+        "dlq": {},
+    }
+
+    def bounds(keys: list[str], pool: list[int]) -> dict[str, int]:
+        # Ordered as the proxy wants them, shuffled now and then; some left to the defaults.
+        chosen = sorted(rng.sample(pool, k=len(keys)))
+        if rng.random() < 0.25:
+            rng.shuffle(chosen)
+        return {k: v for k, v in zip(keys, chosen, strict=True) if rng.random() < 0.7}
+
+    if rng.random() < 0.5:
+        group["delivery"]["backoff"] = bounds(["initial_ms", "max_ms"], [50, 100, 30_000, 40_000])
+    if rng.random() < 0.5:
+        group["delivery"]["adaptive"] = bounds(["min", "initial", "max"], [1, 10, 20, 500, 600])
+    for key in ("topic", "redrive_topic"):
+        if rng.random() < 0.3:
+            group["dlq"][key] = rng.choice(
+                [None, "trips", "elsewhere", "again", f"{name}.dlq", f"{name}.redrive"]
+            )
+    if rng.random() < 0.3:
+        group["service"]["tls"] = {
+            k: f"/etc/consumer-proxy/tls/{k}"
+            for k in rng.sample(["ca_file", "cert_file", "key_file"], k=rng.randint(0, 3))
+        }
+    return group
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_chart_and_proxy_agree_on_random_groups(helm: Helm, tmp_path: Path, seed: int) -> None:
+    # Given values with one or two random groups (seeded: a failure replays with its seed)
+    rng = random.Random(seed)
+    names = rng.choice([["billing"], ["billing", "refunds"], ["billing"], ["billing", "billing"]])
+    values = {"groups": [_random_group(rng, name) for name in names]}
+
+    # When the chart renders them and the proxy validates the same config
+    proc = helm.deploy("template", "-f", write_values(tmp_path, values), "--skip-tests")
+    config = proxy_config(values, tmp_path)
+    for group in config["groups"]:
+        for path in (group["service"].get("tls") or {}).values():
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).touch()
+    path = tmp_path / "proxy.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    try:
+        load_config(path)
+        proxy_accepts, problems = True, []
+    except ConfigError as exc:
+        proxy_accepts, problems = False, exc.problems
+
+    # Then both accept, or both refuse
+    assert (proc.returncode == 0) == proxy_accepts, (values, proc.stderr, problems)
