@@ -42,7 +42,7 @@ _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 ENV_PREFIX = "CONSUMER_PROXY_"
 # librdkafka properties the proxy sets itself; kafka.client may not override them (the Helm
-# chart's values schema is generated from this set too).
+# chart's render-time check is generated from this set too: scripts/gen_values_schema.py).
 PROXY_OWNED_CLIENT_PROPERTIES = frozenset(
     {"group.id", "enable.auto.commit", "bootstrap.servers", "partition.assignment.strategy"}
 )
