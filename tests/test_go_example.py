@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import signal
 import socket
@@ -210,3 +211,20 @@ def test_the_go_example_behind_the_proxy_acks_retries_and_dead_letters_through_k
     headers = [dict(m.headers() or []) for m in dead]
     assert {h["cp-reason"].decode() for h in headers} == {'value contains "poison"'}
     assert {h["cp-status"].decode() for h in headers} == {"DEAD_LETTER"}
+
+
+def test_the_go_code_in_the_docs_is_code_that_compiles() -> None:
+    # Given every Go block of the README and the docs
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    blocks = [
+        (doc.name, block)
+        for doc in docs
+        for block in re.findall(r"^```go\n(.*?)^```$", doc.read_text(encoding="utf-8"), re.S | re.M)
+    ]
+    assert blocks, "no Go code in the docs"
+
+    # Then each is quoted as it is from a file of the Go example, which make test builds
+    sources = [path.read_text(encoding="utf-8") for path in MODULE.glob("*.go")]
+    for doc, block in blocks:
+        assert any(block in source for source in sources), f"{doc}: a Go block not in examples/go"
+        assert "examples/go/gen/consumerproxy/v1" in block or "import" not in block
