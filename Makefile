@@ -1,6 +1,7 @@
 # consumer-proxy: every target installs what it needs (idempotently) into .venv.
 #   make demo   - a local Kafka, example service instances, the proxy and sample traffic
-#   make test   - ruff, mypy --strict, stale-stub check and the whole pytest suite (real Kafka)
+#   make test   - ruff, mypy --strict, stale-stub (Python, Go) and stale-chart-schema checks and
+#                 the whole pytest suite (real Kafka; builds and runs the Go example)
 #   make bench  - the benchmarks in bench/ (not part of the test suite)
 #   make simulate - the long soak of the core's deterministic simulation (1M steps)
 
@@ -29,6 +30,8 @@ typecheck: install
 
 test: lint typecheck
 	$(PY) scripts/gen_protos.py --check
+	$(PY) scripts/gen_values_schema.py --check
+	$(PY) scripts/gen_go.py --check
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: install
@@ -44,6 +47,7 @@ simulate: install
 
 protos: install
 	$(PY) scripts/gen_protos.py
+	$(PY) scripts/gen_go.py
 
 kafka-start:
 	scripts/kafka start

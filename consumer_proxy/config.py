@@ -41,6 +41,11 @@ _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 
 ENV_PREFIX = "CONSUMER_PROXY_"
+# librdkafka properties the proxy sets itself; kafka.client may not override them (the Helm
+# chart's render-time check is generated from this set too: scripts/gen_values_schema.py).
+PROXY_OWNED_CLIENT_PROPERTIES = frozenset(
+    {"group.id", "enable.auto.commit", "bootstrap.servers", "partition.assignment.strategy"}
+)
 
 
 class FieldProblem(ValueError):
@@ -402,13 +407,7 @@ class KafkaConfig(BaseModel):
     @field_validator("client")
     @classmethod
     def _not_owned_by_proxy(cls, value: dict[str, Any]) -> dict[str, Any]:
-        owned = {
-            "group.id",
-            "enable.auto.commit",
-            "bootstrap.servers",
-            "partition.assignment.strategy",
-        }
-        clash = sorted(owned & set(value))
+        clash = sorted(PROXY_OWNED_CLIENT_PROPERTIES & set(value))
         if clash:
             raise ValueError(f"{', '.join(clash)} are set by the proxy and cannot be overridden")
         return value

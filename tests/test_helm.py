@@ -287,6 +287,58 @@ def test_config_reaches_the_proxy_where_the_pod_reads_it(example_manifests: Mani
     assert args[args.index("--workers") + 1] == "2"
 
 
+def test_consumer_proxy_validate_runs_before_the_proxy_and_in_helm_test(
+    example_manifests: Manifests, tmp_path: Path
+) -> None:
+    # Given the example's Deployment and its helm test Pod
+    pod = one(example_manifests, "Deployment")["spec"]["template"]["spec"]
+    proxy = proxy_container(example_manifests)
+    [init] = pod["initContainers"]
+    test_pod = one(example_manifests, "Pod")
+    [test] = test_pod["spec"]["containers"]
+    assert test_pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert test_pod["spec"]["restartPolicy"] == "Never"
+    assert {v["name"] for v in test_pod["spec"]["volumes"]} == {v["name"] for v in pod["volumes"]}
+
+    # Then both run `consumer-proxy validate` on the proxy's config, in the proxy's image,
+    # with its environment (the Secret's credentials) and its mounts (the TLS files)
+    for check in (init, test):
+        config = proxy["args"][proxy["args"].index("--config") + 1]
+        assert check["args"] == ["validate", "--config", config]
+        assert check["image"] == proxy["image"]
+        assert check["env"] == proxy["env"]
+        assert check["volumeMounts"] == proxy["volumeMounts"]
+        assert check["securityContext"] == proxy["securityContext"]
+        assert check["terminationMessagePolicy"] == "FallbackToLogsOnError"
+
+    # When a TLS file the config names is missing from its Secret (only the pod can know)
+    config_path = materialise_config(example_manifests, tmp_path)
+    missing = next(tmp_path.rglob("tls.key"))
+    missing.unlink()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONSUMER_PROXY_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "consumer_proxy", *init["args"][:2], str(config_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
+    )
+
+    # Then the check fails (the pod stops in its init container) naming the field
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "groups.1(refunds).service.tls.key_file" in proc.stderr
+    assert str(missing) in proc.stderr
+
+
+def test_the_config_checks_can_be_switched_off(helm: Helm) -> None:
+    manifests = helm.render(
+        "--set", "validateConfig.initContainer=false,validateConfig.testHook=false"
+    )
+    assert "initContainers" not in one(manifests, "Deployment")["spec"]["template"]["spec"]
+    assert "Pod" not in {m["kind"] for m in manifests}
+
+
 def test_kafka_credentials_come_from_the_secret_and_reach_kafka_client(
     example_manifests: Manifests, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -388,6 +440,19 @@ GROUP = {"name": "billing", "topics": ["trips"], "service": {"endpoints": ["bill
         (
             {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}},
             "autoscaling.minReplicas (5) is above autoscaling.maxReplicas (2)",
+        ),
+        (
+            {"workers": 3, "grpcHealth": {"port": 9462}},
+            "grpcHealth.port 9462 clashes with the metrics ports 9464-9466",
+        ),
+        (
+            {
+                "metrics": {
+                    "serviceMonitor": {"enabled": True, "interval": "30s", "scrapeTimeout": "1m"}
+                }
+            },
+            "metrics.serviceMonitor.scrapeTimeout (1m) is longer than "
+            "metrics.serviceMonitor.interval (30s)",
         ),
     ],
     ids=lambda v: next(iter(v)) if isinstance(v, dict) else None,
@@ -537,6 +602,64 @@ def test_probes_and_metrics_ports_follow_the_workers(helm: Helm) -> None:
     # and the probes ask worker 0 whether it is alive and ready
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+
+
+def test_every_worker_declares_its_grpc_health_port(helm: Helm) -> None:
+    # Given three workers per pod serving gRPC health
+    manifests = helm.render("--set", "workers=3,grpcHealth.port=9090")
+    container = proxy_container(manifests)
+    config = yaml.safe_load(proxy_config_text(manifests))
+
+    # Then worker i's health port (grpcHealth.port + i, as `run --workers` binds it) is declared
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert config["health"]["grpc_port"] == 9090
+    assert {n: p for n, p in ports.items() if n.startswith("grpc-health")} == {
+        "grpc-health": 9090,
+        "grpc-health-1": 9091,
+        "grpc-health-2": 9092,
+    }
+    assert len(set(ports.values())) == len(ports) == 6
+    assert all(len(name) <= 15 for name in ports)  # an IANA_SVC_NAME
+
+
+DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # RFC 1035: Services
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+
+
+@pytest.mark.parametrize(
+    "release",
+    ["a", "r" * 42, "r" * 53, "7th-proxy", "pay.ments", "payments-consumer-proxy", "x" * 52 + "1"],
+)
+def test_object_names_fit_kubernetes_limits_for_every_release_name_helm_accepts(
+    helm: Helm, release: str
+) -> None:
+    # Given a release name Helm accepts (53 characters at most, dots, a digit first)
+    proc = helm.run(
+        "template",
+        release,
+        str(CHART),
+        "--namespace",
+        NAMESPACE,
+        "--set",
+        "metrics.serviceMonitor.enabled=true,dashboard.enabled=true,autoscaling.enabled=true",
+    )
+    assert proc.returncode == 0, proc.stderr
+    manifests = [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
+
+    # Then every object's name is one Kubernetes accepts for its kind: a Service or a Pod an
+    # RFC 1035 label (63 characters), everything else a DNS subdomain, and labels are valid
+    assert {m["kind"] for m in manifests} >= {"Service", "Pod", "Deployment", "ServiceMonitor"}
+    for manifest in manifests:
+        name = manifest["metadata"]["name"]
+        if manifest["kind"] in {"Service", "Pod"}:
+            assert len(name) <= 63 and DNS_LABEL.match(name), f"{manifest['kind']} {name!r}"
+        else:
+            assert len(name) <= 253 and DNS_SUBDOMAIN.match(name), f"{manifest['kind']} {name!r}"
+        for value in manifest["metadata"].get("labels", {}).values():
+            assert len(value) <= 63 and LABEL_VALUE.match(value), f"label {value!r} of {name}"
+    # and the metrics Service keeps its suffix
+    assert one(manifests, "Service")["metadata"]["name"].endswith("-metrics")
 
 
 def test_autoscaler_owns_the_replica_count_when_enabled(helm: Helm) -> None:

@@ -18,6 +18,15 @@ Names: the chart name, the release's full name (63 characters at most, a DNS lab
 {{- end -}}
 {{- end -}}
 
+{{/*
+The metrics Service's name. A Service name is an RFC 1035 label (63 characters at most, a
+letter first, no dots) while a release name may have 53 characters, dots and a digit first:
+see consumer-proxy.labelName.
+*/}}
+{{- define "consumer-proxy.metricsServiceName" -}}
+{{- include "consumer-proxy.labelName" (dict "context" . "suffix" "metrics") -}}
+{{- end -}}
+
 {{- define "consumer-proxy.chart" -}}
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
@@ -61,6 +70,13 @@ The metrics port names, one per worker: worker i listens on metrics.port + i.
 */}}
 {{- define "consumer-proxy.metricsPortName" -}}
 {{- if eq (int .index) 0 -}}metrics{{- else -}}{{ printf "metrics-%d" (int .index) }}{{- end -}}
+{{- end -}}
+
+{{/*
+The gRPC health port names, one per worker: worker i serves grpc.health.v1 on grpcHealth.port + i.
+*/}}
+{{- define "consumer-proxy.grpcHealthPortName" -}}
+{{- if eq (int .index) 0 -}}grpc-health{{- else -}}{{ printf "grpc-health-%d" (int .index) }}{{- end -}}
 {{- end -}}
 
 {{/*
@@ -122,12 +138,24 @@ Cross-field rules JSON Schema cannot say clearly; each fails the render with a p
 {{- fail (printf "autoscaling.minReplicas (%d) is above autoscaling.maxReplicas (%d)" (int .Values.autoscaling.minReplicas) (int .Values.autoscaling.maxReplicas)) -}}
 {{- end -}}
 {{- if not (kindIs "invalid" .Values.grpcHealth.port) -}}
-{{- $first := int .Values.metrics.port -}}
-{{- $last := add $first (sub (int .Values.workers) 1) -}}
-{{- if and (ge (int .Values.grpcHealth.port) $first) (le (int .Values.grpcHealth.port) $last) -}}
-{{- fail (printf "grpcHealth.port %d clashes with the metrics ports %d-%d (metrics.port + worker index)" (int .Values.grpcHealth.port) $first $last) -}}
+{{- /* Worker i serves metrics on metrics.port + i and gRPC health on grpcHealth.port + i. */ -}}
+{{- $workers := int .Values.workers -}}
+{{- $metrics := int .Values.metrics.port -}}
+{{- $health := int .Values.grpcHealth.port -}}
+{{- $gap := sub $health $metrics -}}
+{{- if lt (ternary $gap (mul -1 $gap) (ge $gap 0)) $workers -}}
+{{- fail (printf "grpcHealth.port %d clashes with the metrics ports %d-%d: with %d worker(s), worker i serves gRPC health on grpcHealth.port + i (%d-%d); move the ports at least %d apart" $health $metrics (add $metrics $workers -1) $workers $health (add $health $workers -1) $workers) -}}
+{{- end -}}
+{{- if gt (add $health $workers -1) 65535 -}}
+{{- fail (printf "grpcHealth.port %d: with %d workers the last worker's port %d is above 65535" $health $workers (add $health $workers -1)) -}}
 {{- end -}}
 {{- end -}}
+{{- with .Values.metrics.serviceMonitor -}}
+{{- if and .enabled (gt (include "consumer-proxy.durationMs" .scrapeTimeout | int64) (include "consumer-proxy.durationMs" .interval | int64)) -}}
+{{- fail (printf "metrics.serviceMonitor.scrapeTimeout (%s) is longer than metrics.serviceMonitor.interval (%s); Prometheus refuses a scrape timeout above the interval" .scrapeTimeout .interval) -}}
+{{- end -}}
+{{- end -}}
+{{- include "consumer-proxy.validateOnboarding" . -}}
 {{- $names := dict "config" true "tmp" true -}}
 {{- range .Values.secretMounts -}}
 {{- if hasKey $names .name -}}
@@ -138,4 +166,167 @@ Cross-field rules JSON Schema cannot say clearly; each fails the render with a p
 {{- fail (printf "secretMounts[%s].mountPath %q overlaps the chart's own mounts (/etc/consumer-proxy/config, /tmp); use e.g. /etc/consumer-proxy/tls/<name>" .name .mountPath) -}}
 {{- end -}}
 {{- end -}}
+{{- end -}}
+
+{{/*
+The onboarding config's rules across fields, as the proxy's validators (consumer_proxy/config.py)
+apply them, so that `helm install` refuses what `consumer-proxy validate` would refuse. Field
+shapes, ranges and syntax are in values.schema.json (generated from the same models); the
+defaults and the proxy-owned properties come from _model.tpl (generated too). What only the
+pod can check (TLS files exist) is left to `consumer-proxy validate` in the init container.
+*/}}
+{{- define "consumer-proxy.validateOnboarding" -}}
+{{- $owned := include "consumer-proxy.proxyOwnedClientProperties" . | fromJsonArray -}}
+{{- range $prop := keys (default (dict) .Values.kafka.client) | sortAlpha -}}
+{{- if has $prop $owned -}}
+{{- fail (printf "kafka.client.%s is set by the proxy and cannot be overridden (the proxy owns %s)" $prop (join ", " $owned)) -}}
+{{- end -}}
+{{- end -}}
+{{- $defaults := include "consumer-proxy.groupDefaults" . | fromJson -}}
+{{- $names := dict -}}
+{{- range $i, $given := .Values.groups -}}
+{{- $at := printf "groups[%d]" $i -}}
+{{- if hasKey $names $given.name -}}
+{{- fail (printf "%s.name: group name %q is already used by groups[%d]; each group needs a name of its own" $at $given.name (get $names $given.name)) -}}
+{{- end -}}
+{{- $_ := set $names $given.name $i -}}
+{{- $group := mergeOverwrite (deepCopy $defaults) (deepCopy $given) -}}
+{{- $backoff := $group.delivery.backoff -}}
+{{- if lt (float64 $backoff.max_ms) (float64 $backoff.initial_ms) -}}
+{{- fail (printf "%s.delivery.backoff.max_ms (%v) is below initial_ms (%v)" $at $backoff.max_ms $backoff.initial_ms) -}}
+{{- end -}}
+{{- $adaptive := $group.delivery.adaptive -}}
+{{- if or (gt (float64 $adaptive.min) (float64 $adaptive.initial)) (gt (float64 $adaptive.initial) (float64 $adaptive.max)) -}}
+{{- fail (printf "%s.delivery.adaptive: need min <= initial <= max, got %v, %v, %v" $at $adaptive.min $adaptive.initial $adaptive.max) -}}
+{{- end -}}
+{{- $dlq := $group.dlq.topic | default (printf "%s.dlq" $given.name) -}}
+{{- $redrive := $group.dlq.redrive_topic | default (printf "%s.redrive" $given.name) -}}
+{{- range $field := list "topic" "redrive_topic" -}}
+{{- $topic := ternary $dlq $redrive (eq $field "topic") -}}
+{{- if has $topic $given.topics -}}
+{{- $isDefault := empty (get (default (dict) $given.dlq) $field) -}}
+{{- fail (printf "%s.dlq.%s: %q%s is also a source topic of the group; the dlq.%s must be a topic of its own" $at $field $topic (ternary " (the default)" "" $isDefault) $field) -}}
+{{- end -}}
+{{- end -}}
+{{- if eq $dlq $redrive -}}
+{{- fail (printf "%s.dlq.redrive_topic: %q is also the DLQ topic; dlq.topic and dlq.redrive_topic must differ" $at $redrive) -}}
+{{- end -}}
+{{- with $group.service.tls -}}
+{{- if ne (empty .cert_file) (empty .key_file) -}}
+{{- fail (printf "%s.service.tls: cert_file and key_file go together (both for mTLS, or neither)" $at) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+A Prometheus duration of the schema's form (a number and one unit: ms, s, m or h) in ms.
+*/}}
+{{- define "consumer-proxy.durationMs" -}}
+{{- $unit := regexReplaceAll "^[0-9]+" . "" -}}
+{{- mul (regexFind "^[0-9]+" . | int64) (get (dict "ms" 1 "s" 1000 "m" 60000 "h" 3600000) $unit) -}}
+{{- end -}}
+
+{{/*
+The proxy's environment: Kafka secrets as CONSUMER_PROXY_KAFKA__CLIENT__* from the existing
+Secret, then extraEnv and extraEnvFrom. Shared by the proxy, the init container and the test.
+*/}}
+{{- define "consumer-proxy.proxyEnv" -}}
+{{- if or .Values.kafka.secretProperties .Values.extraEnv }}
+env:
+  {{- range $prop, $key := .Values.kafka.secretProperties }}
+  # librdkafka {{ $prop }}, merged into kafka.client by the proxy.
+  - name: CONSUMER_PROXY_KAFKA__CLIENT__{{ $prop }}
+    valueFrom:
+      secretKeyRef:
+        name: {{ $.Values.kafka.existingSecret }}
+        key: {{ $key }}
+  {{- end }}
+  {{- with .Values.extraEnv }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- end }}
+{{- with .Values.extraEnvFrom }}
+envFrom:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/*
+The config, /tmp and the Secret mounts, and the volumes behind them.
+*/}}
+{{- define "consumer-proxy.volumeMounts" -}}
+# A directory mount, not subPath: secretMounts may sit beside it under
+# /etc/consumer-proxy, never inside the read-only ConfigMap volume.
+- name: config
+  mountPath: /etc/consumer-proxy/config
+  readOnly: true
+- name: tmp
+  mountPath: /tmp
+{{- range .Values.secretMounts }}
+- name: {{ .name }}
+  mountPath: {{ .mountPath }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "consumer-proxy.volumes" -}}
+- name: config
+  configMap:
+    name: {{ include "consumer-proxy.fullname" . }}
+- name: tmp
+  emptyDir:
+    {{- with .Values.tmp.sizeLimit }}
+    sizeLimit: {{ . }}
+    {{- end }}
+{{- range .Values.secretMounts }}
+- name: {{ .name }}
+  secret:
+    secretName: {{ .secretName }}
+    defaultMode: {{ .defaultMode | default 288 | int }}
+    {{- with .items }}
+    items:
+      {{- toYaml . | nindent 6 }}
+    {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/*
+A container running `consumer-proxy validate` on the mounted config, as the proxy would read it
+(same image, environment and mounts): the init container and the `helm test` Pod.
+*/}}
+{{- define "consumer-proxy.validateContainer" -}}
+- name: validate-config
+  image: {{ include "consumer-proxy.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  args:
+    - validate
+    - --config
+    - /etc/consumer-proxy/config/proxy.yaml
+  # The validator's lines (field path and problem) become the termination message.
+  terminationMessagePolicy: FallbackToLogsOnError
+  {{- with include "consumer-proxy.proxyEnv" . | trim }}
+  {{- . | nindent 2 }}
+  {{- end }}
+  {{- with .Values.resources }}
+  resources:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  securityContext:
+    {{- toYaml .Values.securityContext | nindent 4 }}
+  volumeMounts:
+    {{- include "consumer-proxy.volumeMounts" . | nindent 4 }}
+{{- end -}}
+
+{{/*
+A name made of the full name and a suffix that fits an RFC 1035 label (63 characters, a letter
+first, no dots): Service and Pod names. The full name is cut before the suffix is added.
+*/}}
+{{- define "consumer-proxy.labelName" -}}
+{{- $base := include "consumer-proxy.fullname" .context | replace "." "-" -}}
+{{- if regexMatch "^[0-9]" $base -}}
+{{- $base = printf "cp-%s" $base -}}
+{{- end -}}
+{{- $room := sub 62 (len .suffix) | int -}}
+{{- printf "%s-%s" ($base | trunc $room | trimSuffix "-") .suffix -}}
 {{- end -}}

@@ -1,0 +1,70 @@
+// Command example is a consumer-proxy service in Go: it implements
+// consumerproxy.v1.MessageHandler from the generated stubs in gen/consumerproxy/v1, acks
+// messages, retries a "flaky" one once, dead-letters a "poison" one, and serves
+// grpc.health.v1 so the proxy can take an instance out of rotation.
+//
+//	go run . -port 50051 [-host 127.0.0.1] [-poison poison] [-flaky flaky]
+//
+// The port may also come from the PORT environment variable; -port 0 picks a free port. The
+// address is logged as "serving on HOST:PORT". SIGINT or SIGTERM stops it gracefully: health
+// turns NOT_SERVING, in-flight calls finish, and the counts are logged.
+package main
+
+import (
+	"flag"
+	"log"
+	"net"
+	"os"
+	"os/signal"
+	"strconv"
+	"syscall"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+
+	cpv1 "github.com/consumer-proxy/consumer-proxy/examples/go/gen/consumerproxy/v1"
+)
+
+func main() {
+	log.SetFlags(log.LstdFlags | log.Lmicroseconds)
+	defaultPort := 50051
+	if env, err := strconv.Atoi(os.Getenv("PORT")); err == nil {
+		defaultPort = env
+	}
+	host := flag.String("host", "127.0.0.1", "address to bind")
+	port := flag.Int("port", defaultPort, "port to bind (0: any free port; default $PORT or 50051)")
+	poison := flag.String("poison", "poison", "dead-letter a message whose value contains this")
+	flaky := flag.String("flaky", "flaky", "retry once a message whose value contains this")
+	flag.Parse()
+
+	listener, err := net.Listen("tcp", net.JoinHostPort(*host, strconv.Itoa(*port)))
+	if err != nil {
+		log.Fatalf("listen: %v", err)
+	}
+	h := &handler{poison: []byte(*poison), flaky: []byte(*flaky)}
+	server := grpc.NewServer()
+	cpv1.RegisterMessageHandlerServer(server, h)
+	healthServer := health.NewServer()
+	healthpb.RegisterHealthServer(server, healthServer)
+	// "" is the whole server; the service name is what a per-service check asks for.
+	for _, service := range []string{"", cpv1.MessageHandler_ServiceDesc.ServiceName} {
+		healthServer.SetServingStatus(service, healthpb.HealthCheckResponse_SERVING)
+	}
+
+	stop := make(chan os.Signal, 1)
+	signal.Notify(stop, syscall.SIGINT, syscall.SIGTERM)
+	go func() {
+		sig := <-stop
+		log.Printf("%v: stopping", sig)
+		healthServer.Shutdown() // NOT_SERVING first, so the proxy stops choosing this instance
+		server.GracefulStop()
+	}()
+
+	log.Printf("serving on %s", listener.Addr())
+	if err := server.Serve(listener); err != nil {
+		log.Fatalf("serve: %v", err)
+	}
+	log.Printf("stopped: acked=%d retried=%d dead_lettered=%d",
+		h.acked.Load(), h.retried.Load(), h.deadLettered.Load())
+}

@@ -1,0 +1,230 @@
+"""examples/go: a Go service built from the generated stubs, run behind the proxy.
+
+The example is its own Go module (examples/go/go.mod) with the stubs scripts/gen_go.py
+generates. Here it is built with the machine's Go (modules from the Go module proxy the first
+time, from the module and build caches after), its own `go test` runs, and the binary is run on
+a free 127.0.0.1 port: first called directly, then behind the proxy against the real broker.
+Without Go these tests skip locally and fail in CI (CI=true), like every integration test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from consumer_proxy.proto.v1 import handler_pb2, handler_pb2_grpc
+from tests.support.kafka import Broker, consume_all, create_topic, produce, unique_name
+from tests.support.proxy import caught_up, make_config, start_proxy
+from tests.support.waiting import async_wait_until, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+MODULE = ROOT / "examples" / "go"
+GO_TIMEOUT_S = 600  # a cold build downloads grpc-go and compiles it (about a minute here)
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def find_go() -> str:
+    """The go command; skips without one, except in CI where a missing tool is a failure."""
+    for candidate in (os.environ.get("GO"), shutil.which("go"), "/usr/local/go/bin/go"):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    if os.environ.get("CI", "").lower() in {"1", "true", "yes"}:
+        pytest.fail("no go command (set GO or put go on PATH): the Go example cannot be built")
+    pytest.skip("no go command: the Go example is not built (set GO or put go on PATH)")
+
+
+def go(go_cmd: str, *args: str) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [go_cmd, *args],
+        cwd=MODULE,
+        capture_output=True,
+        text=True,
+        timeout=GO_TIMEOUT_S,
+        check=False,
+        # -mod=readonly: the build uses go.mod and go.sum as committed, never edits them.
+        env={**os.environ, "GOFLAGS": "-mod=readonly", "CGO_ENABLED": "0"},
+    )
+    assert proc.returncode == 0, f"go {' '.join(args)} failed:\n{proc.stdout}{proc.stderr}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def go_binary(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    go_cmd = find_go()
+    binary = tmp_path_factory.mktemp("go-example") / "example"
+    go(go_cmd, "build", "-o", str(binary), ".")
+    return binary
+
+
+@dataclass
+class GoService:
+    process: subprocess.Popen[str]
+    address: str
+
+    def stop(self) -> str:
+        """SIGTERM, wait for the graceful stop; returns its log."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            _, log = self.process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            _, log = self.process.communicate()
+        return log
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def serving(address: str) -> bool:
+    """One grpc.health.v1 check of the whole server; False until it answers SERVING."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=1
+            )
+        except grpc.RpcError:
+            return False
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+@pytest.fixture
+def go_service(go_binary: Path) -> Iterator[GoService]:
+    """The example on a free 127.0.0.1 port (given by PORT), ready once its health says so."""
+    port = free_port()
+    process = subprocess.Popen(
+        [str(go_binary), "-host", "127.0.0.1"],
+        env={**os.environ, "PORT": str(port)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    service = GoService(process, f"127.0.0.1:{port}")
+    try:
+        wait_until(
+            lambda: process.poll() is not None or serving(service.address),
+            timeout=30,
+            message="the Go example to serve grpc.health.v1",
+        )
+        assert process.poll() is None, f"the Go example exited:\n{service.stop()}"
+        yield service
+    finally:
+        service.stop()
+
+
+def test_the_go_example_passes_its_own_go_test() -> None:
+    go_cmd = find_go()
+    go(go_cmd, "vet", "./...")
+    proc = go(go_cmd, "test", "./...")
+    assert "ok  \tgithub.com/consumer-proxy/consumer-proxy/examples/go" in proc.stdout
+
+
+def message(offset: int, value: bytes, attempt: int = 1) -> handler_pb2.HandleMessageRequest:
+    return handler_pb2.HandleMessageRequest(
+        message=handler_pb2.Message(
+            topic="orders", partition=0, offset=offset, value=value, has_value=True, attempt=attempt
+        )
+    )
+
+
+def test_the_go_example_acks_retries_dead_letters_and_stops_gracefully(
+    go_service: GoService,
+) -> None:
+    # Given the Go example, serving
+    Action = handler_pb2.HandleMessageResponse
+
+    # When the proxy's own stubs call it
+    with grpc.insecure_channel(go_service.address) as channel:
+        stub = handler_pb2_grpc.MessageHandlerStub(channel)
+        acked = stub.HandleMessage(message(1, b"an order"), timeout=10)
+        retried = stub.HandleMessage(message(2, b"a flaky order"), timeout=10)
+        retried_ok = stub.HandleMessage(message(2, b"a flaky order", attempt=2), timeout=10)
+        dead = stub.HandleMessage(message(3, b"a poison order"), timeout=10)
+        health = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="consumerproxy.v1.MessageHandler"), timeout=10
+        )
+
+    # Then it answers in the contract's terms, and reports per-service health
+    assert acked == handler_pb2.HandleMessageResponse()  # an empty response: ack
+    assert (retried.action, retried.retry_after_ms) == (Action.RETRY, 10)
+    assert retried_ok == handler_pb2.HandleMessageResponse()
+    assert dead.action == Action.DEAD_LETTER and "poison" in dead.reason
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    # and stops on SIGTERM, with its counts
+    log = go_service.stop()
+    assert go_service.process.returncode == 0, log
+    assert "stopped: acked=2 retried=1 dead_lettered=1" in log
+
+
+@pytest.mark.kafka
+def test_the_go_example_behind_the_proxy_acks_retries_and_dead_letters_through_kafka(
+    kafka: Broker, go_service: GoService
+) -> None:
+    # Given a topic with 120 messages: 6 poison pills and 6 that fail their first attempt
+    bootstrap = kafka.bootstrap
+    topic, group = unique_name("go"), unique_name("go")
+    create_topic(bootstrap, topic, partitions=2)
+    values = [
+        f"order {i}" + (" poison" if i % 20 == 3 else " flaky" if i % 20 == 11 else "")
+        for i in range(120)
+    ]
+    produce(bootstrap, topic, values)
+
+    # When the proxy pushes the topic to the Go service until the group has caught up
+    async def scenario() -> tuple[float, float]:
+        proxy, task = start_proxy(make_config(bootstrap, group, [topic], [go_service.address]))
+        try:
+            await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=60)
+        finally:
+            await proxy.shutdown()
+            await task
+        outcomes = proxy.metrics.messages
+        return outcomes.labels(group, "ack")._value.get(), outcomes.labels(
+            group, "dead_letter"
+        )._value.get()
+
+    acked, dead_lettered = asyncio.run(scenario())
+
+    # Then every message but the poison pills was acked (the flaky ones on their second attempt)
+    assert (acked, dead_lettered) == (114, 6)
+    log = go_service.stop()
+    assert "stopped: acked=114 retried=6 dead_lettered=6" in log, log
+    # and exactly the poison pills are in the DLQ, with the Go handler's reason
+    dead = consume_all(bootstrap, f"{group}.dlq")
+    assert sorted(m.value().decode() for m in dead) == sorted(v for v in values if "poison" in v)
+    headers = [dict(m.headers() or []) for m in dead]
+    assert {h["cp-reason"].decode() for h in headers} == {'value contains "poison"'}
+    assert {h["cp-status"].decode() for h in headers} == {"DEAD_LETTER"}
+
+
+def test_the_go_code_in_the_docs_is_code_that_compiles() -> None:
+    # Given every Go block of the README and the docs
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    blocks = [
+        (doc.name, block)
+        for doc in docs
+        for block in re.findall(r"^```go\n(.*?)^```$", doc.read_text(encoding="utf-8"), re.S | re.M)
+    ]
+    assert blocks, "no Go code in the docs"
+
+    # Then each is quoted as it is from a file of the Go example, which make test builds
+    sources = [path.read_text(encoding="utf-8") for path in MODULE.glob("*.go")]
+    for doc, block in blocks:
+        assert any(block in source for source in sources), f"{doc}: a Go block not in examples/go"
+        assert "examples/go/gen/consumerproxy/v1" in block or "import" not in block
