@@ -8,10 +8,11 @@ A failure names its seed; replay it with ``python -m tests.sim --seed N``. The l
 from __future__ import annotations
 
 import logging
+import random
 
 import pytest
 
-from tests.sim.runner import Simulation, Stats, run
+from tests.sim.runner import Member, Simulation, Stats, run
 
 SCHEDULES = 1000
 STEPS = 150
@@ -68,4 +69,42 @@ def test_a_hung_service_dead_letters_nothing() -> None:
     assert sim.truth.dlq == [] or all(
         sim.truth.behaviour[i].startswith(("poison", "timeout:")) for i in sim.truth.dlq
     )
+    sim.drain()
+
+
+def test_restored_ack_state_over_the_budget_does_not_stall_the_partition() -> None:
+    # Given a partition whose committed ack state has many holes (written by a pod with a
+    # large metadata budget: every other offset is done)
+    from consumer_proxy.core.codec import AckState, encode
+
+    sim = Simulation(seed=5)
+    sim.reset_tps = set()
+    for _ in range(200):
+        sim.produce()
+    tp = sim.tps[0]
+    log = sim.logs[tp]
+    base = min(log.records)
+    rng = random.Random(1)
+    runs = [rng.randint(1, 3) for _ in range(100)]  # pending, done, pending, done, ...
+    offset = base
+    for index, length in enumerate(runs):
+        for o in range(offset, offset + length):
+            if index % 2 == 1 and o in log.records:
+                sim.truth.done.add(log.records[o].ident)
+                sim.truth.acked.add(log.records[o].ident)
+        offset += length
+    assert offset <= log.end
+    state = encode(AckState(base, tuple(runs)))
+    assert len(state) > 64
+    sim._revoke(sorted(sim.consumer.assigned))
+    sim.commits[tp] = (base, state)
+    # When a pod with a 64-byte budget takes it over and commits before fetching anything
+    sim.member = Member(sim, 64)
+    sim._assign(sim.tps)
+    sim.commit()
+    part = sim.member.core.parts[tp]
+    assert part.meta_over_budget
+    # Then it keeps fetching the restored range (only fetching can shrink that state)
+    sim.fetch()
+    assert not part.paused or part.tracker.is_full or part.backlog
     sim.drain()

@@ -112,7 +112,7 @@ class Simulation:
         self.classifier = Classifier()
         self.truth = Truth()
         self.stats = Stats()
-        self.max_in_flight = self.rng.choice([4, 8, 32])
+        self.max_in_flight = self.rng.choice([4, 8, 32, 256])
         self.concurrency = self.rng.choice([1, 3, 8])
         self.tps: list[TP] = [(TOPIC, p) for p in range(partitions)]
         self.logs = {tp: Log() for tp in self.tps}
