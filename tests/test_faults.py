@@ -128,6 +128,45 @@ def test_kill_9_the_proxy_repeatedly_loses_nothing(kafka, tmp_path: Path) -> Non
     _assert_committed_to_end(bootstrap, group, topic)
 
 
+def test_a_kill_9_after_a_partition_went_idle_redelivers_nothing(kafka, tmp_path: Path) -> None:
+    # Given 4 partitions of 400 ledger messages, a periodic commit far away (60 s), and a
+    # proxy that acks them all and then has nothing more to do
+    bootstrap = kafka.bootstrap
+    topic, group = unique_name("idle"), unique_name("idle")
+    create_topic(bootstrap, topic, partitions=4)
+    ledger = Ledger("kill -9 after the partitions went idle")
+    produce(bootstrap, topic, ledger.records(400, partitions=4))
+    with ThreadedService(lambda m, k: Behaviour(delay_s=0.001)) as service:
+        config = write_config(
+            tmp_path / "proxy.json",
+            bootstrap,
+            group,
+            [topic],
+            [service.address],
+            delivery={"concurrency": 40, "commit_interval_ms": 60_000},
+            client={"session.timeout.ms": 3000, "heartbeat.interval.ms": 300},
+        )
+        log = tmp_path / "proxy.log"
+        proxy = ProxyProcess(config, log).start()
+        try:
+            wait_until(lambda: _distinct_acked(ledger, service) == 400, timeout=90)
+            # When the partitions go idle, their progress is committed soon (not in 60 s)
+            wait_until(lambda: _caught_up(bootstrap, group, topic), timeout=20, interval=0.2)
+        finally:
+            proxy.kill()
+        # and the proxy, killed with SIGKILL, is started again and takes one more message
+        produce(bootstrap, topic, ledger.records(1, partitions=4))
+        proxy = ProxyProcess(config, log).start()
+        try:
+            wait_until(lambda: _caught_up(bootstrap, group, topic), timeout=90, interval=0.3)
+        finally:
+            code = proxy.stop()
+        assert code == 0, proxy.output()[-3000:]
+        ledger.observe(service.deliveries)
+    # Then nothing acked before the kill was delivered again
+    ledger.check(max_duplicates=0, bound="idle partitions are committed within 0.1 s")
+
+
 # --------------------------------------------------------------------------- service outages
 
 

@@ -125,7 +125,7 @@ async def _paused_then_reassigned(bootstrap: str) -> None:
     # Given a member whose partitions are paused by load: windows of 5 messages held by calls
     # that hang until the gate opens, and a backlog far larger than the windows
     topic, group = unique_name("repause"), unique_name("repause")
-    create_topic(bootstrap, topic, partitions=2)
+    create_topic(bootstrap, topic, partitions=4)
     await asyncio.to_thread(produce, bootstrap, topic, [f"m{i}" for i in range(1500)])
     gate = threading.Event()
     behaviour = lambda m, n: Behaviour(delay_s=0.002 if gate.is_set() else 30)  # noqa: E731
@@ -142,19 +142,24 @@ async def _paused_then_reassigned(bootstrap: str) -> None:
         first, first_task = start_proxy(config)
         runner = first.runners[0]
         own = lambda: [tp for tp in runner.assignment() if tp[0] == topic]  # noqa: E731
-        await async_wait_until(lambda: len(own()) == 2, timeout=60)
+        await async_wait_until(lambda: len(own()) == 4, timeout=60)
         parts = runner.partitions.parts
         await async_wait_until(
             lambda: all(parts[tp].paused for tp in own()), timeout=60, message="windows to fill"
         )
-        # When a second member joins and takes a partition (revoked from the first while
-        # paused), then leaves, so that the partition comes back to the first member
+        # When a second member joins and takes two of the five partitions (so at least one
+        # source partition, revoked from the first member while paused), then leaves, so that
+        # they come back to the first member
         second, second_task = start_proxy(config)
-        await async_wait_until(lambda: len(own()) < 2, timeout=60, message="a revocation")
+        await async_wait_until(
+            lambda: len(runner.assignment()) == 3 and len(own()) < 4,
+            timeout=60,
+            message="a source partition to move",
+        )
         gate.set()
         await second.shutdown()
         await second_task
-        await async_wait_until(lambda: len(own()) == 2, timeout=60, message="the hand-back")
+        await async_wait_until(lambda: len(own()) == 4, timeout=60, message="the hand-back")
         # Then every partition drains (librdkafka kept the pause: the proxy must resume it)
         await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=120)
         await first.shutdown()
