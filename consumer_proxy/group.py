@@ -40,6 +40,7 @@ from .fetcher import Fetcher, consumer_config
 from .flow import AdaptiveLimiter, Breaker, ConcurrencyLimiter, RateLimiter, StaticLimiter
 from .health import KafkaLink
 from .metrics import ProxyMetrics
+from .ports import DeadLetterSink, MessageSource, Pusher
 from .proto.v1 import handler_pb2
 
 log = logging.getLogger(__name__)
@@ -81,9 +82,9 @@ class GroupRunner:
         self.kafka_link = KafkaLink()  # the consumer's broker connections, for health
         self.on_health_change: Callable[[], None] | None = None
         self._last_failure = ""  # the latest service-level failure, said when the breaker opens
-        self.fetcher: Fetcher | None = None
-        self.dispatcher: Dispatcher | None = None
-        self.writer: DeadLetterWriter | None = None
+        self.fetcher: MessageSource | None = None
+        self.dispatcher: Pusher | None = None
+        self.writer: DeadLetterSink | None = None
         workers = d.concurrency if isinstance(d.concurrency, int) else d.adaptive.max
         self._workers = workers
         limit_gauge = metrics.concurrency_limit.labels(self.name)
