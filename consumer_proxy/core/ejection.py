@@ -200,12 +200,12 @@ class Ejection:
         now = self._clock()
         instance.ejected = True
         instance.ejected_until = now + duration_s
-        instance.seen_down = duration_s == 0
+        instance.seen_down = duration_s == 0  # ejected by a failed check: it was seen down
         if duration_s > 0:
             instance.serving = None  # a check after this ejection decides the return
         instance.next_check = now  # check it at once: is it down, or does it only fail calls?
         self.ejected += 1
-        self._live = tuple(i for i, other in enumerate(self.instances) if not other.ejected)
+        self._rotation_changed()
         return Change(index, True, reason, self.ejected, duration_s)
 
     def _return(self, index: int, reason: str, now: float) -> Change:
@@ -214,5 +214,8 @@ class Ejection:
         instance.failed_checks = 0
         instance.next_check = now + self._health_interval_s
         self.ejected -= 1
-        self._live = tuple(i for i, other in enumerate(self.instances) if not other.ejected)
+        self._rotation_changed()
         return Change(index, False, reason, self.ejected)
+
+    def _rotation_changed(self) -> None:
+        self._live = tuple(i for i, instance in enumerate(self.instances) if not instance.ejected)
