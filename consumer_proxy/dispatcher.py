@@ -16,6 +16,9 @@ Endpoint health, so that one bad instance does not slow the group:
   that says SERVING while calls fail is not believed before then). An instance without a
   health service returns when its ejection time has passed.
 - The last instance in rotation is never ejected: a full outage is the circuit breaker's job.
+
+These decisions are :mod:`consumer_proxy.core.ejection`'s (pure, on an injected clock); this
+module makes the calls and the checks it plans, and logs what changed.
 """
 
 from __future__ import annotations
@@ -26,14 +29,21 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
 import grpc
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .config import ServiceConfig, TlsConfig
+from .core.ejection import (
+    EJECTED_CHECK_INTERVAL_S,
+    HEALTH_INTERVAL_S,
+    Change,
+    Ejection,
+    Instance,
+    Verdict,
+)
 from .core.outcomes import Classification, Classifier
 from .proto.v1 import handler_pb2, handler_pb2_grpc
 
@@ -52,41 +62,36 @@ _CHANNEL_OPTIONS: list[tuple[str, int | str]] = [
 ]
 SERVICE_NAME = "consumerproxy.v1.MessageHandler"
 """The health-check service name (the server's overall status, "", when it does not know it)."""
-EJECT_AFTER_FAILURES = 5
-EJECT_BASE_S = 2.0
-EJECT_MAX_S = 60.0
-HEALTH_INTERVAL_S = 5.0
-EJECTED_CHECK_INTERVAL_S = 0.5
 HEALTH_TIMEOUT_S = 1.0
-FAILED_CHECKS_TO_EJECT = 2  # a check can time out under load; an unreachable instance fails on
-
-Health = Literal["serving", "not_serving", "unreachable", "unsupported"]
 
 
 @dataclass(eq=False)
 class Endpoint:
-    """One service instance (or one balanced dns:/// target)."""
+    """One service instance (or one balanced dns:/// target).
 
+    ``state`` is its ejection state, which :class:`~consumer_proxy.core.ejection.Ejection`
+    keeps; ``ejected`` and ``serving`` read it.
+    """
+
+    index: int
     target: str
     channel: aio.Channel
     stub: handler_pb2_grpc.MessageHandlerStub
-    health_stub: health_pb2_grpc.HealthStub | None = None
-    outstanding: int = 0
-    consecutive_failures: int = 0
-    ejections: int = 0
-    ejected: bool = False
-    ejected_until: float = 0.0
-    serving: bool | None = None  # the last health verdict since the last ejection, if any
-    seen_down: bool = False  # a check failed since the last ejection: SERVING means recovered
-    health_supported: bool = True
+    health_stub: health_pb2_grpc.HealthStub
+    state: Instance
     health_service: str = SERVICE_NAME
-    failed_checks: int = 0
-    next_check: float = 0.0
-    calls: int = field(default=0)
+    outstanding: int = 0
+    calls: int = 0
 
-    def available(self, now: float | None = None) -> bool:
-        """In rotation (not ejected)."""
-        return not self.ejected
+    @property
+    def ejected(self) -> bool:
+        """Out of rotation."""
+        return self.state.ejected
+
+    @property
+    def serving(self) -> bool | None:
+        """The last health verdict since the last ejection, if any."""
+        return self.state.serving
 
 
 def _read(path: object) -> bytes:
@@ -111,7 +116,9 @@ class Dispatcher:
 
     ``start()`` begins the active health checks (with more than one instance); ``close()``
     stops them and closes every channel. ``on_ejected(n)`` runs whenever the number of
-    instances out of rotation changes.
+    instances out of rotation changes. Which instances are in rotation, and when each is
+    checked, is :class:`~consumer_proxy.core.ejection.Ejection`'s decision; this class runs
+    the calls and checks, and logs what changed.
     """
 
     def __init__(
@@ -129,11 +136,14 @@ class Dispatcher:
         self._timeout_s = service.timeout_ms / 1000.0
         self._classifier = classifier
         self._on_ejected = on_ejected
-        self._health_interval_s = health_interval_s
-        self._ejected_interval_s = ejected_check_interval_s
         self._health_timeout_s = health_timeout_s
         self._rng = random.Random()
-        self._n_ejected = 0
+        self._ejection = Ejection(
+            len(service.endpoints),
+            time.monotonic,
+            health_interval_s=health_interval_s,
+            ejected_check_interval_s=ejected_check_interval_s,
+        )
         self._health_task: asyncio.Task[None] | None = None
         self._health_wake: asyncio.Event | None = None
         options = list(_CHANNEL_OPTIONS)
@@ -142,7 +152,7 @@ class Dispatcher:
             creds, extra = _credentials(service.tls)
             options += extra
         self.endpoints: list[Endpoint] = []
-        for target in service.endpoints:
+        for index, target in enumerate(service.endpoints):
             chan_options = list(options)
             if target.startswith("dns:"):
                 chan_options.append(("grpc.lb_policy_name", "round_robin"))
@@ -153,10 +163,12 @@ class Dispatcher:
             )
             self.endpoints.append(
                 Endpoint(
+                    index,
                     target,
                     channel,
                     handler_pb2_grpc.MessageHandlerStub(channel),
                     health_pb2_grpc.HealthStub(channel),
+                    self._ejection.instances[index],
                 )
             )
 
@@ -171,8 +183,10 @@ class Dispatcher:
             self._health_loop(), name=f"{self._group}:health"
         )
         self._health_task.add_done_callback(self._health_ended)
+        self._ejection.checking = True
 
     def _health_ended(self, task: asyncio.Task[None]) -> None:
+        self._ejection.checking = False
         if not task.cancelled() and task.exception() is not None:
             log.error(
                 "group %s: endpoint health checks stopped; ejected instances now return on "
@@ -191,30 +205,30 @@ class Dispatcher:
         for endpoint in self.endpoints:
             await endpoint.channel.close()
 
-    @property
-    def _checking(self) -> bool:
-        return self._health_task is not None and not self._health_task.done()
-
     # -- selection and pushing -----------------------------------------------------------
 
     @property
     def ejected(self) -> int:
         """Instances currently out of rotation."""
-        return self._n_ejected
+        return self._ejection.ejected
 
     def pick(self) -> Endpoint:
-        """Power of two choices over the instances in rotation (all of them if none is)."""
+        """Power of two choices over the instances in rotation."""
         endpoints = self.endpoints
         if len(endpoints) == 1:
             return endpoints[0]
-        if self._n_ejected:
-            self._return_due(time.monotonic())
-            live = [e for e in endpoints if not e.ejected] or endpoints
+        ejection = self._ejection
+        if ejection.ejected:
+            returned = ejection.return_due()
+            if returned:
+                self._changed(*returned)
+            live = ejection.live()
+            if len(live) == 1:
+                return endpoints[live[0]]
+            i, j = self._rng.sample(live, 2)
+            a, b = endpoints[i], endpoints[j]
         else:
-            live = endpoints
-        if len(live) == 1:
-            return live[0]
-        a, b = self._rng.sample(live, 2)
+            a, b = self._rng.sample(endpoints, 2)
         return a if a.outstanding <= b.outstanding else b
 
     async def push(
@@ -238,91 +252,43 @@ class Dispatcher:
                 result = self._classifier.from_response(response)
         finally:
             endpoint.outstanding -= 1
-        self._observe(endpoint, result)
+        change = self._ejection.observe(endpoint.index, result.service_failure, result.status)
+        if change is not None:
+            self._changed(change)
         return result
 
-    def _observe(self, endpoint: Endpoint, result: Classification) -> None:
-        if not result.service_failure:
-            endpoint.consecutive_failures = 0
-            endpoint.ejections = 0
-            return
-        endpoint.consecutive_failures += 1
-        if endpoint.consecutive_failures < EJECT_AFTER_FAILURES or endpoint.ejected:
-            return
-        duration = min(EJECT_MAX_S, EJECT_BASE_S * 2**endpoint.ejections)
-        if self._eject(
-            endpoint, duration, f"{endpoint.consecutive_failures} {result.status} in a row"
-        ):
-            endpoint.ejections += 1
-            endpoint.consecutive_failures = 0
-
-    # -- ejection and return -------------------------------------------------------------
-
-    def _eject(self, endpoint: Endpoint, duration_s: float, reason: str) -> bool:
-        """Take ``endpoint`` out of rotation for at least ``duration_s``; False when it is the
-        last one in rotation (never ejected)."""
-        if not any(e is not endpoint and not e.ejected for e in self.endpoints):
-            return False
-        now = time.monotonic()
-        endpoint.ejected = True
-        endpoint.ejected_until = now + duration_s
-        endpoint.seen_down = duration_s == 0  # ejected by a failed check: it was seen down
-        if duration_s > 0:
-            endpoint.serving = None  # a check after this ejection decides the return
-        endpoint.next_check = now  # check it at once: is it down, or does it only fail calls?
-        self._n_ejected += 1
-        log.warning(
-            "group %s: instance %s ejected (%s)%s; %d of %d out of rotation",
-            self._group,
-            endpoint.target,
-            reason,
-            f" for at least {duration_s:.0f}s" if duration_s > 0 else "",
-            self._n_ejected,
-            len(self.endpoints),
-        )
-        self._ejected_changed()
-        return True
-
-    def _return(self, endpoint: Endpoint, reason: str) -> None:
-        endpoint.ejected = False
-        endpoint.failed_checks = 0
-        endpoint.next_check = time.monotonic() + self._health_interval_s
-        self._n_ejected -= 1
-        log.warning(
-            "group %s: instance %s back in rotation (%s); %d of %d out of rotation",
-            self._group,
-            endpoint.target,
-            reason,
-            self._n_ejected,
-            len(self.endpoints),
-        )
-        self._ejected_changed()
-
-    def _ejected_changed(self) -> None:
-        if self._on_ejected is not None:
-            self._on_ejected(self._n_ejected)
-        if self._health_wake is not None:
-            self._health_wake.set()  # the loop re-plans its next checks
-
-    def _return_due(self, now: float) -> None:
-        """Return instances whose ejection time passed and that the health checks allow."""
-        for endpoint in self.endpoints:
-            if not endpoint.ejected:
-                continue
-            if endpoint.serving is True and (endpoint.seen_down or now >= endpoint.ejected_until):
-                self._return(endpoint, "health check SERVING")
-            elif (
-                endpoint.serving is None
-                and now >= endpoint.ejected_until
-                and (not endpoint.health_supported or not self._checking)
-            ):
-                self._return(endpoint, "ejection time over")
+    def _changed(self, *changes: Change) -> None:
+        """Log each change of the rotation, report the count, and wake the health loop."""
+        for change in changes:
+            target = self.endpoints[change.index].target
+            if change.ejected:
+                log.warning(
+                    "group %s: instance %s ejected (%s)%s; %d of %d out of rotation",
+                    self._group,
+                    target,
+                    change.reason,
+                    f" for at least {change.duration_s:.0f}s" if change.duration_s > 0 else "",
+                    change.out,
+                    len(self.endpoints),
+                )
+            else:
+                log.warning(
+                    "group %s: instance %s back in rotation (%s); %d of %d out of rotation",
+                    self._group,
+                    target,
+                    change.reason,
+                    change.out,
+                    len(self.endpoints),
+                )
+            if self._on_ejected is not None:
+                self._on_ejected(change.out)
+            if self._health_wake is not None:
+                self._health_wake.set()  # the loop re-plans its next checks
 
     # -- active health checks ------------------------------------------------------------
 
-    async def check(self, endpoint: Endpoint) -> Health:
+    async def check(self, endpoint: Endpoint) -> Verdict:
         """One ``grpc.health.v1`` Check of ``endpoint``."""
-        assert endpoint.health_stub is not None
         request = health_pb2.HealthCheckRequest(service=endpoint.health_service)
         try:
             response = await endpoint.health_stub.Check(request, timeout=self._health_timeout_s)
@@ -338,46 +304,29 @@ class Dispatcher:
             return "serving"
         return "not_serving"
 
-    def _apply_health(self, endpoint: Endpoint, health: Health) -> None:
-        if health == "unsupported":
-            if endpoint.health_supported:
-                log.info(
-                    "group %s: instance %s has no grpc.health.v1 service; its call results "
-                    "alone decide its ejection",
-                    self._group,
-                    endpoint.target,
-                )
-            endpoint.health_supported = False
-            endpoint.serving = None
-            return
-        endpoint.health_supported = True
-        endpoint.serving = health == "serving"
-        endpoint.failed_checks = 0 if endpoint.serving else endpoint.failed_checks + 1
-        if endpoint.ejected:
-            endpoint.seen_down = endpoint.seen_down or not endpoint.serving
-            return  # _return_due decides
-        if health == "not_serving":
-            self._eject(endpoint, 0.0, "health check NOT_SERVING")
-        elif health == "unreachable" and endpoint.failed_checks >= FAILED_CHECKS_TO_EJECT:
-            self._eject(endpoint, 0.0, f"{endpoint.failed_checks} health checks failed")
-
     async def _health_loop(self) -> None:
         assert self._health_wake is not None
         wake = self._health_wake
+        ejection = self._ejection
         while True:
-            now = time.monotonic()
-            due = [e for e in self.endpoints if e.next_check <= now]
+            due = ejection.checks_due()
             if due:
-                results = await asyncio.gather(*(self.check(e) for e in due))
-                for endpoint, health in zip(due, results, strict=True):
-                    self._apply_health(endpoint, health)
-                    interval = (
-                        self._ejected_interval_s if endpoint.ejected else (self._health_interval_s)
-                    )
-                    endpoint.next_check = max(endpoint.next_check, time.monotonic() + interval)
-                self._return_due(time.monotonic())
+                verdicts = await asyncio.gather(*(self.check(self.endpoints[i]) for i in due))
+                for index, verdict in zip(due, verdicts, strict=True):
+                    endpoint = self.endpoints[index]
+                    if verdict == "unsupported" and endpoint.state.health_supported:
+                        log.info(
+                            "group %s: instance %s has no grpc.health.v1 service; its call "
+                            "results alone decide its ejection",
+                            self._group,
+                            endpoint.target,
+                        )
+                    change = ejection.apply_health(index, verdict)
+                    if change is not None:
+                        self._changed(change)
+                self._changed(*ejection.return_due())
             wake.clear()
-            delay = min(e.next_check for e in self.endpoints) - time.monotonic()
+            delay = ejection.check_delay()
             if delay > 0:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(delay):  # not wait_for: see Breaker.acquire
