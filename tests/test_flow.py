@@ -139,8 +139,14 @@ async def _outage(bootstrap: str, mode: str) -> None:
     # and the proxy idled instead of spinning (a busy loop burns a whole core: ratio ~1)
     cpu_ratio = cpu_during / (outage_end - opened_at)
     assert cpu_ratio < 0.25, f"the proxy used {cpu_ratio:.0%} of a core while the breaker was open"
-    # the outage cost no message an attempt
-    assert {d.attempt for d in service.deliveries} == {1}
+    # the outage cost no message an attempt, but for the calls a stopping server cancelled:
+    # CANCELLED counts by the status table, so each message in flight at the stop (at most
+    # the 10 calls under way) may have had one more
+    attempts = [d.attempt for d in service.deliveries]
+    if mode == "stop":
+        assert set(attempts) <= {1, 2} and attempts.count(2) <= 10, attempts
+    else:
+        assert set(attempts) == {1}
 
 
 # -- endpoint health -------------------------------------------------------------------------
