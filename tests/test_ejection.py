@@ -192,6 +192,17 @@ def test_not_serving_ejects_until_a_check_says_serving() -> None:
     assert list(ejection.live()) == [0, 1, 2]
 
 
+def test_when_the_checks_stop_an_instance_seen_down_returns_on_its_ejection_time() -> None:
+    # Given an instance ejected by a NOT_SERVING check
+    ejection, clock = rotation(3)
+    ejection.apply_health(2, "not_serving")
+    assert ejection.return_due() == []
+    # When the health checks stop (their loop died) / Then the ejection time alone decides
+    ejection.checking = False
+    clock.advance(0.001)
+    assert ejection.return_due() == [Change(2, False, "ejection time over", 0)]
+
+
 def test_two_failed_checks_in_a_row_eject() -> None:
     # Given an instance whose checks fail once, then pass
     ejection, _ = rotation(2)
@@ -467,7 +478,9 @@ class Simulation:
             if e.out and e.serving is True and (e.seen_down or now >= e.until):
                 due[i] = "health check SERVING"
             elif (
-                e.out and e.serving is None and now >= e.until and (not e.supported or not checking)
+                e.out
+                and now >= e.until
+                and (not checking or (e.serving is None and not e.supported))
             ):
                 due[i] = "ejection time over"
         changes = self.ejection.return_due()

@@ -183,10 +183,9 @@ class Ejection:
                 continue
             if instance.serving is True and (instance.seen_down or now >= instance.ejected_until):
                 changes.append(self._return(index, "health check SERVING", now))
-            elif (
-                instance.serving is None
-                and now >= instance.ejected_until
-                and (not instance.health_supported or not self.checking)
+            elif now >= instance.ejected_until and (
+                not self.checking  # no checks run (any more): the ejection time alone decides
+                or (instance.serving is None and not instance.health_supported)
             ):
                 changes.append(self._return(index, "ejection time over", now))
         return changes
