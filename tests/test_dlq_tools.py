@@ -350,8 +350,8 @@ def test_merge_writes_exactly_the_selected_records_unchanged(
             original.key(), original.value(), original.headers()
         )  # fmt: skip
     # and the mark records exactly them: purge --merged would delete only up to the first
-    # record left out in each partition, here the very first one (i = 0, 1, 2)
-    assert merge_marks(bootstrap, group) == {0: 0, 1: 0, 2: 0}
+    # record left out, here the very first one (i = 0)
+    assert merge_marks(bootstrap, group) == {0: 0}  # all of them are in partition 0
     code, out, err = cli(capsys, "dlq", "purge", "--config", path, "--group", group,
                          "--merged", "--dry-run", "--json")  # fmt: skip
     assert code == 0, err
@@ -442,7 +442,7 @@ def test_report_counts_match_a_direct_count_and_the_chart_is_a_png(
     report = json.loads((out_dir / f"{group}-dlq-report.json").read_text())
     assert report["total"] == n
     assert {s["status"]: s["count"] for s in report["by_status"]} == direct["status"]
-    assert report["reasons_distinct"] == len(direct["reason"]) > 50_000
+    assert report["reasons_distinct"] == len(direct["reason"]) > 20_000
     assert len(report["by_reason"]) == 20
     assert all(direct["reason"][r["reason"]] == r["count"] for r in report["by_reason"])
     # and reasons group by their template (Spark's masks are Python's), with an example each
