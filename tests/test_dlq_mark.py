@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -153,3 +155,24 @@ def test_a_pacer_needs_a_positive_rate() -> None:
 )
 def test_reasons_of_one_kind_share_a_template(reason: str | None, template: str | None) -> None:
     assert reason_template(reason) == template
+
+
+# -- layering ---------------------------------------------------------------------------------
+
+
+def test_the_tools_import_the_core_never_the_proxys_runtime() -> None:
+    # In a fresh interpreter: every tools module, and what they pulled in
+    code = (
+        "import sys, pkgutil, importlib, consumer_proxy.tools as t\n"
+        "for m in pkgutil.iter_modules(t.__path__):\n"
+        "    importlib.import_module(f'{t.__name__}.{m.name}')\n"
+        "print(' '.join(sorted(n for n in sys.modules if n.startswith(('consumer_', 'pyspark')))))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.split()
+
+    assert "consumer_proxy.tools.commands" in loaded and "consumer_proxy.core.codec" in loaded
+    runtime = {f"consumer_proxy.{m}" for m in ("proxy", "fetcher", "dispatcher", "flow")}
+    assert runtime.isdisjoint(loaded)
+    assert not any(m.startswith("pyspark") for m in loaded)  # Spark only inside the jobs

@@ -348,7 +348,9 @@ def _merge(args: argparse.Namespace, kafka: KafkaConfig, group: GroupConfig) -> 
     counts_as_merge = args.to is None or args.to == group.redrive_topic
     kafka_ops.require_topic(kafka, group, target, "redrive" if counts_as_merge else "--to")
 
-    marks = {p.partition: p.mark or MergeMark.empty() for p in state}
+    # Records before a partition's start were purged: nothing left there to send back, so the
+    # prefix may move past them (else it would wait forever on records that are gone).
+    marks = {p.partition: (p.mark or MergeMark.empty()).with_merged([(0, p.low)]) for p in state}
     ranges: dict[int, tuple[int, int]] = {}
     for part in state:
         prefix = marks[part.partition].prefix
