@@ -521,13 +521,20 @@ def small_dlq(kafka, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]
         (["merge", "--group", "{group}", "--yes", "--since", "2026-01-02", "--until",
           "2026-01-01T00:00:00Z"],
          "--since 2026-01-02T00:00:00.000+00:00 is after --until 2026-01-01T00:00:00.000+00:00"),
+        (["merge", "--group", "{group}", "--yes", "--rate", "0"],
+         "--rate must be more than 0 records per second, got 0"),
+        (["merge", "--group", "{group}", "--yes", "--to", "no such topic"],
+         "--to 'no such topic' is not a valid topic name"),
+        (["merge", "--group", "{group}", "--yes", "--to", "{group}.dlq"],
+         "--to {group}.dlq: that is the DLQ itself"),
         (["merge", "--group", "{group}"], "refusing to merge without confirmation"),
         (["purge", "--group", "{group}", "--all"],
          "refusing to delete records without confirmation: stdin is not a terminal; pass --yes"),
     ],
     ids=["unknown-group", "no-dlq-merge", "no-dlq-report", "where-syntax", "where-not-boolean",
          "where-column",
-         "since-after-until", "merge-no-tty", "purge-no-tty"],
+         "since-after-until", "rate-zero", "to-bad-name", "to-the-dlq", "merge-no-tty",
+         "purge-no-tty"],
 )  # fmt: skip
 def test_bad_input_is_a_clear_error_with_exit_2_and_writes_nothing(
     small_dlq, spark, capsys: pytest.CaptureFixture[str], args: list[str], message: str

@@ -164,8 +164,8 @@ def add_dlq_commands(sub: Any, common: CommonOptions) -> None:
         type=float,
         metavar="N",
         help="write at most N records per second over the whole write (one cap across all "
-        "Spark tasks, bursts under a tenth of a second's worth), for a service still "
-        "recovering",
+        "Spark tasks, bursts of at most a twentieth of a second's worth), for a service "
+        "still recovering",
     )
     merge.add_argument(
         "--to",

@@ -74,11 +74,11 @@ def unreachable(kafka: KafkaConfig, what: str, exc: KafkaException) -> KafkaUnav
 
 
 def _missing_topic(group: GroupConfig, topic: str, role: str) -> ConfigError:
-    hint = (
-        "nothing has been dead-lettered yet, or dlq.topic names another topic"
-        if role == "DLQ"
-        else "start the proxy once (it creates it) or create it by hand"
-    )
+    hints = {
+        "DLQ": "nothing has been dead-lettered yet, or dlq.topic names another topic",
+        "redrive": "start the proxy once (it creates it) or create it by hand",
+    }
+    hint = hints.get(role, "create it first")
     return ConfigError([f"group {group.name}: {role} topic {topic} does not exist ({hint})"])
 
 
