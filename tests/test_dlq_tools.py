@@ -770,7 +770,8 @@ def test_merge_rate_caps_the_write_and_to_copies_elsewhere_without_merging(
         for i, start in enumerate(stamps)
     )
     assert busiest <= rate * 1.1, busiest
-    print(f"rate cap {rate}/s: measured {measured:.1f}/s, busiest second {busiest} records")
+    with capsys.disabled():  # the figure for the record, shown with -s
+        print(f"\nrate cap {rate}/s: measured {measured:.1f}/s, busiest second {busiest} records")
     # and progress was shown while it wrote
     assert f"writing {n} records to {other} at most {rate}/s" in err
     assert "written " in err and f" of {n} (" in err
@@ -883,3 +884,54 @@ def test_an_unreachable_broker_is_one_line_naming_it_and_exit_1(tmp_path: Path) 
     out, err, code = results["inspect-debug"]
     assert code == 1
     assert "Connect to ipv4#" in err and f"consumer-proxy: Kafka at {address}: " in err
+
+
+def test_a_merge_whose_mark_would_overflow_writes_what_fits_and_loses_nothing(
+    kafka, spark, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given 20,000 dead letters in one partition, two statuses at random: merging one of
+    # them leaves ~5,000 separate stretches, more than the mark's 4,000 characters record
+    bootstrap, group, n = kafka.bootstrap, unique_name("dlqfull"), 20_000
+    rng = random.Random(5)
+    status_of = {1000 + i: rng.choice(["INVALID_ARGUMENT", "DATA_LOSS"]) for i in range(n)}
+    create_topic(bootstrap, f"{group}.dlq")
+    create_topic(bootstrap, f"{group}.redrive")
+    produce(bootstrap, f"{group}.dlq", [
+        dead_letter(i, status=status_of[1000 + i], value=b"v", key=None, ts=BASE_MS + i)
+        for i in range(n)
+    ])  # fmt: skip
+    path = group_config(bootstrap, tmp_path, group)
+    counts = Counter(status_of.values())
+
+    def merge(status: str) -> tuple[dict[str, Any], str]:
+        code, out, err = cli(capsys, "dlq", "merge", "--config", path, "--group", group,
+                             "--status", status, "--yes", "--json")  # fmt: skip
+        assert code == 0, err
+        return json.loads(out), err
+
+    # When INVALID_ARGUMENT is merged
+    first, err = merge("INVALID_ARGUMENT")
+
+    # Then it writes as much as the mark can record, says so, and the mark fits Kafka's limit
+    assert first["selected"] == counts["INVALID_ARGUMENT"]
+    assert 0 < first["deferred"] < first["selected"]
+    assert first["written"] + first["deferred"] == first["selected"]
+    assert f"the merge mark has room for {first['written']} of them" in err
+    (_offset, metadata), *_ = committed_offsets(
+        bootstrap, f"{group}.dlq-merge", f"{group}.dlq"
+    ).values()
+    assert 3000 < len(metadata or "") <= 4000
+
+    # When DATA_LOSS is merged (filling the stretches between), then INVALID_ARGUMENT again
+    second, _ = merge("DATA_LOSS")
+    third, _ = merge("INVALID_ARGUMENT")
+
+    # Then everything went back exactly once, and purge --merged may delete it all
+    assert second["written"] == counts["DATA_LOSS"] and second["deferred"] == 0
+    assert third["written"] == first["deferred"] and third["deferred"] == 0
+    sent = Counter(int(cp_of(m)[dlq.H_OFFSET]) for m in consume_all(bootstrap, f"{group}.redrive"))
+    assert sent == Counter(list(status_of))
+    code, out, err = cli(capsys, "dlq", "purge", "--config", path, "--group", group,
+                         "--merged", "--dry-run", "--json")  # fmt: skip
+    assert code == 0, err
+    assert json.loads(out)["to_delete"] == n

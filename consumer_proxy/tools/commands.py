@@ -395,10 +395,12 @@ def _merge(args: argparse.Namespace, kafka: KafkaConfig, group: GroupConfig) -> 
                    if found.already_merged else "")
             )  # fmt: skip
             if to_write < selected:
+                # The mark records merged stretches between records still unmerged; its
+                # metadata is bounded, so too many stretches cannot be recorded at once.
                 _progress(
-                    f"the merge mark's metadata has room for {to_write} of them this time "
-                    f"(too many separate stretches); run merge again for the other "
-                    f"{selected - to_write}"
+                    f"the merge mark has room for {to_write} of them: {selected - to_write} "
+                    "stay for a later merge. Unmerged records between merged ones fill the "
+                    "mark; merging them (another filter) frees it"
                 )
             if not args.dry_run and to_write:
                 if not args.yes:
