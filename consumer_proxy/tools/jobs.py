@@ -100,6 +100,11 @@ class Selection:
     statuses: tuple[str, ...] = ()
     where: str | None = None  # a Spark SQL boolean expression over DLQ_COLUMNS
 
+    @property
+    def everything(self) -> bool:
+        """Whether the selection takes every record (no condition given)."""
+        return self.describe() == "every record"
+
     def describe(self) -> str:
         """One line for progress output."""
         parts = []
@@ -381,13 +386,7 @@ def _flagged(
 
     frame = dlq_frame(spark, kafka_options, topic, ranges)
     frame = frame.withColumn("chosen", selection_condition(frame, selection))
-    intervals = [
-        (p, start, end)
-        for p, mark in sorted(merged.items())
-        if p in ranges
-        for start, end in mark.merged_intervals()
-        if end > ranges[p][0] and start < ranges[p][1]
-    ]
+    intervals = _merged_in(ranges, merged)
     if not intervals:
         return frame.withColumn("already", F.lit(False))
     marks = spark.createDataFrame(intervals, "m_partition INT, m_start BIGINT, m_end BIGINT")
@@ -401,6 +400,17 @@ def _flagged(
     return joined.withColumn("already", F.col("m_partition").isNotNull()).drop(
         "m_partition", "m_start", "m_end"
     )
+
+
+def _merged_in(ranges: Ranges, merged: dict[int, MergeMark]) -> list[tuple[int, int, int]]:
+    """(partition, start, end) of the merged intervals that overlap ``ranges``."""
+    return [
+        (p, start, end)
+        for p, mark in sorted(merged.items())
+        if p in ranges
+        for start, end in mark.merged_intervals()
+        if end > ranges[p][0] and start < ranges[p][1]
+    ]
 
 
 def select_for_merge(
@@ -424,16 +434,22 @@ def select_for_merge(
     flagged = _flagged(spark, kafka_options, topic, ranges, selection, merged).select(
         "partition", "offset", "status", "chosen", "already"
     )
-    # Records that stay unmerged after this merge split the selected ones into islands: the
-    # running count of them before a record names its island.
-    stays = (~F.col("chosen")) & (~F.col("already"))
-    window = (
-        Window.partitionBy("partition")
-        .orderBy("offset")
-        .rowsBetween(Window.unboundedPreceding, Window.currentRow)
-    )
+    if selection.everything and not _merged_in(ranges, merged):
+        # Every record is selected and none merged: one island per partition, and no need to
+        # sort the range by offset to find where islands break.
+        gap = F.lit(0)
+    else:
+        # Records that stay unmerged after this merge split the selected ones into islands:
+        # the running count of them before a record names its island.
+        stays = (~F.col("chosen")) & (~F.col("already"))
+        window = (
+            Window.partitionBy("partition")
+            .orderBy("offset")
+            .rowsBetween(Window.unboundedPreceding, Window.currentRow)
+        )
+        gap = F.sum(F.when(stays, 1).otherwise(0)).over(window)
     islands = (
-        flagged.withColumn("gap", F.sum(F.when(stays, 1).otherwise(0)).over(window))
+        flagged.withColumn("gap", gap)
         .where(F.col("chosen"))
         .groupBy(
             "partition",
