@@ -32,8 +32,9 @@ import yaml
 from common import Result, base_parser, broker, create_topic, rate, unique_name
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
-from consumer_proxy import dlq, pipeline
+from consumer_proxy import dlq
 from consumer_proxy.cli import main as cli_main
+from consumer_proxy.tools import spark
 from tests.support.kafka import end_offsets
 from tests.support.proxy import make_config
 
@@ -167,7 +168,7 @@ def main() -> int:
     parser.add_argument(
         "--sizes", default="100000,1000000", help="DLQ sizes, comma-separated (default %(default)s)"
     )
-    parser.add_argument("--master", default=pipeline.DEFAULT_MASTER, help="Spark master")
+    parser.add_argument("--master", default=spark.DEFAULT_MASTER, help="Spark master")
     args = parser.parse_args()
     sizes = [20_000, 100_000] if args.quick else [int(s) for s in args.sizes.split(",")]
     result = Result(
@@ -178,7 +179,7 @@ def main() -> int:
     with broker(args.bootstrap) as bootstrap, tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
         started = time.monotonic()
-        run = pipeline.start_spark(pipeline.SparkOptions(master=args.master), print)
+        run = spark.start_spark(spark.SparkOptions(master=args.master), print)
         result.figure("spark_startup_s", round(time.monotonic() - started, 2), "s")
         try:
             group, config, _ = group_with_dlq(bootstrap, directory, 2000)

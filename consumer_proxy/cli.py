@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _common(status, group=True, as_json=True)
 
-    from .dlq_cli import add_dlq_commands  # the DLQ tooling lives in its own module
+    from .tools.commands import add_dlq_commands  # the DLQ tools are their own package
 
     add_dlq_commands(sub, _common)
     return parser
@@ -243,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "status":
             return _status(args, config)
         if args.command == "dlq":
-            from .dlq_cli import run_dlq_command
+            from .tools.commands import run_dlq_command
 
             return run_dlq_command(args, config)
     except ConfigError as exc:

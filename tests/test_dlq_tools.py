@@ -12,6 +12,7 @@ import json
 import os
 import pty
 import random
+import socket
 import subprocess
 import sys
 import time
@@ -25,9 +26,11 @@ import pytest
 import yaml
 from confluent_kafka import KafkaException, Producer
 
-from consumer_proxy import dlq, dlq_cli, pipeline
+from consumer_proxy import dlq
 from consumer_proxy.cli import main
 from consumer_proxy.config import KafkaConfig, ProxyConfig
+from consumer_proxy.tools import commands, render
+from consumer_proxy.tools import spark as tool_spark
 from tests.support.kafka import (
     committed_offsets,
     consume_all,
@@ -51,7 +54,7 @@ BASE_MS = (int(time.time() * 1000) // HOUR_MS - 6) * HOUR_MS
 @pytest.fixture(scope="module")
 def spark() -> Iterator[Any]:
     """One local Spark session for the module; the commands under test reuse it."""
-    run = pipeline.start_spark(pipeline.SparkOptions(master="local[2]"), lambda _line: None)
+    run = tool_spark.start_spark(tool_spark.SparkOptions(master="local[2]"), lambda _line: None)
     assert run.owned
     yield run.spark
     run.spark.stop()
@@ -294,7 +297,7 @@ def _matches(i: int, record: dict[str, Any], case: str) -> bool:
         ("where-columns",
          ["--where", "attempt >= 3 AND original_partition = 1 AND key IS NOT NULL"]),
         # ISO-8601 and epoch ms
-        ("time", ["--since", pipeline.format_ms(BASE_MS + 20 * 60_000),
+        ("time", ["--since", render.format_ms(BASE_MS + 20 * 60_000),
                   "--until", str(BASE_MS + 50 * 60_000)]),
     ],
 )  # fmt: skip
@@ -346,13 +349,14 @@ def test_merge_writes_exactly_the_selected_records_unchanged(
         assert (m.key(), m.value(), m.headers()) == (
             original.key(), original.value(), original.headers()
         )  # fmt: skip
-    # and the mark passed over the records left out: all 90 are merged as far as purge goes
-    ends = end_offsets(bootstrap, f"{group}.dlq")
-    assert merge_marks(bootstrap, group) == ends
+    # and the mark records exactly them: purge --merged would delete only up to the first
+    # record left out, here the very first one (i = 0)
+    assert merge_marks(bootstrap, group) == {0: 0}  # all of them are in partition 0
     code, out, err = cli(capsys, "dlq", "purge", "--config", path, "--group", group,
                          "--merged", "--dry-run", "--json")  # fmt: skip
     assert code == 0, err
-    assert json.loads(out)["to_delete"] == 90
+    plan = json.loads(out)
+    assert (plan["to_delete"], plan["merged_kept"]) == (0, len(wanted))
 
     # When records before a time are purged
     code, out, err = cli(capsys, "dlq", "purge", "--config", path, "--group", group,
@@ -380,20 +384,35 @@ def test_report_counts_match_a_direct_count_and_the_chart_is_a_png(
     keys += [f"u{i}".encode() for i in range(n - len(keys))]
     rng.shuffle(keys)
     statuses = ["INVALID_ARGUMENT", "FAILED_PRECONDITION", "DEADLINE_EXCEEDED", "DATA_LOSS"]
-    reasons = ["cannot parse", "schema mismatch", "gave up after 5 attempts: timeout"]
+
+    # Reasons that carry values: nearly every one is unique, four kinds of them
+    def reason() -> str:
+        kind = rng.randrange(4)
+        if kind == 0:
+            return f"cannot parse field 'f{rng.randrange(40)}'"
+        if kind == 1:
+            hexed = f"{rng.getrandbits(128):032x}"
+            uid = "-".join([hexed[:8], hexed[8:12], hexed[12:16], hexed[16:20], hexed[20:]])
+            return f"order {uid} not found"
+        if kind == 2:
+            return (
+                f"gave up after {rng.randrange(1, 6)} attempts: timeout after {rng.random():.3f}s"
+            )
+        return "schema mismatch"
+
     producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 50, "acks": "all",
                          "compression.type": "lz4", "enable.idempotence": True})  # fmt: skip
     direct: dict[str, Counter[Any]] = {
         "status": Counter(), "reason": Counter(), "origin": Counter(), "hour": Counter(),
-        "key": Counter(),
+        "key": Counter(), "template": Counter(),
     }  # fmt: skip
     for i, key in enumerate(keys):
-        status, reason = rng.choice(statuses), rng.choice(reasons)
+        status, why = rng.choice(statuses), reason()
         origin, ts = rng.randrange(6), BASE_MS + rng.randrange(5 * HOUR_MS)
         headers = [
             (dlq.H_TOPIC, b"orders"), (dlq.H_PARTITION, str(origin).encode()),
             (dlq.H_OFFSET, str(i).encode()), (dlq.H_ATTEMPT, b"1"),
-            (dlq.H_STATUS, status.encode()), (dlq.H_REASON, reason.encode()),
+            (dlq.H_STATUS, status.encode()), (dlq.H_REASON, why.encode()),
             (dlq.H_DEAD_LETTERED_AT, str(ts).encode()),
         ]  # fmt: skip
         while True:
@@ -404,9 +423,10 @@ def test_report_counts_match_a_direct_count_and_the_chart_is_a_png(
             except BufferError:
                 producer.poll(0.1)
         direct["status"][status] += 1
-        direct["reason"][reason] += 1
+        direct["reason"][why] += 1
+        direct["template"][render.reason_template(why)] += 1
         direct["origin"][origin] += 1
-        direct["hour"][pipeline.format_hour(ts - ts % HOUR_MS)] += 1
+        direct["hour"][render.format_hour(ts - ts % HOUR_MS)] += 1
         direct["key"][key] += 1
     assert producer.flush(60) == 0
     assert sum(end_offsets(bootstrap, f"{group}.dlq").values()) == n
@@ -422,8 +442,20 @@ def test_report_counts_match_a_direct_count_and_the_chart_is_a_png(
     report = json.loads((out_dir / f"{group}-dlq-report.json").read_text())
     assert report["total"] == n
     assert {s["status"]: s["count"] for s in report["by_status"]} == direct["status"]
-    assert {r["reason"]: r["count"] for r in report["by_reason"]} == direct["reason"]
-    assert report["reasons_distinct"] == len(reasons)
+    assert report["reasons_distinct"] == len(direct["reason"]) > 20_000
+    assert len(report["by_reason"]) == 20
+    assert all(direct["reason"][r["reason"]] == r["count"] for r in report["by_reason"])
+    # and reasons group by their template (Spark's masks are Python's), with an example each
+    templates = {t["template"]: t for t in report["by_reason_template"]}
+    assert {k: t["count"] for k, t in templates.items()} == direct["template"]
+    assert set(templates) == {
+        "cannot parse field '<v>'", "order <id> not found", "schema mismatch",
+        "gave up after <n> attempts: timeout after <n>s",
+    }  # fmt: skip
+    for template, entry in templates.items():
+        assert render.reason_template(entry["example"]) == template
+        distinct = {r for r in direct["reason"] if render.reason_template(r) == template}
+        assert entry["distinct"] == len(distinct)
     assert {(o["topic"], o["partition"]): o["count"] for o in report["by_original_partition"]} == {
         ("orders", p): c for p, c in direct["origin"].items()
     }
@@ -435,6 +467,8 @@ def test_report_counts_match_a_direct_count_and_the_chart_is_a_png(
     top_status, top_count = direct["status"].most_common(1)[0]
     assert f"  {top_status:<46} {top_count:>10}" in out
     assert "hot-0" in out and str(out_dir / f"{group}-dlq-report.png") in out
+    assert "by cp-reason (4 kinds of" in out and "  order <id> not found" in out
+    assert "    e.g. order " in out
     # and the chart is a PNG that an image library reads
     png = out_dir / f"{group}-dlq-report.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -487,13 +521,20 @@ def small_dlq(kafka, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]
         (["merge", "--group", "{group}", "--yes", "--since", "2026-01-02", "--until",
           "2026-01-01T00:00:00Z"],
          "--since 2026-01-02T00:00:00.000+00:00 is after --until 2026-01-01T00:00:00.000+00:00"),
+        (["merge", "--group", "{group}", "--yes", "--rate", "0"],
+         "--rate must be more than 0 records per second, got 0"),
+        (["merge", "--group", "{group}", "--yes", "--to", "no such topic"],
+         "--to 'no such topic' is not a valid topic name"),
+        (["merge", "--group", "{group}", "--yes", "--to", "{group}.dlq"],
+         "--to {group}.dlq: that is the DLQ itself"),
         (["merge", "--group", "{group}"], "refusing to merge without confirmation"),
         (["purge", "--group", "{group}", "--all"],
          "refusing to delete records without confirmation: stdin is not a terminal; pass --yes"),
     ],
     ids=["unknown-group", "no-dlq-merge", "no-dlq-report", "where-syntax", "where-not-boolean",
          "where-column",
-         "since-after-until", "merge-no-tty", "purge-no-tty"],
+         "since-after-until", "rate-zero", "to-bad-name", "to-the-dlq", "merge-no-tty",
+         "purge-no-tty"],
 )  # fmt: skip
 def test_bad_input_is_a_clear_error_with_exit_2_and_writes_nothing(
     small_dlq, spark, capsys: pytest.CaptureFixture[str], args: list[str], message: str
@@ -586,7 +627,7 @@ def test_without_pyspark_report_and_merge_say_how_to_install_it(small_dlq, comma
     ],
 )
 def test_times_are_iso_8601_or_epoch_ms(text: str, expected: int) -> None:
-    assert dlq_cli.parse_time(text) == expected
+    assert commands.parse_time(text) == expected
 
 
 def test_a_bad_time_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -610,7 +651,7 @@ def test_librdkafka_security_settings_become_the_java_clients(tmp_path: Path) ->
         },
     )  # fmt: skip
 
-    options = pipeline.java_kafka_options(kafka)
+    options = tool_spark.java_kafka_options(kafka)
 
     assert options == {
         "kafka.bootstrap.servers": "broker:9093",
@@ -624,3 +665,273 @@ def test_librdkafka_security_settings_become_the_java_clients(tmp_path: Path) ->
         "kafka.ssl.keystore.certificate.chain": "CERT",
         "kafka.ssl.keystore.key": "KEY",
     }
+
+
+# -- per-record merge mark: merge by one status, then another, then purge ----------------------
+
+
+def _held_offsets(bootstrap: str, topic: str) -> list[int]:
+    """cp-original-offset of every record still in ``topic``."""
+    return sorted(int(cp_of(m)[dlq.H_OFFSET]) for m in consume_all(bootstrap, topic))
+
+
+def test_merge_by_status_then_another_then_purge_never_deletes_an_unmerged_record(
+    kafka, spark, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given 120 dead letters over 2 partitions, three statuses interleaved
+    bootstrap, group = kafka.bootstrap, unique_name("dlqmark")
+    dlq_topic, redrive = f"{group}.dlq", f"{group}.redrive"
+    create_topic(bootstrap, dlq_topic, partitions=2)
+    create_topic(bootstrap, redrive)
+    status_of = {1000 + i: STATUSES[(i // 2 + i % 2) % 3] for i in range(120)}
+    produce(bootstrap, dlq_topic, [
+        dead_letter(i, status=status_of[1000 + i], value=f"v{i}".encode(), key=f"k{i}".encode(),
+                    ts=BASE_MS + i * 1000, partition=i % 2)
+        for i in range(120)
+    ])  # fmt: skip
+    path = group_config(bootstrap, tmp_path, group)
+    by_status = Counter(status_of.values())
+
+    def run(*args: str) -> dict[str, Any]:
+        code, out, err = cli(capsys, "dlq", *args, "--config", path, "--group", group, "--json")
+        assert code == 0, err
+        return json.loads(out)
+
+    # When the INVALID_ARGUMENT records are merged and the merged records purged
+    merged = run("merge", "--status", "INVALID_ARGUMENT", "--yes")
+    purged = run("purge", "--merged", "--yes")
+
+    # Then exactly they were sent back, and no record that was not is gone from the DLQ
+    assert merged["merged"] == by_status["INVALID_ARGUMENT"] == 40
+    held = _held_offsets(bootstrap, dlq_topic)
+    assert {o for o, s in status_of.items() if s != "INVALID_ARGUMENT"} <= set(held)
+    assert purged["deleted"] == 120 - len(held) < 40  # only the merged prefix went
+    assert purged["merged_kept"] == 40 - purged["deleted"]
+
+    # When the FAILED_PRECONDITION records are merged next, and purged
+    merged = run("merge", "--status", "FAILED_PRECONDITION", "--yes")
+    run("purge", "--merged", "--yes")
+
+    # Then every one of them is found, though the first merge's range went past them
+    assert merged["merged"] == by_status["FAILED_PRECONDITION"] == 40
+    held = _held_offsets(bootstrap, dlq_topic)
+    assert {o for o, s in status_of.items() if s == "DEADLINE_EXCEEDED"} <= set(held)
+
+    # When the rest is merged, the merge rerun and everything merged purged
+    merged = run("merge", "--yes")
+    still_held_merged = sum(1 for o in held if status_of[o] != "DEADLINE_EXCEEDED")
+    rerun = run("merge", "--yes")
+    purged = run("purge", "--merged", "--yes")
+
+    # Then the rest went back once, the merged ones skipped; the rerun sent nothing
+    assert merged["merged"] == by_status["DEADLINE_EXCEEDED"] == 40
+    assert merged["skipped_merged"] == still_held_merged
+    assert (rerun["selected"], rerun["merged"]) == (0, 0)
+    assert purged["merged_kept"] == 0 and _held_offsets(bootstrap, dlq_topic) == []
+    # and across the three merges every dead letter was sent back exactly once
+    sent = Counter(int(cp_of(m)[dlq.H_OFFSET]) for m in consume_all(bootstrap, redrive))
+    assert sent == Counter(list(status_of))
+
+
+# -- the write as a controlled job: --rate and --to --------------------------------------------
+
+
+def test_merge_rate_caps_the_write_and_to_copies_elsewhere_without_merging(
+    kafka, spark, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given 600 dead letters over 3 partitions
+    bootstrap, group, rate, n = kafka.bootstrap, unique_name("dlqrate"), 150, 600
+    other = create_topic(bootstrap, unique_name("replay"), partitions=2)
+    create_topic(bootstrap, f"{group}.dlq", partitions=3)
+    create_topic(bootstrap, f"{group}.redrive")
+    produce(bootstrap, f"{group}.dlq", [
+        dead_letter(i, status=STATUSES[i % 3], value=b"v", key=None, ts=BASE_MS + i,
+                    partition=i % 3)
+        for i in range(n)
+    ])  # fmt: skip
+    path = group_config(bootstrap, tmp_path, group)
+
+    # When they are sent to another topic at --rate 150
+    code, out, err = cli(capsys, "dlq", "merge", "--config", path, "--group", group,
+                         "--to", other, "--rate", str(rate), "--yes", "--json")  # fmt: skip
+
+    # Then all of them are there, written at 150/s within 10 %, measured on the records' own
+    # (produce-time) timestamps, so Spark's start-up is not part of it
+    assert code == 0, err
+    summary = json.loads(out)
+    assert (summary["selected"], summary["written"], summary["merged"]) == (n, n, 0)
+    stamps = sorted(m.timestamp()[1] for m in consume_all(bootstrap, other))
+    assert len(stamps) == n
+    measured = (n - 1) / ((stamps[-1] - stamps[0]) / 1000)
+    assert abs(measured - rate) <= 0.10 * rate, measured
+    # and no second of it held more than a second's worth (plus the pacer's 5 % tolerance)
+    busiest = max(
+        sum(1 for t in stamps[i : i + rate * 2] if t < start + 1000)
+        for i, start in enumerate(stamps)
+    )
+    assert busiest <= rate * 1.1, busiest
+    with capsys.disabled():  # the figure for the record, shown with -s
+        print(f"\nrate cap {rate}/s: measured {measured:.1f}/s, busiest second {busiest} records")
+    # and progress was shown while it wrote
+    assert f"writing {n} records to {other} at most {rate}/s" in err
+    assert "written " in err and f" of {n} (" in err
+
+    # And --to does not count as merged: the mark did not move, a merge still finds them all
+    assert merge_marks(bootstrap, group) == {}
+    code, out, err = cli(capsys, "dlq", "purge", "--config", path, "--group", group,
+                         "--merged", "--yes")  # fmt: skip
+    assert code == 0, err
+    assert "nothing merged yet: nothing to delete" in out
+    code, out, err = cli(capsys, "dlq", "merge", "--config", path, "--group", group,
+                         "--dry-run", "--json")  # fmt: skip
+    assert code == 0, err
+    assert json.loads(out)["selected"] == n
+    assert sum(end_offsets(bootstrap, f"{group}.redrive").values()) == 0
+
+
+# -- more bad input --------------------------------------------------------------------------
+
+
+def test_a_bad_where_is_an_error_even_with_nothing_to_merge(
+    kafka, spark, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    group = unique_name("dlqwhere")
+    create_topic(kafka.bootstrap, f"{group}.dlq")
+    create_topic(kafka.bootstrap, f"{group}.redrive")
+    path = group_config(kafka.bootstrap, tmp_path, group)
+
+    code, out, err = cli(capsys, "dlq", "merge", "--config", path, "--group", group, "--yes",
+                         "--where", "colour = 'blue'")  # fmt: skip
+
+    assert code == 2, (out, err)
+    assert "bad --where \"colour = 'blue'\": [UNRESOLVED_COLUMN" in err
+    assert out == ""
+
+
+def test_inspect_json_keeps_headers_as_an_ordered_list_with_repeated_keys(
+    kafka, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given a dead letter whose user headers repeat a key
+    group = unique_name("dlqhdr")
+    create_topic(kafka.bootstrap, f"{group}.dlq")
+    record = dead_letter(0, status="INTERNAL", value=b"v", key=b"k", ts=BASE_MS)
+    ours = [h for h in record["headers"] if h[0].startswith(dlq.CP_PREFIX)]
+    record["headers"] = [("trace", b"a"), ("tag", b"x"), ("trace", b"b"), *ours]
+    produce(kafka.bootstrap, f"{group}.dlq", [record])
+    path = group_config(kafka.bootstrap, tmp_path, group)
+
+    code, out, err = cli(capsys, "dlq", "inspect", "--config", path, "--group", group, "--json")
+
+    assert code == 0, err
+    (sample,) = json.loads(out)["sample"]
+    assert sample["headers"] == [
+        {"key": "trace", "value": "a"}, {"key": "tag", "value": "x"},
+        {"key": "trace", "value": "b"},
+    ]  # fmt: skip
+    assert sample["cp"][dlq.H_STATUS] == "INTERNAL"
+
+
+def test_an_unreachable_broker_is_one_line_naming_it_and_exit_1(tmp_path: Path) -> None:
+    # Given a config whose bootstrap server is a free port nothing listens on
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    path = group_config(address, tmp_path, "nobody")
+    commands_run = {
+        "inspect": ["inspect"],
+        "report": ["report", "--out", str(tmp_path)],
+        "merge": ["merge", "--yes"],
+        "purge": ["purge", "--all", "--yes"],
+        "inspect-debug": ["inspect", "--log-level", "debug"],
+    }
+
+    # When every DLQ command runs against it (at once: each waits out the client's timeout)
+    procs = {
+        name: subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "consumer_proxy",
+                "dlq",
+                args[0],
+                "--config",
+                str(path),
+                "--group",
+                "nobody",
+                *args[1:],
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            cwd=ROOT,
+        )
+        for name, args in commands_run.items()
+    }
+    results = {
+        name: (*proc.communicate(timeout=120), proc.returncode) for name, proc in procs.items()
+    }
+
+    # Then each says in one line which servers it could not reach and what failed, exit 1
+    for name in ("inspect", "report", "merge", "purge"):
+        out, err, code = results[name]
+        assert code == 1, (name, err)
+        lines = err.splitlines()
+        assert len(lines) == 1, (name, lines[:5], len(lines))
+        assert lines[0].startswith(f"consumer-proxy: Kafka at {address}: "), lines[0]
+        assert "nobody.dlq failed" in lines[0] and out == ""
+    # and the client's own lines show only at debug level
+    out, err, code = results["inspect-debug"]
+    assert code == 1
+    assert "Connect to ipv4#" in err and f"consumer-proxy: Kafka at {address}: " in err
+
+
+def test_a_merge_whose_mark_would_overflow_writes_what_fits_and_loses_nothing(
+    kafka, spark, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given 20,000 dead letters in one partition, two statuses at random: merging one of
+    # them leaves ~5,000 separate stretches, more than the mark's 4,000 characters record
+    bootstrap, group, n = kafka.bootstrap, unique_name("dlqfull"), 20_000
+    rng = random.Random(5)
+    status_of = {1000 + i: rng.choice(["INVALID_ARGUMENT", "DATA_LOSS"]) for i in range(n)}
+    create_topic(bootstrap, f"{group}.dlq")
+    create_topic(bootstrap, f"{group}.redrive")
+    produce(bootstrap, f"{group}.dlq", [
+        dead_letter(i, status=status_of[1000 + i], value=b"v", key=None, ts=BASE_MS + i)
+        for i in range(n)
+    ])  # fmt: skip
+    path = group_config(bootstrap, tmp_path, group)
+    counts = Counter(status_of.values())
+
+    def merge(status: str) -> tuple[dict[str, Any], str]:
+        code, out, err = cli(capsys, "dlq", "merge", "--config", path, "--group", group,
+                             "--status", status, "--yes", "--json")  # fmt: skip
+        assert code == 0, err
+        return json.loads(out), err
+
+    # When INVALID_ARGUMENT is merged
+    first, err = merge("INVALID_ARGUMENT")
+
+    # Then it writes as much as the mark can record, says so, and the mark fits Kafka's limit
+    assert first["selected"] == counts["INVALID_ARGUMENT"]
+    assert 0 < first["deferred"] < first["selected"]
+    assert first["written"] + first["deferred"] == first["selected"]
+    assert f"the merge mark has room for {first['written']} of them" in err
+    (_offset, metadata), *_ = committed_offsets(
+        bootstrap, f"{group}.dlq-merge", f"{group}.dlq"
+    ).values()
+    assert 3000 < len(metadata or "") <= 4000
+
+    # When DATA_LOSS is merged (filling the stretches between), then INVALID_ARGUMENT again
+    second, _ = merge("DATA_LOSS")
+    third, _ = merge("INVALID_ARGUMENT")
+
+    # Then everything went back exactly once, and purge --merged may delete it all
+    assert second["written"] == counts["DATA_LOSS"] and second["deferred"] == 0
+    assert third["written"] == first["deferred"] and third["deferred"] == 0
+    sent = Counter(int(cp_of(m)[dlq.H_OFFSET]) for m in consume_all(bootstrap, f"{group}.redrive"))
+    assert sent == Counter(list(status_of))
+    code, out, err = cli(capsys, "dlq", "purge", "--config", path, "--group", group,
+                         "--merged", "--dry-run", "--json")  # fmt: skip
+    assert code == 0, err
+    assert json.loads(out)["to_delete"] == n
