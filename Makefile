@@ -38,7 +38,7 @@ demo: install
 	$(PY) scripts/demo.py $(DEMO_ARGS)
 
 bench: install
-	$(PY) bench/run_all.py
+	$(PY) -m bench.run_all
 
 # The long soak of the deterministic simulation (1M steps); a failure prints its seed,
 # replayed with: .venv/bin/python -m tests.sim --seed N

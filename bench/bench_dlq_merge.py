@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """``dlq merge`` throughput on local Spark: records/s at 100k and 1M DLQ records.
 
-    .venv/bin/python bench/bench_dlq_merge.py [--sizes 100000,1000000] [--master local[*]]
+    .venv/bin/python -m bench.bench_dlq_merge [--sizes 100000,1000000] [--master local[*]]
 
 Per size, a fresh group's DLQ (4 partitions) is filled with records shaped like the proxy's
 dead letters (a 100-byte value, a user header and the ten cp-* headers), then:
@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from common import Result, base_parser, broker, create_topic, rate, unique_name
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
+from bench.common import Result, base_parser, broker, create_topic, rate, unique_name
 from consumer_proxy import dlq, pipeline
 from consumer_proxy.cli import main as cli_main
 from tests.support.kafka import end_offsets
