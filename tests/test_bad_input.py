@@ -83,8 +83,8 @@ def _expected_headers(record: dict[str, Any]) -> tuple[tuple[str, bytes], ...]:
     return tuple((k, v if v is not None else b"") for k, v in record.get("headers", ()))
 
 
-def test_odd_records_arrive_byte_exact_and_dead_letter_intact(kafka) -> None:
-    asyncio.run(_odd_records(kafka.bootstrap))
+async def test_odd_records_arrive_byte_exact_and_dead_letter_intact(kafka) -> None:
+    await _odd_records(kafka.bootstrap)
 
 
 async def _odd_records(bootstrap: str) -> None:
@@ -181,8 +181,10 @@ def test_the_tracker_skips_unfetchable_offsets_but_never_a_pending_one() -> None
     assert tracker.track(15)
 
 
-def test_read_committed_skips_aborted_transactions_and_commits_past_the_markers(kafka) -> None:
-    asyncio.run(_transactions(kafka.bootstrap))
+async def test_read_committed_skips_aborted_transactions_and_commits_past_the_markers(
+    kafka,
+) -> None:
+    await _transactions(kafka.bootstrap)
 
 
 async def _transactions(bootstrap: str) -> None:
@@ -234,8 +236,8 @@ async def _transactions(bootstrap: str) -> None:
 # --------------------------------------------------------------------------- compaction
 
 
-def test_a_compacted_topic_with_gaps_is_delivered_and_committed_to_the_end(kafka) -> None:
-    asyncio.run(_compacted(kafka.bootstrap))
+async def test_a_compacted_topic_with_gaps_is_delivered_and_committed_to_the_end(kafka) -> None:
+    await _compacted(kafka.bootstrap)
 
 
 async def _compacted(bootstrap: str) -> None:
@@ -406,8 +408,8 @@ async def _junk_endpoint() -> asyncio.Server:
     return await asyncio.start_server(serve, "127.0.0.1", 0)
 
 
-def test_a_handler_answering_garbage_does_not_stop_the_proxy_or_lose_anything(kafka) -> None:
-    asyncio.run(_garbage(kafka.bootstrap))
+async def test_a_handler_answering_garbage_does_not_stop_the_proxy_or_lose_anything(kafka) -> None:
+    await _garbage(kafka.bootstrap)
 
 
 async def _garbage(bootstrap: str) -> None:

@@ -61,13 +61,13 @@ class PushSpy:
 
 
 @pytest.mark.kafka
-def test_a_stopped_service_opens_the_breaker_and_dead_letters_nothing(kafka) -> None:
-    asyncio.run(_outage(kafka.bootstrap, "stop"))
+async def test_a_stopped_service_opens_the_breaker_and_dead_letters_nothing(kafka) -> None:
+    await _outage(kafka.bootstrap, "stop")
 
 
 @pytest.mark.kafka
-def test_a_service_answering_unavailable_pauses_delivery_and_costs_no_attempts(kafka) -> None:
-    asyncio.run(_outage(kafka.bootstrap, "unavailable"))
+async def test_a_service_answering_unavailable_pauses_delivery_and_costs_no_attempts(kafka) -> None:
+    await _outage(kafka.bootstrap, "unavailable")
 
 
 async def _outage(bootstrap: str, mode: str) -> None:
@@ -147,11 +147,11 @@ async def _outage(bootstrap: str, mode: str) -> None:
 
 
 @pytest.mark.kafka
-def test_an_instance_answering_unavailable_is_ejected_and_the_others_carry_the_load(
+async def test_an_instance_answering_unavailable_is_ejected_and_the_others_carry_the_load(
     kafka, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="consumer_proxy.dispatcher")
-    asyncio.run(_one_bad_instance(kafka.bootstrap))
+    await _one_bad_instance(kafka.bootstrap)
     assert any("ejected" in r.getMessage() for r in caplog.records)
 
 
@@ -197,8 +197,8 @@ async def _one_bad_instance(bootstrap: str) -> None:
     assert await asyncio.to_thread(consume_all, bootstrap, f"{group}.dlq") == []
 
 
-def test_health_checks_take_instances_out_of_rotation_and_bring_them_back() -> None:
-    asyncio.run(_health_checks())
+async def test_health_checks_take_instances_out_of_rotation_and_bring_them_back() -> None:
+    await _health_checks()
 
 
 async def _health_checks() -> None:
@@ -251,8 +251,8 @@ async def _health_checks() -> None:
 
 
 @pytest.mark.kafka
-def test_the_adaptive_limit_settles_near_what_the_service_admits(kafka) -> None:
-    asyncio.run(_capacity(kafka.bootstrap))
+async def test_the_adaptive_limit_settles_near_what_the_service_admits(kafka) -> None:
+    await _capacity(kafka.bootstrap)
 
 
 async def _capacity(bootstrap: str) -> None:
@@ -310,8 +310,8 @@ async def _capacity(bootstrap: str) -> None:
 
 
 @pytest.mark.kafka
-def test_the_rate_limit_caps_messages_per_second(kafka) -> None:
-    asyncio.run(_rate(kafka.bootstrap))
+async def test_the_rate_limit_caps_messages_per_second(kafka) -> None:
+    await _rate(kafka.bootstrap)
 
 
 async def _rate(bootstrap: str) -> None:

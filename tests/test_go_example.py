@@ -9,7 +9,6 @@ Without Go these tests skip locally and fail in CI (CI=true), like every integra
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import shutil
@@ -173,7 +172,7 @@ def test_the_go_example_acks_retries_dead_letters_and_stops_gracefully(
 
 
 @pytest.mark.kafka
-def test_the_go_example_behind_the_proxy_acks_retries_and_dead_letters_through_kafka(
+async def test_the_go_example_behind_the_proxy_acks_retries_and_dead_letters_through_kafka(
     kafka: Broker, go_service: GoService
 ) -> None:
     # Given a topic with 120 messages: 6 poison pills and 6 that fail their first attempt
@@ -187,19 +186,15 @@ def test_the_go_example_behind_the_proxy_acks_retries_and_dead_letters_through_k
     produce(bootstrap, topic, values)
 
     # When the proxy pushes the topic to the Go service until the group has caught up
-    async def scenario() -> tuple[float, float]:
-        proxy, task = start_proxy(make_config(bootstrap, group, [topic], [go_service.address]))
-        try:
-            await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=60)
-        finally:
-            await proxy.shutdown()
-            await task
-        outcomes = proxy.metrics.messages
-        return outcomes.labels(group, "ack")._value.get(), outcomes.labels(
-            group, "dead_letter"
-        )._value.get()
-
-    acked, dead_lettered = asyncio.run(scenario())
+    proxy, task = start_proxy(make_config(bootstrap, group, [topic], [go_service.address]))
+    try:
+        await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=60)
+    finally:
+        await proxy.shutdown()
+        await task
+    outcomes = proxy.metrics.messages
+    acked = outcomes.labels(group, "ack")._value.get()
+    dead_lettered = outcomes.labels(group, "dead_letter")._value.get()
 
     # Then every message but the poison pills was acked (the flaky ones on their second attempt)
     assert (acked, dead_lettered) == (114, 6)

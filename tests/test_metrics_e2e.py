@@ -77,8 +77,8 @@ def batch(tag: str) -> list[dict[str, str]]:
     ]
 
 
-def test_metrics_add_up_to_what_the_service_saw(kafka) -> None:
-    asyncio.run(_metrics_run(kafka.bootstrap))
+async def test_metrics_add_up_to_what_the_service_saw(kafka) -> None:
+    await _metrics_run(kafka.bootstrap)
 
 
 async def _metrics_run(bootstrap: str) -> None:
@@ -216,8 +216,8 @@ async def _settled(port: int, group: str, topic: str, bootstrap: str) -> Scrape 
     return metrics if settled else None
 
 
-def test_the_http_endpoint_answers_probes_and_unknown_paths(kafka) -> None:
-    asyncio.run(_endpoint(kafka.bootstrap))
+async def test_the_http_endpoint_answers_probes_and_unknown_paths(kafka) -> None:
+    await _endpoint(kafka.bootstrap)
 
 
 async def _endpoint(bootstrap: str) -> None:

@@ -37,8 +37,8 @@ CP_HEADERS = {
 }
 
 
-def test_every_message_is_acked_or_dead_lettered_and_commits_reach_the_end(kafka) -> None:
-    asyncio.run(_mixed_run(kafka.bootstrap))
+async def test_every_message_is_acked_or_dead_lettered_and_commits_reach_the_end(kafka) -> None:
+    await _mixed_run(kafka.bootstrap)
 
 
 async def _mixed_run(bootstrap: str) -> None:
@@ -92,8 +92,8 @@ async def _mixed_run(bootstrap: str) -> None:
     assert all(n <= 2 for n in service.counts.values())
 
 
-def test_a_slow_message_does_not_hold_back_the_ones_behind_it(kafka) -> None:
-    asyncio.run(_head_of_line(kafka.bootstrap))
+async def test_a_slow_message_does_not_hold_back_the_ones_behind_it(kafka) -> None:
+    await _head_of_line(kafka.bootstrap)
 
 
 async def _head_of_line(bootstrap: str) -> None:
@@ -124,8 +124,8 @@ async def _head_of_line(bootstrap: str) -> None:
         await task
 
 
-def test_acked_messages_are_not_redelivered_after_a_restart(kafka) -> None:
-    asyncio.run(_restart(kafka.bootstrap))
+async def test_acked_messages_are_not_redelivered_after_a_restart(kafka) -> None:
+    await _restart(kafka.bootstrap)
 
 
 async def _restart(bootstrap: str) -> None:
@@ -160,8 +160,8 @@ async def _restart(bootstrap: str) -> None:
     assert len(service.counts) == 300
 
 
-def test_a_dlq_outage_holds_the_commit_and_loses_nothing(kafka) -> None:
-    asyncio.run(_dlq_outage(kafka.bootstrap))
+async def test_a_dlq_outage_holds_the_commit_and_loses_nothing(kafka) -> None:
+    await _dlq_outage(kafka.bootstrap)
 
 
 async def _dlq_outage(bootstrap: str) -> None:
@@ -202,8 +202,8 @@ async def _dlq_outage(bootstrap: str) -> None:
     assert service.count(topic, 0, 20) == 1
 
 
-def test_a_large_poison_pill_fits_the_dlq_the_proxy_creates(kafka) -> None:
-    asyncio.run(_large_pill(kafka.bootstrap))
+async def test_a_large_poison_pill_fits_the_dlq_the_proxy_creates(kafka) -> None:
+    await _large_pill(kafka.bootstrap)
 
 
 async def _large_pill(bootstrap: str) -> None:
@@ -231,7 +231,9 @@ async def _large_pill(bootstrap: str) -> None:
     assert [m.value() for m in dead] == [pill]
 
 
-def test_a_crashed_worker_fails_the_run_instead_of_stopping_quietly(kafka, monkeypatch) -> None:
+async def test_a_crashed_worker_fails_the_run_instead_of_stopping_quietly(
+    kafka, monkeypatch
+) -> None:
     # Given a proxy whose result handling breaks on one message (a stand-in for any bug)
     from consumer_proxy.core.partitions import PartitionSet
 
@@ -244,16 +246,13 @@ def test_a_crashed_worker_fails_the_run_instead_of_stopping_quietly(kafka, monke
 
     monkeypatch.setattr(PartitionSet, "finish", broken)
 
-    async def scenario() -> None:
-        topic, group = unique_name("crash"), unique_name("crash")
-        create_topic(kafka.bootstrap, topic, partitions=1)
-        await asyncio.to_thread(produce, kafka.bootstrap, topic, [f"m{i}" for i in range(10)])
-        async with TestService() as service:
-            _, task = start_proxy(make_config(kafka.bootstrap, group, [topic], [service.address]))
-            # When the worker crashes, Then the proxy's run ends with that error
-            with pytest.raises(RuntimeError, match="injected bug"):
-                await asyncio.wait_for(task, timeout=60)
-        committed = await asyncio.to_thread(committed_offsets, kafka.bootstrap, group, topic)
-        assert committed.get(0, (0,))[0] <= 3  # nothing past the message that was not handled
-
-    asyncio.run(scenario())
+    topic, group = unique_name("crash"), unique_name("crash")
+    create_topic(kafka.bootstrap, topic, partitions=1)
+    await asyncio.to_thread(produce, kafka.bootstrap, topic, [f"m{i}" for i in range(10)])
+    async with TestService() as service:
+        _, task = start_proxy(make_config(kafka.bootstrap, group, [topic], [service.address]))
+        # When the worker crashes, Then the proxy's run ends with that error
+        with pytest.raises(RuntimeError, match="injected bug"):
+            await asyncio.wait_for(task, timeout=60)
+    committed = await asyncio.to_thread(committed_offsets, kafka.bootstrap, group, topic)
+    assert committed.get(0, (0,))[0] <= 3  # nothing past the message that was not handled

@@ -50,8 +50,8 @@ def pki(tmp_path: Path) -> Pki:
 
 
 @pytest.mark.parametrize("mtls", [False, True], ids=["tls", "mtls"])
-def test_messages_reach_a_tls_service_through_the_proxy(kafka, pki: Pki, mtls: bool) -> None:
-    asyncio.run(_tls_run(kafka.bootstrap, pki, mtls))
+async def test_messages_reach_a_tls_service_through_the_proxy(kafka, pki: Pki, mtls: bool) -> None:
+    await _tls_run(kafka.bootstrap, pki, mtls)
 
 
 async def _tls_run(bootstrap: str, pki: Pki, mtls: bool) -> None:
@@ -97,11 +97,11 @@ async def _tls_run(bootstrap: str, pki: Pki, mtls: bool) -> None:
     )
 
 
-def test_a_wrong_ca_opens_the_breaker_and_dead_letters_nothing(
+async def test_a_wrong_ca_opens_the_breaker_and_dead_letters_nothing(
     kafka, pki: Pki, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING)
-    asyncio.run(_wrong_ca(kafka.bootstrap, pki))
+    await _wrong_ca(kafka.bootstrap, pki)
 
     # and the log says why, naming the group and the TLS failure
     opened = [
