@@ -126,8 +126,10 @@ def python_copy(bootstrap: str, source: str, target: str) -> tuple[int, float]:
                     except BufferError:
                         producer.poll(0.05)
                 copied += 1
-                if msg.offset() >= ends[msg.partition()] - 1:
-                    pending.discard(msg.partition())
+                offset, partition = msg.offset(), msg.partition()
+                assert offset is not None and partition is not None
+                if offset >= ends[partition] - 1:
+                    pending.discard(partition)
             producer.poll(0)
         if producer.flush(120):
             raise RuntimeError("the baseline copy did not flush")

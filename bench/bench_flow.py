@@ -123,7 +123,7 @@ async def through_proxy(
         for d in deliveries
         if d.outcome == "ACK" and d.finished_at is not None and start <= d.finished_at <= end
     ]
-    latency = sum(d.finished_at - d.received_at for d in window) / len(window)  # type: ignore[operator]
+    latency = sum(d.finished_at - d.received_at for d in window if d.finished_at) / len(window)
     result = Result(
         name,
         goodput=len(window) / window_s,
@@ -151,7 +151,7 @@ async def run(bootstrap: str, k: int, warmup_s: float, window_s: float) -> None:
         f"service: admits K={k} concurrent calls of {LATENCY_S[0] * 1000:.0f}-"
         f"{LATENCY_S[1] * 1000:.0f} ms, RESOURCE_EXHAUSTED beyond"
     )
-    scenarios = [
+    scenarios: list[tuple[str, dict[str, Any]]] = [
         (
             "adaptive, from 1",
             {"concurrency": "adaptive", "adaptive": {"min": 1, "max": 500, "initial": 1}},

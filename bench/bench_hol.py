@@ -89,11 +89,13 @@ class Sequential:
         msg = self.consumer.poll(timeout_s)
         if msg is None or msg.error() is not None:
             return False
+        topic, partition, offset = msg.topic(), msg.partition(), msg.offset()
+        assert topic is not None and partition is not None and offset is not None
         request = handler_pb2.HandleMessageRequest(
             message=handler_pb2.Message(
-                topic=msg.topic(),
-                partition=msg.partition(),
-                offset=msg.offset(),
+                topic=topic,
+                partition=partition,
+                offset=offset,
                 value=msg.value() or b"",
                 has_value=msg.value() is not None,
                 timestamp_ms=max(msg.timestamp()[1], 0),

@@ -179,6 +179,13 @@ class _Servicer(handler_pb2_grpc.MessageHandlerServicer):
             await asyncio.sleep(delay)
         return self._empty
 
+    async def HandleMessageBatch(
+        self, request: handler_pb2.HandleMessageBatchRequest, context: Any
+    ) -> handler_pb2.HandleMessageBatchResponse:
+        # The benches push one message per call; a batch config would measure nothing here.
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "the bench handler has no batch mode")
+        raise AssertionError("unreachable: context.abort raises")
+
 
 def _handler_main(spec: HandlerSpec, conn: Connection) -> None:
     """Entry point of the handler process: serve until told to stop on ``conn``."""
@@ -634,10 +641,6 @@ class BenchProxy(ProxyProcess):
 
     def cleanup(self) -> None:
         self._dir.cleanup()
-
-    def __enter__(self) -> BenchProxy:
-        self.start()
-        return self
 
     def __exit__(self, *exc: object) -> None:
         try:

@@ -14,6 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from consumer_proxy.proto.v1 import handler_pb2, handler_pb2_grpc
+from tests.support.kafka import Broker, headers_of, value_of
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "example_service.py"
@@ -89,7 +90,9 @@ async def test_the_example_acks_dead_letters_poison_reports_health_and_stops_on_
 
 
 @pytest.mark.kafka
-async def test_the_sdk_example_behind_the_proxy_acks_and_dead_letters_through_kafka(kafka) -> None:
+async def test_the_sdk_example_behind_the_proxy_acks_and_dead_letters_through_kafka(
+    kafka: Broker,
+) -> None:
     # Given a topic with 200 messages, 5 of them poison, and the example service as a process
     from tests.support.kafka import consume_all, create_topic, produce, unique_name
     from tests.support.proxy import caught_up, make_config, start_proxy
@@ -115,6 +118,6 @@ async def test_the_sdk_example_behind_the_proxy_acks_and_dead_letters_through_ka
         await process.communicate()
     # Then exactly the poison pills are in the DLQ, with the SDK's reason
     dead = consume_all(bootstrap, f"{group}.dlq")
-    assert sorted(m.value().decode() for m in dead) == sorted(v for v in values if "poison" in v)
-    reasons = {dict(m.headers())["cp-reason"].decode() for m in dead}
+    assert sorted(value_of(m).decode() for m in dead) == sorted(v for v in values if "poison" in v)
+    reasons = {headers_of(m)["cp-reason"].decode() for m in dead}
     assert all("poison" in r for r in reasons), reasons

@@ -16,7 +16,7 @@ from consumer_proxy.core.outcomes import Classifier
 from consumer_proxy.dispatcher import Dispatcher
 from consumer_proxy.group import GroupRunner
 from consumer_proxy.proxy import Proxy
-from tests.support.kafka import consume_all, create_topic, produce, unique_name
+from tests.support.kafka import Broker, consume_all, create_topic, produce, unique_name
 from tests.support.proxy import caught_up, make_config, start_proxy
 from tests.support.service import Behaviour, TestService, always
 from tests.support.waiting import async_wait_until
@@ -61,12 +61,14 @@ class PushSpy:
 
 
 @pytest.mark.kafka
-async def test_a_stopped_service_opens_the_breaker_and_dead_letters_nothing(kafka) -> None:
+async def test_a_stopped_service_opens_the_breaker_and_dead_letters_nothing(kafka: Broker) -> None:
     await _outage(kafka.bootstrap, "stop")
 
 
 @pytest.mark.kafka
-async def test_a_service_answering_unavailable_pauses_delivery_and_costs_no_attempts(kafka) -> None:
+async def test_a_service_answering_unavailable_pauses_delivery_and_costs_no_attempts(
+    kafka: Broker,
+) -> None:
     await _outage(kafka.bootstrap, "unavailable")
 
 
@@ -148,7 +150,7 @@ async def _outage(bootstrap: str, mode: str) -> None:
 
 @pytest.mark.kafka
 async def test_an_instance_answering_unavailable_is_ejected_and_the_others_carry_the_load(
-    kafka, caplog: pytest.LogCaptureFixture
+    kafka: Broker, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="consumer_proxy.dispatcher")
     await _one_bad_instance(kafka.bootstrap)
@@ -251,7 +253,7 @@ async def _health_checks() -> None:
 
 
 @pytest.mark.kafka
-async def test_the_adaptive_limit_settles_near_what_the_service_admits(kafka) -> None:
+async def test_the_adaptive_limit_settles_near_what_the_service_admits(kafka: Broker) -> None:
     await _capacity(kafka.bootstrap)
 
 
@@ -310,7 +312,7 @@ async def _capacity(bootstrap: str) -> None:
 
 
 @pytest.mark.kafka
-async def test_the_rate_limit_caps_messages_per_second(kafka) -> None:
+async def test_the_rate_limit_caps_messages_per_second(kafka: Broker) -> None:
     await _rate(kafka.bootstrap)
 
 

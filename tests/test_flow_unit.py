@@ -308,7 +308,9 @@ async def test_a_retry_after_answer_slows_the_whole_group() -> None:
 # -- Breaker ---------------------------------------------------------------------------------
 
 
-def make_breaker(threshold: int = 3, reset_s: float = 10.0) -> tuple[Breaker, FakeClock, list]:
+def make_breaker(
+    threshold: int = 3, reset_s: float = 10.0
+) -> tuple[Breaker, FakeClock, list[tuple[str, str]]]:
     clock = FakeClock()
     changes: list[tuple[str, str]] = []
     breaker = Breaker(

@@ -24,7 +24,15 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from consumer_proxy.proto.v1 import handler_pb2, handler_pb2_grpc
-from tests.support.kafka import Broker, consume_all, create_topic, produce, unique_name
+from tests.support.kafka import (
+    Broker,
+    consume_all,
+    create_topic,
+    headers_of,
+    produce,
+    unique_name,
+    value_of,
+)
 from tests.support.proxy import caught_up, make_config, start_proxy
 from tests.support.waiting import async_wait_until, wait_until
 
@@ -202,8 +210,8 @@ async def test_the_go_example_behind_the_proxy_acks_retries_and_dead_letters_thr
     assert "stopped: acked=114 retried=6 dead_lettered=6" in log, log
     # and exactly the poison pills are in the DLQ, with the Go handler's reason
     dead = consume_all(bootstrap, f"{group}.dlq")
-    assert sorted(m.value().decode() for m in dead) == sorted(v for v in values if "poison" in v)
-    headers = [dict(m.headers() or []) for m in dead]
+    assert sorted(value_of(m).decode() for m in dead) == sorted(v for v in values if "poison" in v)
+    headers = [headers_of(m) for m in dead]
     assert {h["cp-reason"].decode() for h in headers} == {'value contains "poison"'}
     assert {h["cp-status"].decode() for h in headers} == {"DEAD_LETTER"}
 

@@ -44,7 +44,9 @@ TABLE = [
 
 
 @pytest.mark.parametrize(("code", "outcome", "counted", "service_failure"), TABLE)
-def test_default_status_table(code, outcome, counted, service_failure) -> None:
+def test_default_status_table(
+    code: grpc.StatusCode, outcome: Outcome, counted: bool, service_failure: bool
+) -> None:
     result = Classifier().from_status(code, "details")
     assert (result.outcome, result.counted, result.service_failure) == (
         outcome,
@@ -69,7 +71,7 @@ def test_resource_exhausted_slows_the_group_down() -> None:
         (Response(action=Response.DROP), Outcome.DROP),
     ],
 )
-def test_response_actions(response, outcome) -> None:
+def test_response_actions(response: handler_pb2.HandleMessageResponse, outcome: Outcome) -> None:
     result = Classifier().from_response(response)
     assert result.outcome is outcome
     assert result.retry_after_ms == response.retry_after_ms

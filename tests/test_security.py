@@ -23,6 +23,7 @@ import grpc
 import pytest
 
 from consumer_proxy.cli import main
+from consumer_proxy.proto.v1 import handler_pb2
 from tests.support.kafka import (
     SASL_CLIENT_CONFIG,
     Broker,
@@ -118,7 +119,7 @@ async def test_the_proxy_delivers_through_sasl_and_no_output_shows_the_password(
     )
     produce(sasl_broker.bootstrap, topic, records)
 
-    def behaviour(msg, n):
+    def behaviour(msg: handler_pb2.Message, n: int) -> Behaviour:
         if msg.value == b"poison":
             return Behaviour(status=grpc.StatusCode.INVALID_ARGUMENT, details="rejected")
         return Behaviour()

@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from confluent_kafka import KafkaException
 
@@ -181,7 +181,7 @@ class ProxyProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_at = 0.0
 
-    def start(self) -> ProxyProcess:
+    def start(self) -> Self:
         with open(self.log, "ab") as out:  # the child keeps its own descriptor
             self.started_at = time.monotonic()
             self.proc = subprocess.Popen(
@@ -237,7 +237,7 @@ class ProxyProcess:
             return "\n".join(self.output().splitlines()[-lines:])
         return ""
 
-    def __enter__(self) -> ProxyProcess:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
