@@ -618,7 +618,8 @@ class BenchProxy(ProxyProcess):
     def assignments(self) -> dict[int, list[str]]:
         """{pid: partitions ever assigned to it}, from the log (needs ``log_level="info"``)."""
         found: dict[int, set[str]] = {}
-        pattern = re.compile(r"\[(\d+)\] consumer_proxy\.proxy: group \S+: assigned (\S+) ")
+        # Any of the package's loggers: the line moved from proxy to core.partitions before.
+        pattern = re.compile(r"\[(\d+)\] consumer_proxy\.[\w.]+: group \S+: assigned (\S+) ")
         for line in self._log_text().splitlines():
             match = pattern.search(line)
             if match:
@@ -629,7 +630,7 @@ class BenchProxy(ProxyProcess):
         """How many assigned / revoked / lost lines the log holds so far (log level info)."""
         return len(
             re.findall(
-                r"consumer_proxy\.proxy: group \S+: (?:assigned|revoked|lost) ",
+                r"consumer_proxy\.[\w.]+: group \S+: (?:assigned|revoked|lost) ",
                 self._log_text(),
             )
         )
