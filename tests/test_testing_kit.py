@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import re
+from pathlib import Path
 
 import grpc
 import pytest
@@ -211,3 +213,11 @@ async def test_run_refuses_a_running_loop() -> None:
 
     with pytest.raises(RuntimeError, match="cannot be called from a running event loop"):
         env.run(pending)
+
+
+def test_the_readme_example_runs() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"^```python\n(.*?)^```$", readme, re.S | re.M)
+    [example] = [b for b in blocks if "consumer_proxy.testing" in b]
+
+    exec(compile(example, "README.md", "exec"), {})  # its asserts are the test
