@@ -1,7 +1,8 @@
 # consumer-proxy: every target installs what it needs (idempotently) into .venv.
 #   make demo   - a local Kafka, example service instances, the proxy and sample traffic
-#   make test   - ruff, mypy --strict, stale-stub (Python, Go) and stale-chart-schema checks and
-#                 the whole pytest suite (real Kafka; builds and runs the Go example)
+#   make test   - ruff, mypy --strict (package, tests, benches), stale-stub (Python, Go) and
+#                 stale-chart-schema checks and the whole pytest suite (real Kafka; builds and
+#                 runs the Go example)
 #   make bench  - the benchmarks in bench/ (not part of the test suite)
 #   make simulate - the long soak of the core's deterministic simulation (1M steps)
 
@@ -38,7 +39,7 @@ demo: install
 	$(PY) scripts/demo.py $(DEMO_ARGS)
 
 bench: install
-	$(PY) bench/run_all.py
+	$(PY) -m bench.run_all
 
 # The long soak of the deterministic simulation (1M steps); a failure prints its seed,
 # replayed with: .venv/bin/python -m tests.sim --seed N

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """``dlq merge`` throughput on local Spark: records/s at 100k and 1M DLQ records.
 
-    .venv/bin/python bench/bench_dlq_merge.py [--sizes 100000,1000000] [--master local[*]]
+    .venv/bin/python -m bench.bench_dlq_merge [--sizes 100000,1000000] [--master local[*]]
 
 Per size, a fresh group's DLQ (4 partitions) is filled with records shaped like the proxy's
 dead letters (a 100-byte value, a user header and the ten cp-* headers), then:
@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from common import Result, base_parser, broker, create_topic, rate, unique_name
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
+from bench.common import Result, base_parser, broker, create_topic, rate, unique_name
 from consumer_proxy import dlq
 from consumer_proxy.cli import main as cli_main
 from consumer_proxy.tools import spark
@@ -127,8 +127,10 @@ def python_copy(bootstrap: str, source: str, target: str) -> tuple[int, float]:
                     except BufferError:
                         producer.poll(0.05)
                 copied += 1
-                if msg.offset() >= ends[msg.partition()] - 1:
-                    pending.discard(msg.partition())
+                offset, partition = msg.offset(), msg.partition()
+                assert offset is not None and partition is not None
+                if offset >= ends[partition] - 1:
+                    pending.discard(partition)
             producer.poll(0)
         if producer.flush(120):
             raise RuntimeError("the baseline copy did not flush")

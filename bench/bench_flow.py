@@ -13,8 +13,8 @@ messages dead-lettered after max_attempts refusals, CPU per acked message and, f
 adaptive runs, the median limit and how long it took to settle (first within +-25% of K; for
 good within [K/2, 2K]; and the share of the window spent within [K/2, 2K]).
 
-    .venv/bin/python bench/bench_flow.py                  # starts its own broker in a temp dir
-    .venv/bin/python bench/bench_flow.py --bootstrap 127.0.0.1:9092
+    .venv/bin/python -m bench.bench_flow                  # starts its own broker in a temp dir
+    .venv/bin/python -m bench.bench_flow --bootstrap 127.0.0.1:9092
 """
 
 from __future__ import annotations
@@ -24,27 +24,22 @@ import asyncio
 import logging
 import os
 import random
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-
-from consumer_proxy.proto.v1 import handler_pb2  # noqa: E402
-from tests.support.kafka import (  # noqa: E402
+from consumer_proxy.proto.v1 import handler_pb2
+from tests.support.kafka import (
     create_topic,
     produce,
     start_broker,
     stop_broker,
     unique_name,
 )
-from tests.support.proxy import make_config, start_proxy  # noqa: E402
-from tests.support.service import Behaviour, TestService  # noqa: E402
+from tests.support.proxy import make_config, start_proxy
+from tests.support.service import Behaviour, TestService
 
 LATENCY_S = (0.010, 0.020)
 
@@ -128,7 +123,7 @@ async def through_proxy(
         for d in deliveries
         if d.outcome == "ACK" and d.finished_at is not None and start <= d.finished_at <= end
     ]
-    latency = sum(d.finished_at - d.received_at for d in window) / len(window)  # type: ignore[operator]
+    latency = sum(d.finished_at - d.received_at for d in window if d.finished_at) / len(window)
     result = Result(
         name,
         goodput=len(window) / window_s,
@@ -156,7 +151,7 @@ async def run(bootstrap: str, k: int, warmup_s: float, window_s: float) -> None:
         f"service: admits K={k} concurrent calls of {LATENCY_S[0] * 1000:.0f}-"
         f"{LATENCY_S[1] * 1000:.0f} ms, RESOURCE_EXHAUSTED beyond"
     )
-    scenarios = [
+    scenarios: list[tuple[str, dict[str, Any]]] = [
         (
             "adaptive, from 1",
             {"concurrency": "adaptive", "adaptive": {"min": 1, "max": 500, "initial": 1}},

@@ -32,13 +32,16 @@ import time
 from typing import Any
 
 import grpc
-from common import (
+from confluent_kafka import Consumer
+
+from bench.common import (
     SLOW_MARKER,
+    BenchProxy,
     HandlerServer,
     HandlerSpec,
-    ProxyProcess,
     Result,
     base_parser,
+    bench_config,
     broker,
     committed_sum,
     create_topic,
@@ -46,12 +49,9 @@ from common import (
     produce_at_rate,
     produce_bulk,
     proxy_backlog_run,
-    proxy_config_yaml,
     rate,
     unique_name,
 )
-from confluent_kafka import Consumer
-
 from consumer_proxy.proto.v1 import handler_pb2, handler_pb2_grpc
 
 FAST_MS, SLOW_MS = 20.0, 2000.0
@@ -89,11 +89,13 @@ class Sequential:
         msg = self.consumer.poll(timeout_s)
         if msg is None or msg.error() is not None:
             return False
+        topic, partition, offset = msg.topic(), msg.partition(), msg.offset()
+        assert topic is not None and partition is not None and offset is not None
         request = handler_pb2.HandleMessageRequest(
             message=handler_pb2.Message(
-                topic=msg.topic(),
-                partition=msg.partition(),
-                offset=msg.offset(),
+                topic=topic,
+                partition=partition,
+                offset=offset,
                 value=msg.value() or b"",
                 has_value=msg.value() is not None,
                 timestamp_ms=max(msg.timestamp()[1], 0),
@@ -169,9 +171,7 @@ def proxy_latency(
     delivery = {"concurrency": concurrency, "max_in_flight": 10000, "commit_interval_ms": 200}
     handler.reset()
     produce_bulk(bootstrap, topic, 1, value=lambda _i: b"warm-up")
-    with ProxyProcess(
-        proxy_config_yaml(bootstrap, group, [topic], [handler.address], delivery)
-    ) as proxy:
+    with BenchProxy(bench_config(bootstrap, group, [topic], [handler.address], delivery)) as proxy:
         handler.wait_seen(1, timeout_s=60)  # joined and delivering: start the clock now
         handler.reset()
         produced = produce_at_rate(

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import (
+from bench.common import (
     RESULTS_DIR,
     ROOT,
     HandlerServer,

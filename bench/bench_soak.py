@@ -26,20 +26,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import (
+from confluent_kafka import Producer
+
+from bench.common import (
+    BenchProxy,
     HandlerServer,
     HandlerSpec,
-    ProxyProcess,
     Result,
     base_parser,
+    bench_config,
     broker,
     committed_sum,
     create_topic,
     percentile,
-    proxy_config_yaml,
     unique_name,
 )
-from confluent_kafka import Producer
 
 
 def rss_kib(pid: int) -> tuple[int, int]:
@@ -138,14 +139,14 @@ def main() -> int:
     ):
         topic = create_topic(bootstrap, unique_name("soak"), partitions=args.partitions)
         group = unique_name("soak")
-        config = proxy_config_yaml(
+        config = bench_config(
             bootstrap,
             group,
             [topic],
             [handler.address],
             {"concurrency": args.concurrency, "commit_interval_ms": 500},
         )
-        proxy = ProxyProcess(config).start()
+        proxy = BenchProxy(config).start()
         try:
             rows = soak(bootstrap, topic, group, handler, proxy, args, minutes, interval, result)
         finally:
@@ -182,7 +183,7 @@ def soak(
     topic: str,
     group: str,
     handler: HandlerServer,
-    proxy: ProxyProcess,
+    proxy: BenchProxy,
     args: Any,
     minutes: float,
     interval: float,

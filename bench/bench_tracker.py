@@ -1,6 +1,6 @@
 """Benchmark of the commit tracker and the commit-metadata codec.
 
-Run: ``.venv/bin/python bench/bench_tracker.py``. Prints
+Run: ``.venv/bin/python -m bench.bench_tracker``. Prints
 
 * done() + committable() pairs per second, for acks in fetch order and shuffled within a
   window, next to a baseline measured in the same run: the same work written inline with a

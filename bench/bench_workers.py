@@ -36,7 +36,7 @@ import statistics
 import sys
 from typing import Any
 
-from common import (
+from bench.common import (
     HandlerServer,
     HandlerSpec,
     Result,

@@ -7,7 +7,8 @@ Every process that matters runs on its own, so no two of them share an event loo
   marker; it records when each distinct message first arrived and, on request, each fast
   message's latency since its Kafka timestamp;
 - the bare client (:func:`run_bare_loop`): a grpc.aio loop in a process of its own;
-- the proxy (:class:`ProxyProcess`): the real ``consumer-proxy run --config F`` command line;
+- the proxy (:class:`BenchProxy`, the tests' ``ProxyProcess``): the real ``consumer-proxy run
+  --config F`` command line;
 - the bench process itself only produces, polls the handler's counters and reads offsets.
 
 Conventions for every ``bench/bench_*.py`` (``run_all.py`` relies on them): ``--bootstrap``
@@ -28,7 +29,6 @@ import platform
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -39,22 +39,21 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script: make `consumer_proxy` and `tests` importable
-    sys.path.insert(0, str(ROOT))
+import grpc
+from confluent_kafka import Consumer, Producer, TopicPartition
+from grpc import aio
 
-import grpc  # noqa: E402
-from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
-from grpc import aio  # noqa: E402
-
-from consumer_proxy.proto.v1 import handler_pb2, handler_pb2_grpc  # noqa: E402
-from tests.support.kafka import (  # noqa: E402
+from consumer_proxy.proto.v1 import handler_pb2, handler_pb2_grpc
+from tests.support.kafka import (
     create_topic,
     partitions_of,
     start_broker,
     stop_broker,
     unique_name,
 )
+from tests.support.proxy import ProxyProcess, config_dict
+
+ROOT = Path(__file__).resolve().parents[1]
 
 RESULTS_DIR = ROOT / "bench" / "results"
 SLOW_MARKER = b"slow"
@@ -64,11 +63,12 @@ __all__ = [
     "RESULTS_DIR",
     "ROOT",
     "SLOW_MARKER",
+    "BenchProxy",
     "HandlerServer",
     "HandlerSpec",
-    "ProxyProcess",
     "Result",
     "base_parser",
+    "bench_config",
     "broker",
     "committed_sum",
     "cpu_seconds",
@@ -79,7 +79,6 @@ __all__ = [
     "produce_at_rate",
     "produce_bulk",
     "proxy_backlog_run",
-    "proxy_config_yaml",
     "rate",
     "run_bare_loop",
     "steady_rate",
@@ -179,6 +178,13 @@ class _Servicer(handler_pb2_grpc.MessageHandlerServicer):
         if delay > 0:
             await asyncio.sleep(delay)
         return self._empty
+
+    async def HandleMessageBatch(
+        self, request: handler_pb2.HandleMessageBatchRequest, context: Any
+    ) -> handler_pb2.HandleMessageBatchResponse:
+        # The benches push one message per call; a batch config would measure nothing here.
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "the bench handler has no batch mode")
+        raise AssertionError("unreachable: context.abort raises")
 
 
 def _handler_main(spec: HandlerSpec, conn: Connection) -> None:
@@ -528,32 +534,30 @@ def wait_for(
 # --------------------------------------------------------------------------- the proxy
 
 
-def proxy_config_yaml(
+def bench_config(
     bootstrap: str,
     group: str,
     topics: Sequence[str],
     endpoints: Sequence[str],
     delivery: dict[str, Any] | None = None,
-) -> str:
-    """A one-group configuration file (JSON is YAML) with metrics off (no port to pick)."""
-    config = {
-        "kafka": {"bootstrap_servers": bootstrap},
-        "metrics": {"enabled": False},
-        "shutdown_grace_s": 10,
-        "groups": [
-            {
-                "name": group,
-                "topics": list(topics),
-                "service": {"endpoints": list(endpoints), "timeout_ms": 30000},
-                "delivery": delivery or {},
-            }
-        ],
-    }
-    return json.dumps(config, indent=2)
+) -> dict[str, Any]:
+    """The tests' one-group configuration with the bench's settings: metrics off (no port to
+    pick), a 30 s service deadline, the proxy's own delivery defaults unless ``delivery``."""
+    return config_dict(
+        bootstrap,
+        group,
+        topics,
+        endpoints,
+        delivery=delivery,
+        service={"timeout_ms": 30000},
+        shutdown_grace_s=10,
+        fast_delivery=False,
+    )
 
 
-class ProxyProcess:
-    """``consumer-proxy run --config F --workers N`` as a child process.
+class BenchProxy(ProxyProcess):
+    """The tests' :class:`ProxyProcess` for ``consumer-proxy run --config F --workers N`` with
+    a configuration dict, in a temporary directory of its own.
 
     ``profile`` ("cprofile" or "pyinstrument", the latter when importable) runs the same
     command under :func:`_profiled_proxy_main` instead: the profiler covers the main thread
@@ -563,7 +567,7 @@ class ProxyProcess:
 
     def __init__(
         self,
-        config_yaml: str,
+        config: dict[str, Any],
         *,
         workers: int = 1,
         log_path: Path | None = None,
@@ -573,44 +577,26 @@ class ProxyProcess:
         log_level: str = "warning",
     ) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="cp-bench-proxy-")
-        self.config_path = Path(self._dir.name) / "proxy.yaml"
-        self.config_path.write_text(config_yaml)
-        self.log_path = log_path or Path(self._dir.name) / "proxy.log"
-        run = ["run", "--config", str(self.config_path), "--workers", str(workers)]
-        run += ["--log-level", log_level]
+        config_path = Path(self._dir.name) / "proxy.yaml"
+        config_path.write_text(json.dumps(config, indent=2))  # JSON is YAML
+        self.profile_out = profile_out
+        command = None
         if profile is not None:
             assert profile_out is not None
-            self.profile_out: Path | None = profile_out
-            cmd = [
-                sys.executable,
-                str(Path(__file__).resolve()),
-                "profile-proxy",
-                profile,
-                str(profile_out),
-            ]
-        else:
-            self.profile_out = None
-            cmd = [sys.executable, "-m", "consumer_proxy"]
-        self.cmd = [*cmd, *run]
-        self._env = {**os.environ, **(env or {})}
-        self._proc: subprocess.Popen[bytes] | None = None
-        self.pid = 0
-        self._log: Any = None
-        self.started_at = 0.0
-
-    def start(self) -> ProxyProcess:
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop())
-        self.started_at = time.monotonic()
-        self._proc = subprocess.Popen(
-            self.cmd,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=self._env,
-            stdin=subprocess.DEVNULL,
-            cwd=str(ROOT),
+            command = [sys.executable, "-m", "bench.common", "profile-proxy", profile]
+            command.append(str(profile_out))
+        super().__init__(
+            config_path,
+            log_path or Path(self._dir.name) / "proxy.log",
+            *("--workers", str(workers), "--log-level", log_level),
+            command=command,
+            env=env or {},
+            cwd=ROOT,
         )
-        self.pid = self._proc.pid
-        return self
+
+    @property
+    def log_path(self) -> Path:
+        return self.log
 
     def cpu_seconds(self) -> float:
         """CPU seconds the proxy (and its worker processes) used so far."""
@@ -629,62 +615,39 @@ class ProxyProcess:
         done.unlink()
         return self.profile_out
 
-    def check_alive(self) -> None:
-        """Raise if the proxy exited on its own."""
-        if self._proc is not None and self._proc.poll() is not None:
-            raise RuntimeError(f"the proxy exited with {self._proc.returncode}:\n{self.log_tail()}")
-
     def assignments(self) -> dict[int, list[str]]:
         """{pid: partitions ever assigned to it}, from the log (needs ``log_level="info"``)."""
         found: dict[int, set[str]] = {}
-        pattern = re.compile(r"\[(\d+)\] consumer_proxy\.proxy: group \S+: assigned (\S+) ")
-        with contextlib.suppress(OSError):
-            for line in self.log_path.read_text(errors="replace").splitlines():
-                match = pattern.search(line)
-                if match:
-                    found.setdefault(int(match[1]), set()).add(match[2])
+        # Any of the package's loggers: the line moved from proxy to core.partitions before.
+        pattern = re.compile(r"\[(\d+)\] consumer_proxy\.[\w.]+: group \S+: assigned (\S+) ")
+        for line in self._log_text().splitlines():
+            match = pattern.search(line)
+            if match:
+                found.setdefault(int(match[1]), set()).add(match[2])
         return {pid: sorted(parts) for pid, parts in found.items()}
 
     def rebalance_events(self) -> int:
         """How many assigned / revoked / lost lines the log holds so far (log level info)."""
-        with contextlib.suppress(OSError):
-            text = self.log_path.read_text(errors="replace")
-            return len(
-                re.findall(r"consumer_proxy\.proxy: group \S+: (?:assigned|revoked|lost) ", text)
+        return len(
+            re.findall(
+                r"consumer_proxy\.[\w.]+: group \S+: (?:assigned|revoked|lost) ",
+                self._log_text(),
             )
-        return 0
+        )
 
-    def log_tail(self, lines: int = 30) -> str:
+    def _log_text(self) -> str:
         with contextlib.suppress(OSError):
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            return self.output()
         return ""
-
-    def stop(self, timeout_s: float = 60.0) -> int | None:
-        """SIGTERM (graceful shutdown), then SIGKILL after ``timeout_s``; returns the exit code."""
-        code = None
-        if self._proc is not None:
-            if self._proc.poll() is None:
-                self._proc.send_signal(signal.SIGTERM)
-                try:
-                    self._proc.wait(timeout_s)
-                except subprocess.TimeoutExpired:
-                    self._proc.kill()
-                    self._proc.wait(10)
-            code = self._proc.returncode
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-        return code
 
     def cleanup(self) -> None:
         self._dir.cleanup()
 
-    def __enter__(self) -> ProxyProcess:
-        return self.start()
-
     def __exit__(self, *exc: object) -> None:
-        self.stop()
-        self.cleanup()
+        try:
+            super().__exit__(*exc)
+        finally:
+            self.cleanup()
 
 
 def proxy_backlog_run(
@@ -718,11 +681,11 @@ def proxy_backlog_run(
     assignment then, as the broker describes it ({topic: [partitions]} per member).
     """
     group = group or unique_name("bench")
-    config = proxy_config_yaml(bootstrap, group, [topic], [handler.address], delivery)
+    config = bench_config(bootstrap, group, [topic], [handler.address], delivery)
     handler.reset()
     if produce_after_join is not None:
         log_level = "info"  # the assignments are read from the log
-    proxy = ProxyProcess(
+    proxy = BenchProxy(
         config, workers=workers, profile=profile, profile_out=profile_out, log_level=log_level
     )
     cpu_first = handler_cpu_first = 0.0
@@ -990,4 +953,4 @@ def mean(values: Sequence[float]) -> float | None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["profile-proxy"] and len(sys.argv) > 4:
         sys.exit(_profiled_proxy_main(sys.argv[2], sys.argv[3], sys.argv[4:]))
-    sys.exit("usage: common.py profile-proxy cprofile|pyinstrument OUT consumer-proxy-args...")
+    sys.exit("usage: python -m bench.common profile-proxy cprofile|pyinstrument OUT ARGS...")

@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
 """Run every ``bench/bench_*.py`` one after the other on one broker and summarise the ratios.
 
-    .venv/bin/python bench/run_all.py                 # full sizes (small: flow, dlq merge, soak)
-    .venv/bin/python bench/run_all.py --quick         # smoke run: --quick wherever supported
-    .venv/bin/python bench/run_all.py --only push hol # a subset (names without "bench_")
+From the repository root (every bench runs as a module, ``python -m bench.NAME``, so that
+``bench`` and ``tests`` import as packages):
+
+    .venv/bin/python -m bench.run_all                 # full sizes (small: flow, dlq merge, soak)
+    .venv/bin/python -m bench.run_all --quick         # smoke run: --quick wherever supported
+    .venv/bin/python -m bench.run_all --only push hol # a subset (names without "bench_")
 
 One private broker is started for the whole run (or ``--bootstrap`` is used) and passed to every
 bench that takes ``--bootstrap``; ``--quick`` is passed where a bench supports it (both read
@@ -26,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import RESULTS_DIR, ROOT, broker
+from bench.common import RESULTS_DIR, ROOT, broker
 
 BENCH_DIR = Path(__file__).resolve().parent
 # Small sizes for benches without --quick (used in full runs too: run_all is a summary, the
@@ -62,7 +65,7 @@ def takes(script: Path, option: str) -> bool:
 
 
 def command(script: Path, bootstrap: str, quick: bool) -> list[str]:
-    args = [sys.executable, str(script)]
+    args = [sys.executable, "-m", f"bench.{script.stem}"]
     if takes(script, "--bootstrap"):
         args += ["--bootstrap", bootstrap]
     if takes(script, "--quick") and (quick or script.stem in ALWAYS_QUICK):

@@ -258,8 +258,3 @@ class Fetcher:
             await self._run(close)
         finally:
             self._executor.shutdown(wait=False)
-
-
-def is_fatal(error: KafkaError) -> bool:
-    """A consumer error the proxy cannot continue after."""
-    return bool(error.fatal())

@@ -17,7 +17,8 @@ A handler is an ``async def handle(message) -> Result | None`` function, or any 
 such a ``handle`` method. Delivery is at-least-once: handlers must be idempotent.
 
 What the handler does, and what the proxy then does with the message (the proxy's default
-status table, see DESIGN.md; each group may override it):
+status table, ``consumer_proxy/core/outcomes.py``; each group may override it with
+``delivery.status_overrides``):
 
 ================================  =====================  ====================================
 handler                           wire                   proxy outcome

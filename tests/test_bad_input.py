@@ -21,6 +21,7 @@ from consumer_proxy import dlq
 from consumer_proxy.core.tracker import PartitionTracker
 from consumer_proxy.proto.v1 import handler_pb2
 from tests.support.kafka import (
+    Broker,
     committed_offsets,
     consume_all,
     create_topic,
@@ -83,8 +84,8 @@ def _expected_headers(record: dict[str, Any]) -> tuple[tuple[str, bytes], ...]:
     return tuple((k, v if v is not None else b"") for k, v in record.get("headers", ()))
 
 
-def test_odd_records_arrive_byte_exact_and_dead_letter_intact(kafka) -> None:
-    asyncio.run(_odd_records(kafka.bootstrap))
+async def test_odd_records_arrive_byte_exact_and_dead_letter_intact(kafka: Broker) -> None:
+    await _odd_records(kafka.bootstrap)
 
 
 async def _odd_records(bootstrap: str) -> None:
@@ -109,7 +110,7 @@ async def _odd_records(bootstrap: str) -> None:
             records.append(tagged)
     await asyncio.to_thread(produce, bootstrap, topic, records, BIG_CLIENT)
 
-    def behaviour(msg, n):
+    def behaviour(msg: handler_pb2.Message, n: int) -> Behaviour:
         if (h := dict((x.key, x.value) for x in msg.headers)).get("verdict") == b"poison":
             assert h[ID_HEADER]
             return Behaviour(status=grpc.StatusCode.INVALID_ARGUMENT, details="\u2603 rejected")
@@ -151,7 +152,9 @@ async def _odd_records(bootstrap: str) -> None:
 # --------------------------------------------------------------------------- transactions
 
 
-def _transaction(producer: Producer, topic: str, records: list[dict[str, Any]], commit: bool):
+def _transaction(
+    producer: Producer, topic: str, records: list[dict[str, Any]], commit: bool
+) -> None:
     producer.begin_transaction()
     for record in records:
         producer.produce(topic, **record)
@@ -181,8 +184,10 @@ def test_the_tracker_skips_unfetchable_offsets_but_never_a_pending_one() -> None
     assert tracker.track(15)
 
 
-def test_read_committed_skips_aborted_transactions_and_commits_past_the_markers(kafka) -> None:
-    asyncio.run(_transactions(kafka.bootstrap))
+async def test_read_committed_skips_aborted_transactions_and_commits_past_the_markers(
+    kafka: Broker,
+) -> None:
+    await _transactions(kafka.bootstrap)
 
 
 async def _transactions(bootstrap: str) -> None:
@@ -234,8 +239,10 @@ async def _transactions(bootstrap: str) -> None:
 # --------------------------------------------------------------------------- compaction
 
 
-def test_a_compacted_topic_with_gaps_is_delivered_and_committed_to_the_end(kafka) -> None:
-    asyncio.run(_compacted(kafka.bootstrap))
+async def test_a_compacted_topic_with_gaps_is_delivered_and_committed_to_the_end(
+    kafka: Broker,
+) -> None:
+    await _compacted(kafka.bootstrap)
 
 
 async def _compacted(bootstrap: str) -> None:
@@ -279,7 +286,9 @@ async def _compacted(bootstrap: str) -> None:
         wait_until, survivors, 60, 0.5, "the log cleaner to compact the topic"
     )
     ledger = Ledger("compacted topic with gaps")
-    ledger.ids = [Ledger.id_of(m.headers()) for m in kept]
+    ids = [Ledger.id_of(m.headers()) for m in kept]
+    assert None not in ids, "a surviving record without its ledger id"
+    ledger.ids = [i for i in ids if i is not None]
     offsets = [m.offset() for m in kept]
     assert offsets[-1] - offsets[0] + 1 > len(offsets)  # there are gaps
 
@@ -406,8 +415,10 @@ async def _junk_endpoint() -> asyncio.Server:
     return await asyncio.start_server(serve, "127.0.0.1", 0)
 
 
-def test_a_handler_answering_garbage_does_not_stop_the_proxy_or_lose_anything(kafka) -> None:
-    asyncio.run(_garbage(kafka.bootstrap))
+async def test_a_handler_answering_garbage_does_not_stop_the_proxy_or_lose_anything(
+    kafka: Broker,
+) -> None:
+    await _garbage(kafka.bootstrap)
 
 
 async def _garbage(bootstrap: str) -> None:

@@ -352,9 +352,7 @@ def test_endpoint_and_bootstrap_patterns_accept_exactly_what_the_proxy_accepts()
         "",
     ]
     differ = [
-        s
-        for s in servers
-        if _schema_accepts(bootstrap, s) != _validator_accepts(_bootstrap, s)  # type: ignore[arg-type]
+        s for s in servers if _schema_accepts(bootstrap, s) != _validator_accepts(_bootstrap, s)
     ]
     assert not differ, differ
 
@@ -371,12 +369,12 @@ def test_topic_and_group_name_rules_match_the_proxy() -> None:
     samples = [".", "..", "...", "a", "a.b", "_-.", "a b", "ü", "x" * 200, "x" * 241, "x" * 250, ""]
     for sample in samples:
         as_topic = _validator_accepts(
-            lambda s: GroupConfig(name="g", topics=[s], service={"endpoints": ["h:1"]}),  # type: ignore[arg-type]
+            lambda s: GroupConfig(name="g", topics=[s], service={"endpoints": ["h:1"]}),
             sample,
         )
         assert _schema_accepts(topic, sample) == as_topic, sample
         assert _schema_accepts(dlq_topic, sample) == as_topic, sample
-        as_name = _validator_accepts(lambda s: GroupConfig(name=s, **base), sample)  # type: ignore[arg-type]
+        as_name = _validator_accepts(lambda s: GroupConfig(name=s, **base), sample)
         assert _schema_accepts(name, sample) == as_name, sample
     assert _schema_accepts(dlq_topic, None)
 

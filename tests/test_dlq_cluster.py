@@ -19,7 +19,7 @@ import pytest
 
 from consumer_proxy import dlq
 from consumer_proxy.cli import main
-from tests.support.kafka import consume_all, create_topic, produce, unique_name
+from tests.support.kafka import Broker, consume_all, create_topic, produce, unique_name
 from tests.support.spark_cluster import (
     ClusterError,
     SparkCluster,
@@ -50,7 +50,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkCluster]:
 
 
 @pytest.fixture(scope="module")
-def dlq_group(kafka, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def dlq_group(kafka: Broker, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """3000 dead letters over 3 partitions: statuses, reasons with values, keys, hours."""
     group = unique_name("dlqcl")
     create_topic(kafka.bootstrap, f"{group}.dlq", partitions=3)

@@ -431,6 +431,7 @@ class Simulation:
             assert change is None
             return
         duration = min(EJECT_MAX_S, EJECT_BASE_S * 2**e.ejections)
+        assert change is not None
         assert change == Change(i, True, f"{e.failures} UNAVAILABLE in a row", change.out, duration)
         self.report(change)
         e.ejections, e.failures = e.ejections + 1, 0

@@ -14,6 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from consumer_proxy.proto.v1 import handler_pb2, handler_pb2_grpc
+from tests.support.kafka import Broker, headers_of, value_of
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "example_service.py"
@@ -59,40 +60,39 @@ async def start_example() -> tuple[asyncio.subprocess.Process, str, bytearray]:
     return process, found.group(1).decode(), log
 
 
-def test_the_example_acks_dead_letters_poison_reports_health_and_stops_on_sigterm() -> None:
-    async def scenario() -> None:
-        process, address, log = await start_example()
-        try:
-            async with grpc.aio.insecure_channel(address) as channel:
-                stub = handler_pb2_grpc.MessageHandlerStub(channel)
-                health = health_pb2_grpc.HealthStub(channel)
+async def test_the_example_acks_dead_letters_poison_reports_health_and_stops_on_sigterm() -> None:
+    process, address, log = await start_example()
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = handler_pb2_grpc.MessageHandlerStub(channel)
+            health = health_pb2_grpc.HealthStub(channel)
 
-                reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=10)
-                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
-                response = await stub.HandleMessage(message(1, b"hello"), timeout=10)
-                assert response == handler_pb2.HandleMessageResponse()  # ack
+            response = await stub.HandleMessage(message(1, b"hello"), timeout=10)
+            assert response == handler_pb2.HandleMessageResponse()  # ack
 
-                with pytest.raises(grpc.aio.AioRpcError) as caught:
-                    await stub.HandleMessage(message(2, b"a poison pill"), timeout=10)
-                assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-                assert "poison" in (caught.value.details() or "")
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.HandleMessage(message(2, b"a poison pill"), timeout=10)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "poison" in (caught.value.details() or "")
 
-            process.send_signal(signal.SIGTERM)
-            _, rest = await asyncio.wait_for(process.communicate(), 30)
-            log += rest
-            assert process.returncode == 0, log.decode()
-            assert b"stopped" in log
-        finally:
-            if process.returncode is None:
-                process.kill()
-                await process.communicate()
-
-    asyncio.run(scenario())
+        process.send_signal(signal.SIGTERM)
+        _, rest = await asyncio.wait_for(process.communicate(), 30)
+        log += rest
+        assert process.returncode == 0, log.decode()
+        assert b"stopped" in log
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.communicate()
 
 
 @pytest.mark.kafka
-def test_the_sdk_example_behind_the_proxy_acks_and_dead_letters_through_kafka(kafka) -> None:
+async def test_the_sdk_example_behind_the_proxy_acks_and_dead_letters_through_kafka(
+    kafka: Broker,
+) -> None:
     # Given a topic with 200 messages, 5 of them poison, and the example service as a process
     from tests.support.kafka import consume_all, create_topic, produce, unique_name
     from tests.support.proxy import caught_up, make_config, start_proxy
@@ -104,23 +104,20 @@ def test_the_sdk_example_behind_the_proxy_acks_and_dead_letters_through_kafka(ka
     values = [f"order {i}" + (" poison" if i % 40 == 7 else "") for i in range(200)]
     produce(bootstrap, topic, values)
 
-    async def scenario() -> None:
-        process, address, _ = await start_example()
-        try:
-            # When the proxy pushes the topic to it
-            proxy, task = start_proxy(make_config(bootstrap, group, [topic], [address]))
-            await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=60)
-            await proxy.shutdown()
-            await task
-            acked = proxy.metrics.messages.labels(group, "ack")._value.get()
-            assert acked == 195
-        finally:
-            process.send_signal(signal.SIGTERM)
-            await process.communicate()
-
-    asyncio.run(scenario())
+    process, address, _ = await start_example()
+    try:
+        # When the proxy pushes the topic to it
+        proxy, task = start_proxy(make_config(bootstrap, group, [topic], [address]))
+        await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=60)
+        await proxy.shutdown()
+        await task
+        acked = proxy.metrics.messages.labels(group, "ack")._value.get()
+        assert acked == 195
+    finally:
+        process.send_signal(signal.SIGTERM)
+        await process.communicate()
     # Then exactly the poison pills are in the DLQ, with the SDK's reason
     dead = consume_all(bootstrap, f"{group}.dlq")
-    assert sorted(m.value().decode() for m in dead) == sorted(v for v in values if "poison" in v)
-    reasons = {dict(m.headers())["cp-reason"].decode() for m in dead}
+    assert sorted(value_of(m).decode() for m in dead) == sorted(v for v in values if "poison" in v)
+    reasons = {headers_of(m)["cp-reason"].decode() for m in dead}
     assert all("poison" in r for r in reasons), reasons

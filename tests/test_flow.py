@@ -16,7 +16,7 @@ from consumer_proxy.core.outcomes import Classifier
 from consumer_proxy.dispatcher import Dispatcher
 from consumer_proxy.group import GroupRunner
 from consumer_proxy.proxy import Proxy
-from tests.support.kafka import consume_all, create_topic, produce, unique_name
+from tests.support.kafka import Broker, consume_all, create_topic, produce, unique_name
 from tests.support.proxy import caught_up, make_config, start_proxy
 from tests.support.service import Behaviour, TestService, always
 from tests.support.waiting import async_wait_until
@@ -61,13 +61,15 @@ class PushSpy:
 
 
 @pytest.mark.kafka
-def test_a_stopped_service_opens_the_breaker_and_dead_letters_nothing(kafka) -> None:
-    asyncio.run(_outage(kafka.bootstrap, "stop"))
+async def test_a_stopped_service_opens_the_breaker_and_dead_letters_nothing(kafka: Broker) -> None:
+    await _outage(kafka.bootstrap, "stop")
 
 
 @pytest.mark.kafka
-def test_a_service_answering_unavailable_pauses_delivery_and_costs_no_attempts(kafka) -> None:
-    asyncio.run(_outage(kafka.bootstrap, "unavailable"))
+async def test_a_service_answering_unavailable_pauses_delivery_and_costs_no_attempts(
+    kafka: Broker,
+) -> None:
+    await _outage(kafka.bootstrap, "unavailable")
 
 
 async def _outage(bootstrap: str, mode: str) -> None:
@@ -153,11 +155,11 @@ async def _outage(bootstrap: str, mode: str) -> None:
 
 
 @pytest.mark.kafka
-def test_an_instance_answering_unavailable_is_ejected_and_the_others_carry_the_load(
-    kafka, caplog: pytest.LogCaptureFixture
+async def test_an_instance_answering_unavailable_is_ejected_and_the_others_carry_the_load(
+    kafka: Broker, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="consumer_proxy.dispatcher")
-    asyncio.run(_one_bad_instance(kafka.bootstrap))
+    await _one_bad_instance(kafka.bootstrap)
     assert any("ejected" in r.getMessage() for r in caplog.records)
 
 
@@ -181,13 +183,18 @@ async def _one_bad_instance(bootstrap: str) -> None:
         )
         proxy, task = start_proxy(config)
         runner = proxy.runners[0]
+
         # When the bad instance has been ejected
-        await async_wait_until(lambda: runner.dispatcher and runner.dispatcher.ejected, timeout=60)
+        def ejected() -> bool:
+            return isinstance(runner.dispatcher, Dispatcher) and runner.dispatcher.ejected > 0
+
+        await async_wait_until(ejected, timeout=60)
         assert metric(proxy, "consumer_proxy_endpoints_ejected", group=group) == 1.0
-        assert runner.dispatcher is not None
-        by_target = {e.target: e for e in runner.dispatcher.endpoints}
+        dispatcher = runner.dispatcher
+        assert isinstance(dispatcher, Dispatcher)
+        by_target = {e.target: e for e in dispatcher.endpoints}
         bad_before = by_target[bad.address].calls
-        total_before = sum(e.calls for e in runner.dispatcher.endpoints)
+        total_before = sum(e.calls for e in dispatcher.endpoints)
         await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=90)
         await proxy.shutdown()
         await task
@@ -203,8 +210,8 @@ async def _one_bad_instance(bootstrap: str) -> None:
     assert await asyncio.to_thread(consume_all, bootstrap, f"{group}.dlq") == []
 
 
-def test_health_checks_take_instances_out_of_rotation_and_bring_them_back() -> None:
-    asyncio.run(_health_checks())
+async def test_health_checks_take_instances_out_of_rotation_and_bring_them_back() -> None:
+    await _health_checks()
 
 
 async def _health_checks() -> None:
@@ -257,8 +264,8 @@ async def _health_checks() -> None:
 
 
 @pytest.mark.kafka
-def test_the_adaptive_limit_settles_near_what_the_service_admits(kafka) -> None:
-    asyncio.run(_capacity(kafka.bootstrap))
+async def test_the_adaptive_limit_settles_near_what_the_service_admits(kafka: Broker) -> None:
+    await _capacity(kafka.bootstrap)
 
 
 async def _capacity(bootstrap: str) -> None:
@@ -316,8 +323,8 @@ async def _capacity(bootstrap: str) -> None:
 
 
 @pytest.mark.kafka
-def test_the_rate_limit_caps_messages_per_second(kafka) -> None:
-    asyncio.run(_rate(kafka.bootstrap))
+async def test_the_rate_limit_caps_messages_per_second(kafka: Broker) -> None:
+    await _rate(kafka.bootstrap)
 
 
 async def _rate(bootstrap: str) -> None:

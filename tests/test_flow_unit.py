@@ -238,83 +238,79 @@ def test_against_a_service_that_queues_the_latency_guard_bounds_the_limit() -> N
 # -- AdaptiveLimiter (the asyncio wrapper) ---------------------------------------------------
 
 
-def test_the_adaptive_limiter_holds_callers_to_the_limit_and_follows_it_down() -> None:
-    async def scenario() -> None:
-        clock = FakeClock(0.0)
-        changes: list[int] = []
-        limiter = AdaptiveLimiter(
-            AdaptiveConfig(min=1, max=50, initial=4), on_change=changes.append, clock=clock
-        )
-        for _ in range(4):
+async def test_the_adaptive_limiter_holds_callers_to_the_limit_and_follows_it_down() -> None:
+    clock = FakeClock(0.0)
+    changes: list[int] = []
+    limiter = AdaptiveLimiter(
+        AdaptiveConfig(min=1, max=50, initial=4), on_change=changes.append, clock=clock
+    )
+    for _ in range(4):
+        await limiter.acquire()
+    fifth = asyncio.ensure_future(limiter.acquire())
+    await asyncio.sleep(0)
+    assert not fifth.done() and limiter.held == 4
+    # When a call ends in RESOURCE_EXHAUSTED the limit halves (end of slow start) to 2
+    limiter.release(0.01, EXHAUSTED)
+    await asyncio.sleep(0)
+    assert limiter.limit == 2 and changes == [2]
+    assert not fifth.done() and limiter.held == 3
+    # and the waiter gets a slot only once in-flight calls fall below the new limit
+    clock.advance(1.0)
+    limiter.release(0.01, None)
+    await asyncio.sleep(0)
+    assert not fifth.done()
+    limiter.release(0.01, None)
+    await asyncio.sleep(0)
+    assert fifth.done() and limiter.held == 2
+    # An outage's failures teach the limit nothing
+    limiter.release(0.01, UNAVAILABLE)
+    assert limiter.limit == 2
+    # A cancelled waiter leaves no slot behind
+    waiter = asyncio.ensure_future(limiter.acquire())
+    other = asyncio.ensure_future(limiter.acquire())
+    await asyncio.sleep(0)
+    waiter.cancel()
+    await asyncio.gather(waiter, return_exceptions=True)
+    limiter.release(0.01, None)
+    await asyncio.sleep(0)
+    assert other.done() and limiter.held == 2
+
+
+async def test_a_retry_after_answer_slows_the_whole_group() -> None:
+    clock = FakeClock(0.0)
+    limiter = AdaptiveLimiter(AdaptiveConfig(min=1, max=100, initial=10), clock=clock)
+    for _ in range(10):
+        await limiter.acquire()
+    # When one message is answered RETRY with retry_after 500 ms
+    retry = Classification(Outcome.RETRY, "RETRY", slow_down=True, retry_after_ms=500)
+    limiter.release(0.01, retry)
+    for _ in range(9):
+        limiter.release(0.01, None)
+    # Then the group's limit drops, and does not grow back for those 500 ms
+    assert limiter.limit == 5
+
+    async def busy_round() -> None:  # the full limit in use, every call a success
+        n = limiter.limit
+        for _ in range(n):
             await limiter.acquire()
-        fifth = asyncio.ensure_future(limiter.acquire())
-        await asyncio.sleep(0)
-        assert not fifth.done() and limiter.held == 4
-        # When a call ends in RESOURCE_EXHAUSTED the limit halves (end of slow start) to 2
-        limiter.release(0.01, EXHAUSTED)
-        await asyncio.sleep(0)
-        assert limiter.limit == 2 and changes == [2]
-        assert not fifth.done() and limiter.held == 3
-        # and the waiter gets a slot only once in-flight calls fall below the new limit
-        clock.advance(1.0)
-        limiter.release(0.01, None)
-        await asyncio.sleep(0)
-        assert not fifth.done()
-        limiter.release(0.01, None)
-        await asyncio.sleep(0)
-        assert fifth.done() and limiter.held == 2
-        # An outage's failures teach the limit nothing
-        limiter.release(0.01, UNAVAILABLE)
-        assert limiter.limit == 2
-        # A cancelled waiter leaves no slot behind
-        waiter = asyncio.ensure_future(limiter.acquire())
-        other = asyncio.ensure_future(limiter.acquire())
-        await asyncio.sleep(0)
-        waiter.cancel()
-        await asyncio.gather(waiter, return_exceptions=True)
-        limiter.release(0.01, None)
-        await asyncio.sleep(0)
-        assert other.done() and limiter.held == 2
+        for _ in range(n):
+            limiter.release(0.01, ACK)
 
-    asyncio.run(scenario())
-
-
-def test_a_retry_after_answer_slows_the_whole_group() -> None:
-    async def scenario() -> None:
-        clock = FakeClock(0.0)
-        limiter = AdaptiveLimiter(AdaptiveConfig(min=1, max=100, initial=10), clock=clock)
-        for _ in range(10):
-            await limiter.acquire()
-        # When one message is answered RETRY with retry_after 500 ms
-        retry = Classification(Outcome.RETRY, "RETRY", slow_down=True, retry_after_ms=500)
-        limiter.release(0.01, retry)
-        for _ in range(9):
-            limiter.release(0.01, None)
-        # Then the group's limit drops, and does not grow back for those 500 ms
-        assert limiter.limit == 5
-
-        async def busy_round() -> None:  # the full limit in use, every call a success
-            n = limiter.limit
-            for _ in range(n):
-                await limiter.acquire()
-            for _ in range(n):
-                limiter.release(0.01, ACK)
-
-        for step in range(40):
-            clock.now = 0.01 * (step + 1)
-            await busy_round()
-        assert limiter.limit == 5
-        clock.now = 0.6
+    for step in range(40):
+        clock.now = 0.01 * (step + 1)
         await busy_round()
-        assert limiter.core.value > 5
-
-    asyncio.run(scenario())
+    assert limiter.limit == 5
+    clock.now = 0.6
+    await busy_round()
+    assert limiter.core.value > 5
 
 
 # -- Breaker ---------------------------------------------------------------------------------
 
 
-def make_breaker(threshold: int = 3, reset_s: float = 10.0) -> tuple[Breaker, FakeClock, list]:
+def make_breaker(
+    threshold: int = 3, reset_s: float = 10.0
+) -> tuple[Breaker, FakeClock, list[tuple[str, str]]]:
     clock = FakeClock()
     changes: list[tuple[str, str]] = []
     breaker = Breaker(
@@ -384,32 +380,29 @@ def test_an_abandoned_probe_lets_another_one_go() -> None:
     assert breaker.try_acquire() == (True, True)
 
 
-def test_waiters_on_an_open_breaker_sleep_until_the_probe_time() -> None:
-    async def scenario() -> None:
-        breaker = Breaker("g", CircuitBreakerConfig(failure_threshold=1, reset_timeout_s=0.3))
-        attempts = 0
-        real_try = breaker.try_acquire
+async def test_waiters_on_an_open_breaker_sleep_until_the_probe_time() -> None:
+    breaker = Breaker("g", CircuitBreakerConfig(failure_threshold=1, reset_timeout_s=0.3))
+    attempts = 0
+    real_try = breaker.try_acquire
 
-        def counting_try() -> tuple[bool, bool]:
-            nonlocal attempts
-            attempts += 1
-            return real_try()
+    def counting_try() -> tuple[bool, bool]:
+        nonlocal attempts
+        attempts += 1
+        return real_try()
 
-        breaker.try_acquire = counting_try  # type: ignore[method-assign]
-        breaker.record(True, False)
-        waiters = [asyncio.ensure_future(breaker.acquire()) for _ in range(20)]
-        done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-        # One waiter became the probe after the reset timeout; the others still wait
-        assert [w.result() for w in done] == [True]
-        # Each waiter asked about twice (on arrival, at the probe time): no polling
-        assert attempts <= 3 * len(waiters)
-        probe_attempts = attempts
-        breaker.record(False, True)  # the probe succeeded: everyone goes
-        results = await asyncio.gather(*waiters)
-        assert results.count(True) == 1
-        assert attempts <= probe_attempts + 2 * len(waiters)
-
-    asyncio.run(scenario())
+    breaker.try_acquire = counting_try  # type: ignore[method-assign]
+    breaker.record(True, False)
+    waiters = [asyncio.ensure_future(breaker.acquire()) for _ in range(20)]
+    done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    # One waiter became the probe after the reset timeout; the others still wait
+    assert [w.result() for w in done] == [True]
+    # Each waiter asked about twice (on arrival, at the probe time): no polling
+    assert attempts <= 3 * len(waiters)
+    probe_attempts = attempts
+    breaker.record(False, True)  # the probe succeeded: everyone goes
+    results = await asyncio.gather(*waiters)
+    assert results.count(True) == 1
+    assert attempts <= probe_attempts + 2 * len(waiters)
 
 
 # -- TokenBucket -----------------------------------------------------------------------------

@@ -9,7 +9,6 @@ Without Go these tests skip locally and fail in CI (CI=true), like every integra
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import shutil
@@ -25,7 +24,15 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from consumer_proxy.proto.v1 import handler_pb2, handler_pb2_grpc
-from tests.support.kafka import Broker, consume_all, create_topic, produce, unique_name
+from tests.support.kafka import (
+    Broker,
+    consume_all,
+    create_topic,
+    headers_of,
+    produce,
+    unique_name,
+    value_of,
+)
 from tests.support.proxy import caught_up, make_config, start_proxy
 from tests.support.waiting import async_wait_until, wait_until
 
@@ -173,7 +180,7 @@ def test_the_go_example_acks_retries_dead_letters_and_stops_gracefully(
 
 
 @pytest.mark.kafka
-def test_the_go_example_behind_the_proxy_acks_retries_and_dead_letters_through_kafka(
+async def test_the_go_example_behind_the_proxy_acks_retries_and_dead_letters_through_kafka(
     kafka: Broker, go_service: GoService
 ) -> None:
     # Given a topic with 120 messages: 6 poison pills and 6 that fail their first attempt
@@ -187,19 +194,15 @@ def test_the_go_example_behind_the_proxy_acks_retries_and_dead_letters_through_k
     produce(bootstrap, topic, values)
 
     # When the proxy pushes the topic to the Go service until the group has caught up
-    async def scenario() -> tuple[float, float]:
-        proxy, task = start_proxy(make_config(bootstrap, group, [topic], [go_service.address]))
-        try:
-            await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=60)
-        finally:
-            await proxy.shutdown()
-            await task
-        outcomes = proxy.metrics.messages
-        return outcomes.labels(group, "ack")._value.get(), outcomes.labels(
-            group, "dead_letter"
-        )._value.get()
-
-    acked, dead_lettered = asyncio.run(scenario())
+    proxy, task = start_proxy(make_config(bootstrap, group, [topic], [go_service.address]))
+    try:
+        await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=60)
+    finally:
+        await proxy.shutdown()
+        await task
+    outcomes = proxy.metrics.messages
+    acked = outcomes.labels(group, "ack")._value.get()
+    dead_lettered = outcomes.labels(group, "dead_letter")._value.get()
 
     # Then every message but the poison pills was acked (the flaky ones on their second attempt)
     assert (acked, dead_lettered) == (114, 6)
@@ -207,8 +210,8 @@ def test_the_go_example_behind_the_proxy_acks_retries_and_dead_letters_through_k
     assert "stopped: acked=114 retried=6 dead_lettered=6" in log, log
     # and exactly the poison pills are in the DLQ, with the Go handler's reason
     dead = consume_all(bootstrap, f"{group}.dlq")
-    assert sorted(m.value().decode() for m in dead) == sorted(v for v in values if "poison" in v)
-    headers = [dict(m.headers() or []) for m in dead]
+    assert sorted(value_of(m).decode() for m in dead) == sorted(v for v in values if "poison" in v)
+    headers = [headers_of(m) for m in dead]
     assert {h["cp-reason"].decode() for h in headers} == {'value contains "poison"'}
     assert {h["cp-status"].decode() for h in headers} == {"DEAD_LETTER"}
 

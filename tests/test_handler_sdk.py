@@ -77,14 +77,11 @@ def raising(exc: BaseException) -> Callable[[cp.Message], Awaitable[cp.Result | 
 # -------------------------------------------------------------------------- single messages
 
 
-def test_returning_none_answers_an_empty_response_which_means_ack() -> None:
-    async def scenario() -> None:
-        async with serving(acks) as (_server, stub):
-            response = await stub.HandleMessage(request(), timeout=5)
-        assert response == Response()
-        assert response.action == Response.ACTION_UNSPECIFIED
-
-    asyncio.run(scenario())
+async def test_returning_none_answers_an_empty_response_which_means_ack() -> None:
+    async with serving(acks) as (_server, stub):
+        response = await stub.HandleMessage(request(), timeout=5)
+    assert response == Response()
+    assert response.action == Response.ACTION_UNSPECIFIED
 
 
 @pytest.mark.parametrize(
@@ -97,29 +94,23 @@ def test_returning_none_answers_an_empty_response_which_means_ack() -> None:
         (cp.drop(), Response.DROP, 0, ""),
     ],
 )
-def test_result_helpers_set_the_action_and_its_fields(
+async def test_result_helpers_set_the_action_and_its_fields(
     result: cp.Result, action: int, retry_after_ms: int, reason: str
 ) -> None:
-    async def scenario() -> None:
-        async with serving(answer(result)) as (_server, stub):
-            response = await stub.HandleMessage(request(), timeout=5)
-        assert (response.action, response.retry_after_ms, response.reason) == (
-            action,
-            retry_after_ms,
-            reason,
-        )
-
-    asyncio.run(scenario())
+    async with serving(answer(result)) as (_server, stub):
+        response = await stub.HandleMessage(request(), timeout=5)
+    assert (response.action, response.retry_after_ms, response.reason) == (
+        action,
+        retry_after_ms,
+        reason,
+    )
 
 
-def test_a_long_reason_is_cut_to_one_kib() -> None:
-    async def scenario() -> None:
-        async with serving(answer(cp.dead_letter("é" * 1000))) as (_server, stub):
-            response = await stub.HandleMessage(request(), timeout=5)
-        assert response.reason == "é" * 512
-        assert len(response.reason.encode()) == 1024
-
-    asyncio.run(scenario())
+async def test_a_long_reason_is_cut_to_one_kib() -> None:
+    async with serving(answer(cp.dead_letter("é" * 1000))) as (_server, stub):
+        response = await stub.HandleMessage(request(), timeout=5)
+    assert response.reason == "é" * 512
+    assert len(response.reason.encode()) == 1024
 
 
 def test_a_negative_retry_delay_is_refused() -> None:
@@ -137,17 +128,14 @@ def test_a_negative_retry_delay_is_refused() -> None:
         (cp.HandlerError(grpc.StatusCode.NOT_FOUND, "no such account"), grpc.StatusCode.NOT_FOUND),
     ],
 )
-def test_handler_errors_become_their_grpc_status(
+async def test_handler_errors_become_their_grpc_status(
     error: cp.HandlerError, code: grpc.StatusCode
 ) -> None:
-    async def scenario() -> None:
-        async with serving(raising(error)) as (_server, stub):
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await stub.HandleMessage(request(), timeout=5)
-        assert caught.value.code() == code
-        assert caught.value.details() == error.message
-
-    asyncio.run(scenario())
+    async with serving(raising(error)) as (_server, stub):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.HandleMessage(request(), timeout=5)
+    assert caught.value.code() == code
+    assert caught.value.details() == error.message
 
 
 def test_a_handler_error_needs_a_non_ok_code() -> None:
@@ -155,35 +143,29 @@ def test_a_handler_error_needs_a_non_ok_code() -> None:
         cp.HandlerError(grpc.StatusCode.OK, "fine")
 
 
-def test_any_other_exception_is_internal_with_its_type_name(
+async def test_any_other_exception_is_internal_with_its_type_name(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    async def scenario() -> None:
-        async with serving(raising(KeyError("account"))) as (_server, stub):
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await stub.HandleMessage(request(offset=7), timeout=5)
-        assert caught.value.code() == grpc.StatusCode.INTERNAL
-        assert caught.value.details() == "KeyError: 'account'"
-
-    asyncio.run(scenario())
+    async with serving(raising(KeyError("account"))) as (_server, stub):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.HandleMessage(request(offset=7), timeout=5)
+    assert caught.value.code() == grpc.StatusCode.INTERNAL
+    assert caught.value.details() == "KeyError: 'account'"
     assert "orders[3]@7: handler failed" in caplog.text
 
 
-def test_a_handler_that_is_not_async_is_an_internal_error() -> None:
+async def test_a_handler_that_is_not_async_is_an_internal_error() -> None:
     def not_async(_message: cp.Message) -> None:
         return None
 
-    async def scenario() -> None:
-        async with serving(not_async) as (_server, stub):  # type: ignore[arg-type]
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await stub.HandleMessage(request(), timeout=5)
-        assert caught.value.code() == grpc.StatusCode.INTERNAL
-        assert "must be async" in (caught.value.details() or "")
-
-    asyncio.run(scenario())
+    async with serving(not_async) as (_server, stub):  # type: ignore[arg-type]
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.HandleMessage(request(), timeout=5)
+    assert caught.value.code() == grpc.StatusCode.INTERNAL
+    assert "must be async" in (caught.value.details() or "")
 
 
-def test_every_message_field_reaches_the_handler() -> None:
+async def test_every_message_field_reaches_the_handler() -> None:
     seen: list[cp.Message] = []
 
     async def record(message: cp.Message) -> None:
@@ -195,25 +177,22 @@ def test_every_message_field_reaches_the_handler() -> None:
         handler_pb2.Header(key="trace", value=b"t2"),
     ]
 
-    async def scenario() -> None:
-        async with serving(record) as (_server, stub):
-            await stub.HandleMessage(
-                request(
-                    offset=42,
-                    key=b"k",
-                    has_key=True,
-                    value=b"",
-                    has_value=True,
-                    headers=headers,
-                    timestamp_ms=1_700_000_000_123,
-                    attempt=4,
-                    source=handler_pb2.DELIVERY_SOURCE_REDRIVE,
-                ),
-                timeout=5,
-            )
-            await stub.HandleMessage(request(offset=43, has_value=False, value=b""), timeout=5)
-
-    asyncio.run(scenario())
+    async with serving(record) as (_server, stub):
+        await stub.HandleMessage(
+            request(
+                offset=42,
+                key=b"k",
+                has_key=True,
+                value=b"",
+                has_value=True,
+                headers=headers,
+                timestamp_ms=1_700_000_000_123,
+                attempt=4,
+                source=handler_pb2.DELIVERY_SOURCE_REDRIVE,
+            ),
+            timeout=5,
+        )
+        await stub.HandleMessage(request(offset=43, has_value=False, value=b""), timeout=5)
     first, tombstone = seen
     assert first == cp.Message(
         topic="orders",
@@ -234,7 +213,7 @@ def test_every_message_field_reaches_the_handler() -> None:
     assert cp.Message.from_proto(first.to_proto()) == first
 
 
-def test_an_object_with_a_handle_method_is_a_handler() -> None:
+async def test_an_object_with_a_handle_method_is_a_handler() -> None:
     class Counter:
         def __init__(self) -> None:
             self.seen = 0
@@ -245,19 +224,16 @@ def test_an_object_with_a_handle_method_is_a_handler() -> None:
 
     counter = Counter()
 
-    async def scenario() -> None:
-        async with serving(counter) as (_server, stub):
-            response = await stub.HandleMessage(request(offset=9), timeout=5)
-        assert (response.action, response.retry_after_ms) == (Response.RETRY, 9)
-
-    asyncio.run(scenario())
+    async with serving(counter) as (_server, stub):
+        response = await stub.HandleMessage(request(offset=9), timeout=5)
+    assert (response.action, response.retry_after_ms) == (Response.RETRY, 9)
     assert counter.seen == 1
 
 
 # -------------------------------------------------------------------------- batches
 
 
-def test_a_batch_runs_concurrently_and_answers_in_request_order() -> None:
+async def test_a_batch_runs_concurrently_and_answers_in_request_order() -> None:
     # Each message finishes only after the next one did: completion runs in reverse order,
     # and the batch would hang if the handler were called one message at a time.
     done = {offset: asyncio.Event() for offset in range(5)}
@@ -269,20 +245,17 @@ def test_a_batch_runs_concurrently_and_answers_in_request_order() -> None:
         done[message.offset].set()
         return cp.retry(after_ms=message.offset)
 
-    async def scenario() -> None:
-        async with serving(reverse) as (_server, stub):
-            response = await stub.HandleMessageBatch(
-                handler_pb2.HandleMessageBatchRequest(
-                    messages=[wire_message(offset) for offset in range(5)]
-                ),
-                timeout=5,
-            )
-        assert [r.retry_after_ms for r in response.results] == [0, 1, 2, 3, 4]
-
-    asyncio.run(scenario())
+    async with serving(reverse) as (_server, stub):
+        response = await stub.HandleMessageBatch(
+            handler_pb2.HandleMessageBatchRequest(
+                messages=[wire_message(offset) for offset in range(5)]
+            ),
+            timeout=5,
+        )
+    assert [r.retry_after_ms for r in response.results] == [0, 1, 2, 3, 4]
 
 
-def test_errors_in_a_batch_become_the_action_their_status_leads_to(
+async def test_errors_in_a_batch_become_the_action_their_status_leads_to(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     async def mixed(message: cp.Message) -> cp.Result | None:
@@ -299,77 +272,65 @@ def test_errors_in_a_batch_become_the_action_their_status_leads_to(
                 return cp.drop()
         return None
 
-    async def scenario() -> None:
-        async with serving(mixed) as (_server, stub):
-            response = await stub.HandleMessageBatch(
-                handler_pb2.HandleMessageBatchRequest(
-                    messages=[wire_message(offset) for offset in range(6)]
-                ),
-                timeout=5,
-            )
-        assert [(r.action, r.reason) for r in response.results] == [
-            (Response.ACTION_UNSPECIFIED, ""),
-            (Response.DEAD_LETTER, "INVALID_ARGUMENT: cannot parse"),
-            (Response.ACK, ""),
-            (Response.RETRY, "RESOURCE_EXHAUSTED: too busy"),
-            (Response.RETRY, "INTERNAL: RuntimeError: boom"),
-            (Response.DROP, ""),
-        ]
-
-    asyncio.run(scenario())
+    async with serving(mixed) as (_server, stub):
+        response = await stub.HandleMessageBatch(
+            handler_pb2.HandleMessageBatchRequest(
+                messages=[wire_message(offset) for offset in range(6)]
+            ),
+            timeout=5,
+        )
+    assert [(r.action, r.reason) for r in response.results] == [
+        (Response.ACTION_UNSPECIFIED, ""),
+        (Response.DEAD_LETTER, "INVALID_ARGUMENT: cannot parse"),
+        (Response.ACK, ""),
+        (Response.RETRY, "RESOURCE_EXHAUSTED: too busy"),
+        (Response.RETRY, "INTERNAL: RuntimeError: boom"),
+        (Response.DROP, ""),
+    ]
     assert "orders[3]@4: handler failed" in caplog.text
 
 
 # -------------------------------------------------------------------------- serving
 
 
-def test_health_reports_serving_and_can_be_flipped() -> None:
-    async def scenario() -> None:
-        async with (
-            cp.Server(acks) as server,
-            grpc.aio.insecure_channel(server.address) as channel,
-        ):
-            health = health_pb2_grpc.HealthStub(channel)
+async def test_health_reports_serving_and_can_be_flipped() -> None:
+    async with (
+        cp.Server(acks) as server,
+        grpc.aio.insecure_channel(server.address) as channel,
+    ):
+        health = health_pb2_grpc.HealthStub(channel)
 
-            async def status(service: str) -> int:
-                request = health_pb2.HealthCheckRequest(service=service)
-                return int((await health.Check(request, timeout=5)).status)
+        async def status(service: str) -> int:
+            request = health_pb2.HealthCheckRequest(service=service)
+            return int((await health.Check(request, timeout=5)).status)
 
-            assert await status("") == health_pb2.HealthCheckResponse.SERVING
-            assert await status(cp.SERVICE_NAME) == health_pb2.HealthCheckResponse.SERVING
+        assert await status("") == health_pb2.HealthCheckResponse.SERVING
+        assert await status(cp.SERVICE_NAME) == health_pb2.HealthCheckResponse.SERVING
 
-            await server.set_serving(False)
-            assert await status("") == health_pb2.HealthCheckResponse.NOT_SERVING
-            assert await status(cp.SERVICE_NAME) == health_pb2.HealthCheckResponse.NOT_SERVING
-
-    asyncio.run(scenario())
+        await server.set_serving(False)
+        assert await status("") == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert await status(cp.SERVICE_NAME) == health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def test_serve_returns_a_started_server_on_a_free_port() -> None:
-    async def scenario() -> None:
-        server = await cp.serve(acks)
-        try:
-            assert server.port > 0
-            assert server.address == f"127.0.0.1:{server.port}"
-            async with grpc.aio.insecure_channel(server.address) as channel:
-                stub = handler_pb2_grpc.MessageHandlerStub(channel)
-                assert await stub.HandleMessage(request(), timeout=5) == Response()
-        finally:
-            await server.stop()
-
-    asyncio.run(scenario())
+async def test_serve_returns_a_started_server_on_a_free_port() -> None:
+    server = await cp.serve(acks)
+    try:
+        assert server.port > 0
+        assert server.address == f"127.0.0.1:{server.port}"
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = handler_pb2_grpc.MessageHandlerStub(channel)
+            assert await stub.HandleMessage(request(), timeout=5) == Response()
+    finally:
+        await server.stop()
 
 
-def test_a_taken_port_is_an_error_not_a_shared_port() -> None:
-    async def scenario() -> None:
-        async with cp.Server(acks) as first:
-            with pytest.raises(OSError, match="cannot listen"):
-                await cp.serve(acks, port=first.port)
-
-    asyncio.run(scenario())
+async def test_a_taken_port_is_an_error_not_a_shared_port() -> None:
+    async with cp.Server(acks) as first:
+        with pytest.raises(OSError, match="cannot listen"):
+            await cp.serve(acks, port=first.port)
 
 
-def test_max_concurrency_refuses_calls_beyond_the_limit() -> None:
+async def test_max_concurrency_refuses_calls_beyond_the_limit() -> None:
     release = asyncio.Event()
     started: list[int] = []
 
@@ -377,24 +338,21 @@ def test_max_concurrency_refuses_calls_beyond_the_limit() -> None:
         started.append(message.offset)
         await release.wait()
 
-    async def scenario() -> None:
-        async with serving(blocking, max_concurrency=1) as (_server, stub):
-            first = asyncio.ensure_future(stub.HandleMessage(request(offset=1), timeout=5))
-            await eventually(lambda: started == [1])
+    async with serving(blocking, max_concurrency=1) as (_server, stub):
+        first = asyncio.ensure_future(stub.HandleMessage(request(offset=1), timeout=5))
+        await eventually(lambda: started == [1])
 
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await stub.HandleMessage(request(offset=2), timeout=5)
-            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.HandleMessage(request(offset=2), timeout=5)
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
-            release.set()
-            assert await first == Response()
-            assert await stub.HandleMessage(request(offset=3), timeout=5) == Response()
-        assert started == [1, 3]
-
-    asyncio.run(scenario())
+        release.set()
+        assert await first == Response()
+        assert await stub.HandleMessage(request(offset=3), timeout=5) == Response()
+    assert started == [1, 3]
 
 
-def test_stop_reports_not_serving_and_lets_in_flight_calls_finish() -> None:
+async def test_stop_reports_not_serving_and_lets_in_flight_calls_finish() -> None:
     release = asyncio.Event()
     started = asyncio.Event()
 
@@ -403,24 +361,21 @@ def test_stop_reports_not_serving_and_lets_in_flight_calls_finish() -> None:
         await release.wait()
         return cp.drop()
 
-    async def scenario() -> None:
-        server = await cp.serve(blocking)
-        async with grpc.aio.insecure_channel(server.address) as channel:
-            stub = handler_pb2_grpc.MessageHandlerStub(channel)
-            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
-            assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
-            call = asyncio.ensure_future(stub.HandleMessage(request(), timeout=10))
-            await asyncio.wait_for(started.wait(), 5)
+    server = await cp.serve(blocking)
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = handler_pb2_grpc.MessageHandlerStub(channel)
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+        call = asyncio.ensure_future(stub.HandleMessage(request(), timeout=10))
+        await asyncio.wait_for(started.wait(), 5)
 
-            stopping = asyncio.ensure_future(server.stop(grace_s=10))
-            also_stopping = asyncio.ensure_future(server.stop())  # idempotent: same shutdown
-            update = await asyncio.wait_for(watch.read(), 5)
-            assert update.status == health_pb2.HealthCheckResponse.NOT_SERVING
-            watch.cancel()
-            assert not stopping.done()
+        stopping = asyncio.ensure_future(server.stop(grace_s=10))
+        also_stopping = asyncio.ensure_future(server.stop())  # idempotent: same shutdown
+        update = await asyncio.wait_for(watch.read(), 5)
+        assert update.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        watch.cancel()
+        assert not stopping.done()
 
-            release.set()
-            assert (await call).action == Response.DROP
-            await asyncio.wait_for(asyncio.gather(stopping, also_stopping), 10)
-
-    asyncio.run(scenario())
+        release.set()
+        assert (await call).action == Response.DROP
+        await asyncio.wait_for(asyncio.gather(stopping, also_stopping), 10)

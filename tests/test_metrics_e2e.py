@@ -9,7 +9,8 @@ from collections import Counter
 import grpc
 import pytest
 
-from tests.support.kafka import consume_all, create_topic, end_offsets, produce, unique_name
+from consumer_proxy.proto.v1 import handler_pb2
+from tests.support.kafka import Broker, consume_all, create_topic, end_offsets, produce, unique_name
 from tests.support.proxy import caught_up, make_config, start_proxy
 from tests.support.scrape import Scrape, http_get, scrape
 from tests.support.service import DEAD_LETTER, DROP, RETRY, Behaviour, Delivery, TestService
@@ -23,7 +24,7 @@ OUTCOMES = ("ack", "retry", "dead_letter", "drop")
 KINDS = {"ack": 40, "retry": 6, "flaky": 6, "dead": 4, "poison": 4, "drop": 5, "hopeless": 3}
 
 
-def behaviour(msg, n: int) -> Behaviour:
+def behaviour(msg: handler_pb2.Message, n: int) -> Behaviour:
     kind = msg.value.decode().split("-")[0]
     if kind == "retry" and n == 1:
         return Behaviour(action=RETRY, retry_after_ms=10)
@@ -77,8 +78,8 @@ def batch(tag: str) -> list[dict[str, str]]:
     ]
 
 
-def test_metrics_add_up_to_what_the_service_saw(kafka) -> None:
-    asyncio.run(_metrics_run(kafka.bootstrap))
+async def test_metrics_add_up_to_what_the_service_saw(kafka: Broker) -> None:
+    await _metrics_run(kafka.bootstrap)
 
 
 async def _metrics_run(bootstrap: str) -> None:
@@ -124,14 +125,14 @@ async def _metrics_run(bootstrap: str) -> None:
                     sum(
                         1
                         for d in service.deliveries
-                        if d.value.startswith(b"slow") and d.outcome == "PENDING"
+                        if (d.value or b"").startswith(b"slow") and d.outcome == "PENDING"
                     )
                     == 3
                 ),
                 timeout=30,
             )
             during = await scrape(port)
-            assert during.value("consumer_proxy_in_flight", group=group) >= 3
+            assert (during.value("consumer_proxy_in_flight", group=group) or 0) >= 3
             window = await async_wait_until(
                 lambda: _uncommitted(port, group),
                 timeout=3,
@@ -168,7 +169,7 @@ async def _metrics_run(bootstrap: str) -> None:
         final.value("consumer_proxy_push_duration_seconds_bucket", group=group, le="+Inf")
         == deliveries
     )
-    assert final.value("consumer_proxy_push_duration_seconds_sum", group=group) >= 3 * 4.0
+    assert (final.value("consumer_proxy_push_duration_seconds_sum", group=group) or 0) >= 3 * 4.0
     assert final.types["consumer_proxy_push_duration_seconds"] == "histogram"
     # the DLQ writes are confirmed, and the DLQ holds exactly the dead letters
     dead = await asyncio.to_thread(consume_all, bootstrap, f"{group}.dlq")
@@ -216,8 +217,8 @@ async def _settled(port: int, group: str, topic: str, bootstrap: str) -> Scrape 
     return metrics if settled else None
 
 
-def test_the_http_endpoint_answers_probes_and_unknown_paths(kafka) -> None:
-    asyncio.run(_endpoint(kafka.bootstrap))
+async def test_the_http_endpoint_answers_probes_and_unknown_paths(kafka: Broker) -> None:
+    await _endpoint(kafka.bootstrap)
 
 
 async def _endpoint(bootstrap: str) -> None:

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from tests.support.kafka import consume_all, create_topic, produce, unique_name
+from tests.support.kafka import Broker, consume_all, create_topic, produce, unique_name
 from tests.support.proxy import caught_up, make_config, start_proxy
 from tests.support.service import Behaviour, TestService, always
 from tests.support.waiting import async_wait_until
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.kafka
 HANG_S = 60.0  # longer than the whole outage: every call during it ends in its deadline
 
 
-def test_a_hung_service_dead_letters_nothing(kafka) -> None:
+def test_a_hung_service_dead_letters_nothing(kafka: Broker) -> None:
     asyncio.run(_hung_service(kafka.bootstrap))
 
 

@@ -7,8 +7,10 @@ import random
 import grpc
 import pytest
 
+from consumer_proxy import handler as sdk
 from consumer_proxy.config import BackoffConfig
 from consumer_proxy.core.outcomes import (
+    DEFAULT_TABLE,
     MAX_REASON_BYTES,
     Classifier,
     Outcome,
@@ -42,7 +44,9 @@ TABLE = [
 
 
 @pytest.mark.parametrize(("code", "outcome", "counted", "service_failure"), TABLE)
-def test_default_status_table(code, outcome, counted, service_failure) -> None:
+def test_default_status_table(
+    code: grpc.StatusCode, outcome: Outcome, counted: bool, service_failure: bool
+) -> None:
     result = Classifier().from_status(code, "details")
     assert (result.outcome, result.counted, result.service_failure) == (
         outcome,
@@ -67,7 +71,7 @@ def test_resource_exhausted_slows_the_group_down() -> None:
         (Response(action=Response.DROP), Outcome.DROP),
     ],
 )
-def test_response_actions(response, outcome) -> None:
+def test_response_actions(response: handler_pb2.HandleMessageResponse, outcome: Outcome) -> None:
     result = Classifier().from_response(response)
     assert result.outcome is outcome
     assert result.retry_after_ms == response.retry_after_ms
@@ -110,3 +114,20 @@ def test_backoff_grows_exponentially_to_the_cap_with_downward_jitter() -> None:
     assert all(0.2 <= d <= 0.4 for d in delays)
     assert max(delays) - min(delays) > 0.1  # the jitter really spreads retries
     assert backoff_s(10_000, config) == 1.0  # huge attempt counts do not overflow
+
+
+def test_the_sdk_agrees_with_the_status_table() -> None:
+    """The SDK's batch mapping and reason limit are copies (the SDK does not import the proxy's
+    core); this pins them to the table so that changing one without the other fails here."""
+    by_outcome: dict[Outcome, set[grpc.StatusCode]] = {}
+    for code, rule in DEFAULT_TABLE.items():
+        by_outcome.setdefault(rule.outcome, set()).add(code)
+
+    assert by_outcome[Outcome.DEAD_LETTER] == set(sdk._DEAD_LETTER_CODES)
+    assert by_outcome[Outcome.ACK] == {C.ALREADY_EXISTS}  # the batch path's only ack
+    assert Outcome.DROP not in by_outcome  # the batch path never drops on an error
+    assert sdk.MAX_REASON_BYTES == MAX_REASON_BYTES
+    assert Classifier().from_status(sdk.PoisonPill().code).outcome is Outcome.DEAD_LETTER
+    assert Classifier().from_status(sdk.AlreadyProcessed().code).outcome is Outcome.ACK
+    assert Classifier().from_status(sdk.Overloaded().code).slow_down
+    assert not Classifier().from_status(sdk.Unavailable().code).counted

@@ -9,13 +9,20 @@ import grpc
 import pytest
 
 from consumer_proxy import dlq
+from consumer_proxy.core.decision import Decision
+from consumer_proxy.core.outcomes import Classification
+from consumer_proxy.core.partitions import Delivery, PartitionSet
+from consumer_proxy.dlq import DeadLetterWriter
+from consumer_proxy.proto.v1 import handler_pb2
 from tests.support.kafka import (
+    Broker,
     alter_topic,
     committed_offsets,
     consume_all,
     create_topic,
     produce,
     unique_name,
+    value_of,
 )
 from tests.support.proxy import caught_up, make_config, start_proxy
 from tests.support.service import Behaviour, TestService
@@ -37,8 +44,10 @@ CP_HEADERS = {
 }
 
 
-def test_every_message_is_acked_or_dead_lettered_and_commits_reach_the_end(kafka) -> None:
-    asyncio.run(_mixed_run(kafka.bootstrap))
+async def test_every_message_is_acked_or_dead_lettered_and_commits_reach_the_end(
+    kafka: Broker,
+) -> None:
+    await _mixed_run(kafka.bootstrap)
 
 
 async def _mixed_run(bootstrap: str) -> None:
@@ -55,7 +64,7 @@ async def _mixed_run(bootstrap: str) -> None:
 
     # ... and a service with random latencies that fails some first attempts, pushed to with
     # a static concurrency of 8
-    def behaviour(msg, n):
+    def behaviour(msg: handler_pb2.Message, n: int) -> Behaviour:
         if msg.value.endswith(b"poison"):
             return Behaviour(status=grpc.StatusCode.INVALID_ARGUMENT, details="bad payload")
         if n == 1 and rng.random() < 0.1:
@@ -75,10 +84,10 @@ async def _mixed_run(bootstrap: str) -> None:
     # Then the service never had more than 8 calls at once, and the limit was used in full
     assert service.peak_in_flight == 8
     # and every message was acked once or dead-lettered, and the DLQ holds the poison pills
-    acked = {d.value.decode() for d in service.deliveries if d.outcome == "ACK"}
+    acked = {(d.value or b"").decode() for d in service.deliveries if d.outcome == "ACK"}
     assert acked == {r["value"] for r in records} - {f"{p} poison" for p in poison}
     dead = await asyncio.to_thread(consume_all, bootstrap, f"{group}.dlq")
-    assert sorted(m.value().decode() for m in dead) == sorted(f"{p} poison" for p in poison)
+    assert sorted(value_of(m).decode() for m in dead) == sorted(f"{p} poison" for p in poison)
     for m in dead:
         _, ours = dlq.split_headers(m.headers())
         assert set(ours) == CP_HEADERS
@@ -92,8 +101,8 @@ async def _mixed_run(bootstrap: str) -> None:
     assert all(n <= 2 for n in service.counts.values())
 
 
-def test_a_slow_message_does_not_hold_back_the_ones_behind_it(kafka) -> None:
-    asyncio.run(_head_of_line(kafka.bootstrap))
+async def test_a_slow_message_does_not_hold_back_the_ones_behind_it(kafka: Broker) -> None:
+    await _head_of_line(kafka.bootstrap)
 
 
 async def _head_of_line(bootstrap: str) -> None:
@@ -102,7 +111,7 @@ async def _head_of_line(bootstrap: str) -> None:
     create_topic(bootstrap, topic, partitions=1)
     await asyncio.to_thread(produce, bootstrap, topic, [f"m{i}" for i in range(200)])
 
-    def behaviour(msg, n):
+    def behaviour(msg: handler_pb2.Message, n: int) -> Behaviour:
         return Behaviour(delay_s=3.0 if msg.offset == 4 else 0.005)
 
     async with TestService(behaviour) as service:
@@ -114,7 +123,7 @@ async def _head_of_line(bootstrap: str) -> None:
 
         await async_wait_until(fast_done, timeout=30)
         slow = next(d for d in service.deliveries if d.offset == 4)
-        last_fast = max(d.finished_at for d in service.deliveries if d.offset != 4)
+        last_fast = max(d.finished_at or 0.0 for d in service.deliveries if d.offset != 4)
         # Then they finished while the slow one was still running
         assert slow.outcome == "PENDING"
         assert last_fast - slow.received_at < 2.5
@@ -124,8 +133,8 @@ async def _head_of_line(bootstrap: str) -> None:
         await task
 
 
-def test_acked_messages_are_not_redelivered_after_a_restart(kafka) -> None:
-    asyncio.run(_restart(kafka.bootstrap))
+async def test_acked_messages_are_not_redelivered_after_a_restart(kafka: Broker) -> None:
+    await _restart(kafka.bootstrap)
 
 
 async def _restart(bootstrap: str) -> None:
@@ -134,13 +143,16 @@ async def _restart(bootstrap: str) -> None:
     create_topic(bootstrap, topic, partitions=1)
     await asyncio.to_thread(produce, bootstrap, topic, [f"m{i}" for i in range(300)])
 
-    def behaviour(msg, n):
+    def behaviour(msg: handler_pb2.Message, n: int) -> Behaviour:
         return Behaviour(delay_s=60.0 if msg.offset == 10 and n == 1 else 0.0)
 
     async with TestService(behaviour) as service:
         config = make_config(bootstrap, group, [topic], [service.address], shutdown_grace_s=0.5)
         proxy, task = start_proxy(config)
-        acked = lambda: sum(1 for d in service.deliveries if d.outcome == "ACK")  # noqa: E731
+
+        def acked() -> int:
+            return sum(1 for d in service.deliveries if d.outcome == "ACK")
+
         await async_wait_until(lambda: acked() == 299, timeout=30)
         # When the proxy stops with offset 10 still in flight (its call is cancelled)
         await proxy.shutdown()
@@ -160,8 +172,8 @@ async def _restart(bootstrap: str) -> None:
     assert len(service.counts) == 300
 
 
-def test_a_dlq_outage_holds_the_commit_and_loses_nothing(kafka) -> None:
-    asyncio.run(_dlq_outage(kafka.bootstrap))
+async def test_a_dlq_outage_holds_the_commit_and_loses_nothing(kafka: Broker) -> None:
+    await _dlq_outage(kafka.bootstrap)
 
 
 async def _dlq_outage(bootstrap: str) -> None:
@@ -173,7 +185,7 @@ async def _dlq_outage(bootstrap: str) -> None:
     values[20] = "poison " + "x" * 1000
     await asyncio.to_thread(produce, bootstrap, topic, values)
 
-    def behaviour(msg, n):
+    def behaviour(msg: handler_pb2.Message, n: int) -> Behaviour:
         if msg.value.startswith(b"poison"):
             return Behaviour(status=grpc.StatusCode.FAILED_PRECONDITION, details="cannot parse")
         return Behaviour()
@@ -181,9 +193,16 @@ async def _dlq_outage(bootstrap: str) -> None:
     async with TestService(behaviour) as service:
         proxy, task = start_proxy(make_config(bootstrap, group, [topic], [service.address]))
         runner = proxy.runners[0]
+
         # When the DLQ write keeps failing
-        await async_wait_until(lambda: runner.writer and runner.writer.failures >= 2, timeout=30)
-        acked = lambda: sum(1 for d in service.deliveries if d.outcome == "ACK")  # noqa: E731
+        def failing() -> bool:
+            return isinstance(runner.writer, DeadLetterWriter) and runner.writer.failures >= 2
+
+        await async_wait_until(failing, timeout=30)
+
+        def acked() -> int:
+            return sum(1 for d in service.deliveries if d.outcome == "ACK")
+
         await async_wait_until(lambda: acked() == 99, timeout=30)
         await asyncio.sleep(0.6)  # three commit intervals
         # Then nothing is committed past the poison pill
@@ -202,8 +221,8 @@ async def _dlq_outage(bootstrap: str) -> None:
     assert service.count(topic, 0, 20) == 1
 
 
-def test_a_large_poison_pill_fits_the_dlq_the_proxy_creates(kafka) -> None:
-    asyncio.run(_large_pill(kafka.bootstrap))
+async def test_a_large_poison_pill_fits_the_dlq_the_proxy_creates(kafka: Broker) -> None:
+    await _large_pill(kafka.bootstrap)
 
 
 async def _large_pill(bootstrap: str) -> None:
@@ -215,7 +234,7 @@ async def _large_pill(bootstrap: str) -> None:
         produce, bootstrap, topic, [b"ok-1", pill, b"ok-2"], {"message.max.bytes": 4 << 20}
     )
 
-    def behaviour(msg, n):
+    def behaviour(msg: handler_pb2.Message, n: int) -> Behaviour:
         if msg.value.startswith(b"poison"):
             return Behaviour(status=grpc.StatusCode.DATA_LOSS, details="corrupt")
         return Behaviour()
@@ -231,29 +250,28 @@ async def _large_pill(bootstrap: str) -> None:
     assert [m.value() for m in dead] == [pill]
 
 
-def test_a_crashed_worker_fails_the_run_instead_of_stopping_quietly(kafka, monkeypatch) -> None:
+async def test_a_crashed_worker_fails_the_run_instead_of_stopping_quietly(
+    kafka: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Given a proxy whose result handling breaks on one message (a stand-in for any bug)
-    from consumer_proxy.core.partitions import PartitionSet
-
     original = PartitionSet.finish
 
-    def broken(self, delivery, result, probe):
+    def broken(
+        self: PartitionSet, delivery: Delivery, result: Classification, probe: bool
+    ) -> Decision | None:
         if delivery.offset == 3:
             raise RuntimeError("injected bug")
         return original(self, delivery, result, probe)
 
     monkeypatch.setattr(PartitionSet, "finish", broken)
 
-    async def scenario() -> None:
-        topic, group = unique_name("crash"), unique_name("crash")
-        create_topic(kafka.bootstrap, topic, partitions=1)
-        await asyncio.to_thread(produce, kafka.bootstrap, topic, [f"m{i}" for i in range(10)])
-        async with TestService() as service:
-            _, task = start_proxy(make_config(kafka.bootstrap, group, [topic], [service.address]))
-            # When the worker crashes, Then the proxy's run ends with that error
-            with pytest.raises(RuntimeError, match="injected bug"):
-                await asyncio.wait_for(task, timeout=60)
-        committed = await asyncio.to_thread(committed_offsets, kafka.bootstrap, group, topic)
-        assert committed.get(0, (0,))[0] <= 3  # nothing past the message that was not handled
-
-    asyncio.run(scenario())
+    topic, group = unique_name("crash"), unique_name("crash")
+    create_topic(kafka.bootstrap, topic, partitions=1)
+    await asyncio.to_thread(produce, kafka.bootstrap, topic, [f"m{i}" for i in range(10)])
+    async with TestService() as service:
+        _, task = start_proxy(make_config(kafka.bootstrap, group, [topic], [service.address]))
+        # When the worker crashes, Then the proxy's run ends with that error
+        with pytest.raises(RuntimeError, match="injected bug"):
+            await asyncio.wait_for(task, timeout=60)
+    committed = await asyncio.to_thread(committed_offsets, kafka.bootstrap, group, topic)
+    assert committed.get(0, (0,))[0] <= 3  # nothing past the message that was not handled

@@ -10,7 +10,6 @@ a run that fails on a wrong password.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
@@ -22,9 +21,9 @@ from typing import Any
 
 import grpc
 import pytest
-from confluent_kafka import KafkaException
 
 from consumer_proxy.cli import main
+from consumer_proxy.proto.v1 import handler_pb2
 from tests.support.kafka import (
     SASL_CLIENT_CONFIG,
     Broker,
@@ -39,7 +38,7 @@ from tests.support.ledger import Ledger
 from tests.support.proxy import ProxyProcess, caught_up, write_config
 from tests.support.scrape import http_get
 from tests.support.service import Behaviour, ThreadedService
-from tests.support.waiting import wait_until
+from tests.support.waiting import async_wait_until
 
 pytestmark = pytest.mark.kafka
 
@@ -108,14 +107,7 @@ def sasl_config(
 # --------------------------------------------------------------------------- end to end
 
 
-def _caught_up(bootstrap: str, group: str, topic: str) -> bool:
-    try:
-        return asyncio.run(caught_up(bootstrap, group, topic))
-    except KafkaException:  # a fresh broker's group coordinator may still be loading
-        return False
-
-
-def test_the_proxy_delivers_through_sasl_and_no_output_shows_the_password(
+async def test_the_proxy_delivers_through_sasl_and_no_output_shows_the_password(
     sasl_broker: Broker, tmp_path: Path
 ) -> None:
     # Given 300 ledger messages, 10 of them poison pills, and a proxy configured for SASL
@@ -127,7 +119,7 @@ def test_the_proxy_delivers_through_sasl_and_no_output_shows_the_password(
     )
     produce(sasl_broker.bootstrap, topic, records)
 
-    def behaviour(msg, n):
+    def behaviour(msg: handler_pb2.Message, n: int) -> Behaviour:
         if msg.value == b"poison":
             return Behaviour(status=grpc.StatusCode.INVALID_ARGUMENT, details="rejected")
         return Behaviour()
@@ -137,15 +129,14 @@ def test_the_proxy_delivers_through_sasl_and_no_output_shows_the_password(
         proxy = ProxyProcess(config, tmp_path / "proxy.log", "--log-level", "debug").start()
         try:
             # When it runs until every offset is committed
-            wait_until(
-                lambda: _caught_up(sasl_broker.bootstrap, group, topic) or not proxy.alive(),
-                timeout=120,
-                interval=0.3,
-            )
+            async def done_or_dead() -> bool:
+                return not proxy.alive() or await caught_up(sasl_broker.bootstrap, group, topic)
+
+            await async_wait_until(done_or_dead, timeout=120, interval=0.3)
             assert proxy.alive(), proxy.output()[-3000:]
             port = int(re.findall(r"serving /metrics.* on 127\.0\.0\.1:(\d+)", proxy.output())[0])
-            metrics = asyncio.run(http_get(port, "/metrics"))
-            ready = asyncio.run(http_get(port, "/readyz"))
+            metrics = await http_get(port, "/metrics")
+            ready = await http_get(port, "/readyz")
             status = run_cli("status", "--config", str(config), "--json")
             inspect = run_cli("dlq", "inspect", "--config", str(config), "--group", group)
         finally:

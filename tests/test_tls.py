@@ -13,7 +13,14 @@ import pytest
 
 from consumer_proxy.proto.v1 import handler_pb2, handler_pb2_grpc
 from tests.support.certs import CertificateAuthority, Issued
-from tests.support.kafka import committed_offsets, consume_all, create_topic, produce, unique_name
+from tests.support.kafka import (
+    Broker,
+    committed_offsets,
+    consume_all,
+    create_topic,
+    produce,
+    unique_name,
+)
 from tests.support.proxy import caught_up, make_config, start_proxy
 from tests.support.service import TestService
 from tests.support.waiting import async_wait_until
@@ -50,8 +57,10 @@ def pki(tmp_path: Path) -> Pki:
 
 
 @pytest.mark.parametrize("mtls", [False, True], ids=["tls", "mtls"])
-def test_messages_reach_a_tls_service_through_the_proxy(kafka, pki: Pki, mtls: bool) -> None:
-    asyncio.run(_tls_run(kafka.bootstrap, pki, mtls))
+async def test_messages_reach_a_tls_service_through_the_proxy(
+    kafka: Broker, pki: Pki, mtls: bool
+) -> None:
+    await _tls_run(kafka.bootstrap, pki, mtls)
 
 
 async def _tls_run(bootstrap: str, pki: Pki, mtls: bool) -> None:
@@ -92,16 +101,16 @@ async def _tls_run(bootstrap: str, pki: Pki, mtls: bool) -> None:
             await task
 
     # Then every message was acked over the secured channel
-    assert sorted(d.value.decode() for d in service.deliveries if d.outcome == "ACK") == sorted(
-        values
-    )
+    assert sorted(
+        (d.value or b"").decode() for d in service.deliveries if d.outcome == "ACK"
+    ) == sorted(values)
 
 
-def test_a_wrong_ca_opens_the_breaker_and_dead_letters_nothing(
-    kafka, pki: Pki, caplog: pytest.LogCaptureFixture
+async def test_a_wrong_ca_opens_the_breaker_and_dead_letters_nothing(
+    kafka: Broker, pki: Pki, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING)
-    asyncio.run(_wrong_ca(kafka.bootstrap, pki))
+    await _wrong_ca(kafka.bootstrap, pki)
 
     # and the log says why, naming the group and the TLS failure
     opened = [

@@ -4,7 +4,7 @@
 the policy) -> ack / drop / retry(delay, counted) / dead-letter(reason). Pure: no I/O, no
 asyncio; the randomness of the backoff jitter comes from an injected ``random.Random``.
 
-The outage rule (DESIGN.md, guarantee 2): a failure the breaker counts (a deadline, say) is
+The outage rule (docs/guarantees.md, guarantee 2): a failure the breaker counts (a deadline, say) is
 charged to the message only while the service is demonstrably healthy, i.e. it answered some
 other call successfully since this message's previous attempt ended (or, for a first attempt,
 since this call started). A failed half-open probe is never charged, and neither is a call

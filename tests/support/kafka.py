@@ -27,7 +27,7 @@ from confluent_kafka import (
     Producer,
     TopicPartition,
 )
-from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
+from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec  # type: ignore[attr-defined]
 
 from .waiting import wait_until
 
@@ -243,7 +243,8 @@ def produce(
 def end_offsets(bootstrap: str, topic: str, *, committed_only: bool = False) -> dict[int, int]:
     """{partition: end offset}: the high watermark, or the last stable offset if committed_only."""
     client = admin(bootstrap)
-    specs = {TopicPartition(topic, p): OffsetSpec.latest() for p in partitions_of(bootstrap, topic)}
+    latest = OffsetSpec.latest()  # type: ignore[no-untyped-call]
+    specs = {TopicPartition(topic, p): latest for p in partitions_of(bootstrap, topic)}
     isolation = IsolationLevel.READ_COMMITTED if committed_only else IsolationLevel.READ_UNCOMMITTED
     futures = client.list_offsets(specs, isolation_level=isolation, request_timeout=ADMIN_TIMEOUT_S)
     return {tp.partition: future.result().offset for tp, future in futures.items()}
@@ -282,6 +283,20 @@ def committed_offsets(bootstrap: str, group: str, topic: str) -> dict[int, tuple
             raise KafkaException(errors[0])
         time.sleep(0.2)
     return {tp.partition: (tp.offset, tp.metadata) for tp in found if tp.offset >= 0}
+
+
+def value_of(message: Message) -> bytes:
+    """A consumed record's value; fails on a tombstone (the client types it optional)."""
+    value = message.value()
+    assert isinstance(value, bytes), f"expected a value, got {value!r}"
+    return value
+
+
+def headers_of(message: Message) -> dict[str, bytes]:
+    """A consumed record's headers as a dict (the last of repeated keys; none is ``{}``)."""
+    raw = message.headers() or []
+    pairs = raw.items() if isinstance(raw, dict) else raw
+    return {key: value for key, value in pairs if isinstance(value, bytes)}
 
 
 def consume_all(bootstrap: str, topic: str, timeout: float = 30.0) -> list[Message]:
@@ -363,7 +378,7 @@ def pid_alive(pid: int) -> bool:
 
 def alter_topic(bootstrap: str, topic: str, config: Mapping[str, str]) -> None:
     """Set topic configs (incrementally) and wait for the change to be accepted."""
-    from confluent_kafka.admin import (
+    from confluent_kafka.admin import (  # type: ignore[attr-defined]
         AlterConfigOpType,
         ConfigEntry,
         ConfigResource,

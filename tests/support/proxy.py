@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from confluent_kafka import KafkaException
 
@@ -17,6 +20,52 @@ from consumer_proxy.config import ProxyConfig
 from consumer_proxy.proxy import Proxy
 
 from .kafka import committed_offsets, end_offsets
+
+
+def config_dict(
+    bootstrap: str,
+    group: str,
+    topics: Sequence[str],
+    endpoints: Sequence[str],
+    *,
+    delivery: dict[str, Any] | None = None,
+    service: dict[str, Any] | None = None,
+    client: dict[str, Any] | None = None,
+    metrics_port: int | None = None,
+    shutdown_grace_s: float = 5.0,
+    fast_delivery: bool = True,
+    **group_extra: Any,
+) -> dict[str, Any]:
+    """A one-group configuration as the YAML file holds it; the one builder behind
+    :func:`make_config`, :func:`write_config` and the benches.
+
+    Test-friendly defaults: a 5 s service deadline, and with ``fast_delivery`` commits every
+    200 ms and a 20-200 ms backoff (``delivery`` overrides each). ``client`` is the librdkafka
+    passthrough; metrics are off unless ``metrics_port`` is given. ``group_extra`` adds group
+    sections (``dlq``, ``circuit_breaker``, ...).
+    """
+    kafka: dict[str, Any] = {"bootstrap_servers": bootstrap}
+    if client is not None:
+        kafka["client"] = client
+    fast = {"commit_interval_ms": 200, "backoff": {"initial_ms": 20, "max_ms": 200}}
+    return {
+        "kafka": kafka,
+        "metrics": {
+            "enabled": metrics_port is not None,
+            "port": metrics_port or 0,
+            "host": "127.0.0.1",
+        },
+        "shutdown_grace_s": shutdown_grace_s,
+        "groups": [
+            {
+                "name": group,
+                "topics": list(topics),
+                "service": {"endpoints": list(endpoints), "timeout_ms": 5000, **(service or {})},
+                "delivery": {**(fast if fast_delivery else {}), **(delivery or {})},
+                **group_extra,
+            }
+        ],
+    }
 
 
 def make_config(
@@ -32,29 +81,20 @@ def make_config(
     metrics_port: int | None = None,
     shutdown_grace_s: float = 5.0,
 ) -> ProxyConfig:
-    """A one-group configuration with test-friendly defaults (fast commits, short backoff)."""
+    """:func:`config_dict` validated, for a proxy run in the test's event loop."""
     return ProxyConfig(
-        kafka={"bootstrap_servers": bootstrap},
-        metrics={
-            "enabled": metrics_port is not None,
-            "port": metrics_port or 0,
-            "host": "127.0.0.1",
-        },
-        shutdown_grace_s=shutdown_grace_s,
-        groups=[
-            {
-                "name": group,
-                "topics": list(topics),
-                "service": {"endpoints": list(endpoints), "timeout_ms": 5000, **(service or {})},
-                "delivery": {
-                    "commit_interval_ms": 200,
-                    "backoff": {"initial_ms": 20, "max_ms": 200},
-                    **(delivery or {}),
-                },
-                "dlq": dlq or {},
-                "circuit_breaker": breaker or {},
-            }
-        ],
+        **config_dict(
+            bootstrap,
+            group,
+            topics,
+            endpoints,
+            delivery=delivery,
+            service=service,
+            metrics_port=metrics_port,
+            shutdown_grace_s=shutdown_grace_s,
+            dlq=dlq or {},
+            circuit_breaker=breaker or {},
+        )
     )
 
 
@@ -96,60 +136,61 @@ def write_config(
     shutdown_grace_s: float = 5.0,
     **group_extra: Any,
 ) -> Path:
-    """Write a one-group config file for ``consumer-proxy run`` (JSON, which is YAML).
+    """Write :func:`config_dict` as a file for ``consumer-proxy run`` (JSON, which is YAML).
 
     ``client`` is the librdkafka passthrough; by default it carries FAST_CONSUMER, so a member
     that dies is noticed within seconds. Returns ``path``.
     """
-    config = {
-        "kafka": {
-            "bootstrap_servers": bootstrap,
-            "client": FAST_CONSUMER if client is None else client,
-        },
-        "metrics": {"enabled": False},
-        "shutdown_grace_s": shutdown_grace_s,
-        "groups": [
-            {
-                "name": group,
-                "topics": list(topics),
-                "service": {"endpoints": list(endpoints), "timeout_ms": 5000},
-                "delivery": {
-                    "commit_interval_ms": 200,
-                    "backoff": {"initial_ms": 20, "max_ms": 200},
-                    **(delivery or {}),
-                },
-                **group_extra,
-            }
-        ],
-    }
+    config = config_dict(
+        bootstrap,
+        group,
+        topics,
+        endpoints,
+        delivery=delivery,
+        client=FAST_CONSUMER if client is None else client,
+        shutdown_grace_s=shutdown_grace_s,
+        **group_extra,
+    )
     path.write_text(json.dumps(config, indent=2))
     return path
 
 
 class ProxyProcess:
-    """``python -m consumer_proxy run --config F`` as a child process, its output in a file."""
+    """``python -m consumer_proxy run --config F ARGS`` as a child process, its output in a file.
 
-    def __init__(self, config: Path, log: Path, *args: str) -> None:
+    The one process harness of the tests and the benches (bench/common.py extends it with
+    profiling and CPU accounting). ``command`` replaces ``python -m consumer_proxy`` (a
+    profiling wrapper, say); ``env`` is added to the environment.
+    """
+
+    def __init__(
+        self,
+        config: Path,
+        log: Path,
+        *args: str,
+        command: Sequence[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
         self.config = config
         self.log = log
         self.args = args
+        self.command = list(command or [sys.executable, "-m", "consumer_proxy"])
+        self.env = None if env is None else {**os.environ, **env}
+        self.cwd = cwd
         self.proc: subprocess.Popen[bytes] | None = None
+        self.started_at = 0.0
 
-    def start(self) -> ProxyProcess:
-        with open(self.log, "ab") as out:
+    def start(self) -> Self:
+        with open(self.log, "ab") as out:  # the child keeps its own descriptor
+            self.started_at = time.monotonic()
             self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "consumer_proxy",
-                    "run",
-                    "--config",
-                    str(self.config),
-                    *self.args,
-                ],
+                [*self.command, "run", "--config", str(self.config), *self.args],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
+                env=self.env,
+                cwd=self.cwd,
             )
         return self
 
@@ -161,15 +202,22 @@ class ProxyProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def check_alive(self) -> None:
+        """Raise if the proxy exited on its own."""
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(f"the proxy exited with {self.proc.returncode}:\n{self.log_tail()}")
+
     def kill(self) -> None:
         """SIGKILL: no shutdown, no commit, no leaving the group."""
         assert self.proc is not None
         self.proc.kill()
         self.proc.wait(30)
 
-    def stop(self, timeout_s: float = 60.0) -> int:
-        """SIGTERM (the graceful shutdown); returns the exit code (SIGKILL after timeout_s)."""
-        assert self.proc is not None
+    def stop(self, timeout_s: float = 60.0) -> int | None:
+        """SIGTERM (the graceful shutdown); returns the exit code (SIGKILL after timeout_s,
+        and the timeout is raised). None when it was never started."""
+        if self.proc is None:
+            return None
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -182,3 +230,15 @@ class ProxyProcess:
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The last ``lines`` lines of the output ("" before there is any)."""
+        with contextlib.suppress(OSError):
+            return "\n".join(self.output().splitlines()[-lines:])
+        return ""
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -79,9 +79,11 @@ def _wait_for(cluster: SparkCluster, name: str, process: subprocess.Popen[bytes]
         return log if text in log else None
 
     try:
-        return wait_until(seen, timeout=START_TIMEOUT_S, interval=0.2, message=f"{name}: {text}")
+        found = wait_until(seen, timeout=START_TIMEOUT_S, interval=0.2, message=f"{name}: {text}")
     except AssertionError as exc:
         raise ClusterError(f"{exc}\n{cluster.log(name)[-3000:]}") from exc
+    assert found is not None
+    return found
 
 
 def start_cluster(directory: Path, cores: int = 2, memory: str = "1g") -> SparkCluster:

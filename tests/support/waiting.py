@@ -6,7 +6,7 @@ import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import TypeVar, overload
 
 T = TypeVar("T")
 
@@ -41,8 +41,27 @@ def wait_until(
         time.sleep(interval)
 
 
+# The value returned is truthy: never None, whatever the condition returns while it waits.
+@overload
 async def async_wait_until(
-    condition: Callable[[], T | Awaitable[T]],
+    condition: Callable[[], Awaitable[T | None]],
+    timeout: float = ...,
+    interval: float = ...,
+    message: str | None = ...,
+) -> T: ...
+
+
+@overload
+async def async_wait_until(
+    condition: Callable[[], T | None],
+    timeout: float = ...,
+    interval: float = ...,
+    message: str | None = ...,
+) -> T: ...
+
+
+async def async_wait_until(
+    condition: Callable[[], T | Awaitable[T | None] | None],
     timeout: float = 10.0,
     interval: float = 0.05,
     message: str | None = None,

@@ -1,0 +1,1 @@
+"""The test suite; a package so that the benches import its harness (tests.support)."""

@@ -1,0 +1,48 @@
+"""The development harness itself: one config builder behind the tests' and the benches' configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.common import bench_config
+from consumer_proxy.config import ProxyConfig, load_config
+from tests.support.proxy import FAST_CONSUMER, ProxyProcess, config_dict, make_config, write_config
+
+ARGS = ("127.0.0.1:9092", "orders", ["orders"], ["127.0.0.1:50051"])
+
+
+def test_the_file_for_a_child_proxy_is_the_config_a_test_proxy_gets(tmp_path: Path) -> None:
+    # Given the same group written as a file and built as a model
+    path = write_config(tmp_path / "proxy.json", *ARGS, delivery={"concurrency": 4})
+    model = make_config(*ARGS, delivery={"concurrency": 4})
+
+    # Then the file loads (as consumer-proxy run loads it) into that model, plus the fast
+    # session timeouts a child process needs to be noticed when killed
+    loaded = load_config(path)
+    assert loaded.groups == model.groups
+    assert loaded.kafka.client == FAST_CONSUMER
+    assert loaded.groups[0].delivery.concurrency == 4
+    assert loaded.groups[0].delivery.commit_interval_ms == 200
+
+
+def test_the_bench_config_keeps_the_proxys_delivery_defaults() -> None:
+    bench = ProxyConfig(**bench_config(*ARGS, delivery={"concurrency": 100}))
+    tests = make_config(*ARGS)
+    defaults = ProxyConfig(**config_dict(*ARGS, fast_delivery=False))
+
+    assert (
+        bench.groups[0].delivery.commit_interval_ms
+        == defaults.groups[0].delivery.commit_interval_ms
+    )
+    assert tests.groups[0].delivery.commit_interval_ms == 200
+    assert bench.groups[0].service.timeout_ms == 30000
+    assert bench.shutdown_grace_s == 10
+    assert not bench.metrics.enabled
+
+
+def test_a_proxy_process_that_was_never_started_stops_as_a_no_op(tmp_path: Path) -> None:
+    proxy = ProxyProcess(tmp_path / "proxy.json", tmp_path / "proxy.log")
+
+    assert proxy.stop() is None
+    assert not proxy.alive()
+    assert proxy.log_tail() == ""
