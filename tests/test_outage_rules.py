@@ -17,11 +17,8 @@ pytestmark = pytest.mark.kafka
 HANG_S = 60.0  # longer than the whole outage: every call during it ends in its deadline
 
 
-def test_a_hung_service_dead_letters_nothing(kafka: Broker) -> None:
-    asyncio.run(_hung_service(kafka.bootstrap))
-
-
-async def _hung_service(bootstrap: str) -> None:
+async def test_a_hung_service_dead_letters_nothing(kafka: Broker) -> None:
+    bootstrap = kafka.bootstrap
     # Given 4 messages, a 0.3 s call deadline, 5 attempts, a breaker that opens after 2
     # deadlines in a row and probes every 0.3 s
     topic, group = unique_name("hung"), unique_name("hung")

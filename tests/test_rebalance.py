@@ -10,10 +10,12 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.support.kafka import create_topic, produce, unique_name
+from consumer_proxy.config import ProxyConfig
+from tests.support.kafka import Broker, create_topic, produce, unique_name
 from tests.support.proxy import caught_up, start_proxy
 from tests.support.proxy import make_config as _make_config
 from tests.support.service import Behaviour, ThreadedService
@@ -22,16 +24,15 @@ from tests.support.waiting import async_wait_until, wait_until
 pytestmark = pytest.mark.kafka
 
 
-def make_config(*args, **kwargs):
+def make_config(*args: Any, **kwargs: Any) -> ProxyConfig:
     kwargs.setdefault("delivery", {"concurrency": 20})
     return _make_config(*args, **kwargs)
 
 
-def test_a_member_joining_and_leaving_moves_partitions_without_redelivering_acks(kafka) -> None:
-    asyncio.run(_join_and_leave(kafka.bootstrap))
-
-
-async def _join_and_leave(bootstrap: str) -> None:
+async def test_a_member_joining_and_leaving_moves_partitions_without_redelivering_acks(
+    kafka: Broker,
+) -> None:
+    bootstrap = kafka.bootstrap
     # Given 4 partitions of 2000 messages and a handler taking 2 ms
     topic, group = unique_name("rebal"), unique_name("rebal")
     create_topic(bootstrap, topic, partitions=4)
@@ -39,7 +40,10 @@ async def _join_and_leave(bootstrap: str) -> None:
     with ThreadedService(lambda m, n: Behaviour(delay_s=0.002)) as service:
         config = make_config(bootstrap, group, [topic], [service.address])
         first, first_task = start_proxy(config)
-        acked = lambda: sum(1 for d in service.deliveries if d.outcome == "ACK")  # noqa: E731
+
+        def acked() -> int:
+            return sum(1 for d in service.deliveries if d.outcome == "ACK")
+
         await async_wait_until(lambda: acked() >= 300, timeout=60)
         # When a second member joins, then the first one leaves
         second, second_task = start_proxy(config)
@@ -60,7 +64,7 @@ async def _join_and_leave(bootstrap: str) -> None:
     assert duplicates <= 2 * 20  # at most the in-flight calls at the two hand-overs
 
 
-def test_workers_share_the_partitions_of_a_group(kafka, tmp_path: Path) -> None:
+def test_workers_share_the_partitions_of_a_group(kafka: Broker, tmp_path: Path) -> None:
     # Given 6 partitions and the CLI running two worker processes
     bootstrap = kafka.bootstrap
     topic, group = unique_name("workers"), unique_name("workers")
@@ -117,11 +121,10 @@ def test_workers_share_the_partitions_of_a_group(kafka, tmp_path: Path) -> None:
         assert len(service.counts) == 3000
 
 
-def test_a_partition_paused_by_load_and_reassigned_to_the_same_member_drains(kafka) -> None:
-    asyncio.run(_paused_then_reassigned(kafka.bootstrap))
-
-
-async def _paused_then_reassigned(bootstrap: str) -> None:
+async def test_a_partition_paused_by_load_and_reassigned_to_the_same_member_drains(
+    kafka: Broker,
+) -> None:
+    bootstrap = kafka.bootstrap
     # Given a member whose partitions are paused by load: windows of 5 messages held by calls
     # that hang until the gate opens, and a backlog far larger than the windows
     topic, group = unique_name("repause"), unique_name("repause")
@@ -141,7 +144,10 @@ async def _paused_then_reassigned(bootstrap: str) -> None:
         )
         first, first_task = start_proxy(config)
         runner = first.runners[0]
-        own = lambda: [tp for tp in runner.assignment() if tp[0] == topic]  # noqa: E731
+
+        def own() -> list[tuple[str, int]]:
+            return [tp for tp in runner.assignment() if tp[0] == topic]
+
         await async_wait_until(lambda: len(own()) == 4, timeout=60)
         parts = runner.partitions.parts
         await async_wait_until(

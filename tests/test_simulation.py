@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Iterator
 
 import pytest
 
@@ -19,7 +20,7 @@ STEPS = 150
 
 
 @pytest.fixture(autouse=True)
-def _quiet() -> None:
+def _quiet() -> Iterator[None]:
     logging.disable(logging.WARNING)  # thousands of state-change lines otherwise
     yield
     logging.disable(logging.NOTSET)
@@ -106,5 +107,6 @@ def test_restored_ack_state_over_the_budget_does_not_stall_the_partition() -> No
     assert part.meta_over_budget
     # Then it keeps fetching the restored range (only fetching can shrink that state)
     sim.fetch()
+    assert part.tracker is not None
     assert not part.paused or part.tracker.is_full or part.backlog
     sim.drain()

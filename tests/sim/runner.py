@@ -143,10 +143,10 @@ class Simulation:
         if metadata:
             state = decode(metadata)
             for o in range(state.base, state.end):
-                msg = log.records.get(o)
-                if state.is_done(o) and msg is not None and msg.ident not in truth.done:
+                found = log.records.get(o)
+                if state.is_done(o) and found is not None and found.ident not in truth.done:
                     self.fail(
-                        f"commit metadata of {tp} marks offset {o} done (message {msg.ident})"
+                        f"commit metadata of {tp} marks offset {o} done (message {found.ident})"
                     )
         if offset < self.last_commit.get(tp, 0) and tp not in self.reset_tps:
             self.fail(f"commit of {tp} goes back from {self.last_commit[tp]} to {offset}")
