@@ -14,6 +14,15 @@ handler) and the committed rate. Rounds interleave none and key (the machine is 
 noisy) and the ratio is the median of the per-round ratios; partition mode runs once on a
 smaller backlog (it is 1 / (20 ms + overhead) whatever else happens). A last key-mode run with
 10 keys shows the ceiling's K / L term (10 / 20 ms = 500 msg/s).
+
+Diagnostics: by Little's law each mode's *cycle* (push -> answer -> next push in that slot) is
+its in-flight cap / its rate (200 for none, min(keys, 200) for key, 1 for partition). The
+ceiling assumes a cycle of exactly the handler's 20 ms; on a loaded two-core box the round
+trip adds to it, for every mode alike. ``key_cycle_over_none_cycle`` near 1 says the gate adds
+no latency of its own; the proxy's CPU per message in each mode is printed too. Each round also
+runs none with concurrency = keys (``none_c<keys>``): the same number of calls in flight as key
+mode, without the gate, so ``key_over_none_same_in_flight`` is the gate's own cost and the rest
+of the gap to the ceiling is what fewer calls in flight cost on this machine.
 """
 
 from __future__ import annotations
@@ -37,12 +46,19 @@ from common import (
 HANDLER_MS = 20.0
 
 
-def run(bootstrap: str, handler: HandlerServer, ordering: str, n: int, keys: int) -> dict[str, Any]:
+def run(
+    bootstrap: str,
+    handler: HandlerServer,
+    ordering: str,
+    n: int,
+    keys: int,
+    concurrency: int = 200,
+) -> dict[str, Any]:
     topic = create_topic(bootstrap, unique_name(f"bench-order-{ordering}"), partitions=1)
     produce_bulk(bootstrap, topic, n, key=lambda i: b"k%d" % (i % keys))
     delivery = {
         "ordering": ordering,
-        "concurrency": 200,
+        "concurrency": concurrency,
         "max_in_flight": 10_000,
         "commit_interval_ms": 200,
     }
@@ -54,7 +70,7 @@ def main() -> int:
     parser.add_argument("--messages", type=int, default=20_000, help="per none / key run")
     parser.add_argument("--partition-messages", type=int, default=500)
     parser.add_argument("--keys", type=int, default=100)
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved none/key rounds")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved none/key rounds")
     args = parser.parse_args()
     if args.quick:
         args.messages, args.partition_messages, args.rounds = 6000, 200, 1
@@ -76,6 +92,9 @@ def main() -> int:
         keyed: list[float] = []
         per_round: list[float] = []
         of_ceiling: list[float] = []
+        cycles: list[float] = []
+        same_in_flight: list[float] = []
+        in_flight = {"none": 200.0, "key": float(min(args.keys, 200))}
         for i in range(args.rounds):
             # Alternate which goes first, so a drift in the machine's load favours neither.
             order = ["none", "key"] if i % 2 == 0 else ["key", "none"]
@@ -86,11 +105,25 @@ def main() -> int:
                 result.figure(f"round{i}.{ordering}.msgs_per_s_steady", found["steady_rate"])
                 result.figure(f"round{i}.{ordering}.msgs_per_s_committed", found["committed_rate"])
                 result.figure(f"round{i}.{ordering}.duplicates", found["duplicates"])
+                result.figure(
+                    f"round{i}.{ordering}.proxy_cpu_us_per_msg", found["client_cpu_us_per_msg"]
+                )
+                result.figure(
+                    f"round{i}.{ordering}.cycle_ms",
+                    1000.0 * in_flight[ordering] / max(found["steady_rate"], 1e-9),
+                )
             nones.append(rates["none"])
             keyed.append(rates["key"])
             per_round.append(rates["key"] / rates["none"])
             ceiling = min(rates["none"], key_ceiling_by_keys)
             of_ceiling.append(rates["key"] / ceiling)
+            cycles.append((in_flight["key"] / rates["key"]) / (in_flight["none"] / rates["none"]))
+            capped = run(bootstrap, handler, "none", args.messages, args.keys, min(args.keys, 200))
+            result.figure(f"round{i}.none_c{args.keys}.msgs_per_s_steady", capped["steady_rate"])
+            result.figure(
+                f"round{i}.none_c{args.keys}.proxy_cpu_us_per_msg", capped["client_cpu_us_per_msg"]
+            )
+            same_in_flight.append(rates["key"] / capped["steady_rate"])
         part = run(bootstrap, handler, "partition", args.partition_messages, args.keys)
         result.figure("partition.msgs_per_s_steady", part["steady_rate"])
         result.figure("partition.msgs_per_s_committed", part["committed_rate"])
@@ -102,6 +135,8 @@ def main() -> int:
     result.figure("key ceiling min(none, keys / 20 ms)", min(none_rate, key_ceiling_by_keys))
     result.ratio("key_over_ceiling", statistics.median(of_ceiling), 0.8)
     result.ratio("key_over_none", statistics.median(per_round))
+    result.ratio("key_cycle_over_none_cycle", statistics.median(cycles), higher_is_better=False)
+    result.ratio("key_over_none_same_in_flight", statistics.median(same_in_flight))
     result.ratio("none_over_partition", none_rate / part["steady_rate"])
     result.ratio("key_over_partition", key_rate / part["steady_rate"])
     result.ratio("key_10_keys_over_its_ceiling", few["steady_rate"] / min(none_rate, 10 / 0.02))
