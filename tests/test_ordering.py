@@ -201,7 +201,7 @@ def test_key_order_holds_through_a_rebalance_storm_and_a_kill_9(kafka, tmp_path:
             group,
             [topic],
             [service.address],
-            delivery={**delivery, "rate_limit_per_s": 150},
+            delivery={**delivery, "rate_limit_per_s": 100},
             client=client,
         )
         final = write_config(
