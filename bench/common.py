@@ -391,8 +391,10 @@ def produce_bulk(
     *,
     partitions: int = 1,
     value: Callable[[int], bytes] = lambda i: b"m%015d" % i,
+    key: Callable[[int], bytes] | None = None,
 ) -> None:
-    """Produce ``n`` records round-robin over ``partitions`` (acks=all) and flush."""
+    """Produce ``n`` records round-robin over ``partitions`` (acks=all) and flush; ``key``
+    gives record i's key (none by default)."""
     producer = Producer(
         {
             "bootstrap.servers": bootstrap,
@@ -411,7 +413,13 @@ def produce_bulk(
     for i in range(n):
         while True:
             try:
-                producer.produce(topic, value(i), partition=i % partitions, on_delivery=delivered)
+                producer.produce(
+                    topic,
+                    value(i),
+                    key(i) if key is not None else None,
+                    partition=i % partitions,
+                    on_delivery=delivered,
+                )
                 break
             except BufferError:
                 producer.poll(0.05)

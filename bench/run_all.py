@@ -44,6 +44,7 @@ ORDER = [
     "bench_tracker",
     "bench_push",
     "bench_hol",
+    "bench_ordering",
     "bench_workers",
     "bench_flow",
     "bench_dlq_merge",

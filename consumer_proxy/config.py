@@ -31,6 +31,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 from pydantic_settings.exceptions import SettingsError
 
+from .core.ordering import Ordering
 from .errors import ConfigError
 
 OutcomeName = Literal["ack", "retry", "dead_letter", "drop", "outage"]
@@ -239,6 +240,13 @@ class DeliveryConfig(BaseModel):
     )
     fetch_batch: int = Field(
         500, ge=1, le=100_000, description="Messages taken from the consumer in one poll."
+    )
+    ordering: Ordering = Field(
+        "none",
+        description="none: any order, all in parallel. key: at most one message per key in "
+        "flight, each key's messages in offset order (a retry or a pending DLQ write holds "
+        "back only its key; messages without a key are ordered among themselves per "
+        "partition). partition: one message per partition in flight, in offset order.",
     )
 
     @field_validator("concurrency", mode="before")

@@ -417,6 +417,7 @@ class GroupRunner:
             reason=reason,
             endpoint=endpoint,
             group=self.name,
+            ordering=self.partitions.ordering,
         )
         errors = self.metrics.dlq_writes.labels(self.name, "error")
         try:
@@ -533,6 +534,7 @@ class GroupRunner:
             high = highs.get(part.tp)
             if high is not None and part.last_commit is not None:
                 self.metrics.lag.labels(*labels).set(max(0, high - part.last_commit[0]))
+        self.metrics.key_backlog(self.name, self.partitions.key_backlog())
 
     # -- introspection (tests, health) ---------------------------------------------------
 

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -18,6 +19,15 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 log = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class KeyBacklogView(Protocol):
+    """What the ordering metrics read (``core.partitions.KeyBacklog``)."""
+
+    @property
+    def keys(self) -> int: ...
+    @property
+    def longest(self) -> int: ...
 
 
 class ProxyMetrics:
@@ -105,6 +115,25 @@ class ProxyMetrics:
             ["group", "state"],
             registry=r,
         )
+
+        self.keys_backlogged = Gauge(
+            "consumer_proxy_ordering_keys_backlogged",
+            "delivery.ordering key/partition: keys with messages waiting behind one of their "
+            "own that is in flight, waiting for its retry or for its DLQ write.",
+            ["group"],
+            registry=r,
+        )
+        self.key_backlog_longest = Gauge(
+            "consumer_proxy_ordering_longest_key_backlog",
+            "delivery.ordering key/partition: most messages waiting behind one key.",
+            ["group"],
+            registry=r,
+        )
+
+    def key_backlog(self, group: str, backlog: KeyBacklogView) -> None:
+        """Set the ordering gauges (updated every commit interval)."""
+        self.keys_backlogged.labels(group).set(backlog.keys)
+        self.key_backlog_longest.labels(group).set(backlog.longest)
 
     def forget_partition(self, group: str, topic: str, partition: int) -> None:
         """Drop a revoked partition's series so label sets stay bounded by the assignment."""

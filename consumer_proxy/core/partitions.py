@@ -7,9 +7,11 @@ Pure: no asyncio, no Kafka client, no gRPC I/O. The shell (``group.py``) feeds i
 and results and executes what it returns; the simulation (``tests/sim``) feeds it the same
 way on a virtual clock.
 
-Follow one message: ``intake`` -> (backlog ->) ``emit`` (ready for a worker) -> ``begin``
-(a push starts) -> ``finish`` (the result, decided) -> done, or a retry (``schedule`` ->
-``emit`` again), or a DLQ write (``dead_lettered`` when confirmed -> done).
+Follow one message: ``intake`` -> (backlog ->) (ordering gate ->) ``emit`` (ready for a
+worker) -> ``begin`` (a push starts) -> ``finish`` (the result, decided) -> done, or a retry
+(``schedule`` -> ``emit`` again), or a DLQ write (``dead_lettered`` when confirmed -> done).
+With ``delivery.ordering`` key or partition, a message whose key (lane) has one out waits in
+the partition's ``KeyGate`` and is emitted when that one is done (``core/ordering.py``).
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ from __future__ import annotations
 import logging
 import random
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..config import DeliveryConfig
 from .codec import AckState, CodecError, decode
 from .decision import Action, Decision, Evidence, Policy, decide
+from .ordering import PARTITION_LANE, KeyGate
 from .outcomes import Classification
 from .records import Origin, UserHeaders, origin_from_headers, split_headers
 from .tracker import PartitionTracker
@@ -88,6 +91,7 @@ class PartitionState:
     calls: int = 0  # pushes and DLQ writes under way
     bytes: int = 0
     timers: set[Handle] = field(default_factory=set)
+    gate: KeyGate[Delivery] | None = None  # delivery.ordering key / partition only
 
     @property
     def tp(self) -> TP:
@@ -157,6 +161,15 @@ class Counters:
     resets: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class KeyBacklog:
+    """The ordering gates' backlog (all zero when ordering is none)."""
+
+    keys: int  # keys (lanes) with messages waiting behind their own message out
+    longest: int  # messages waiting behind one key, at most
+    held: int  # messages waiting, all keys
+
+
 class PartitionSet:
     """All partitions of one group owned by this member, and what happens to their messages.
 
@@ -191,6 +204,16 @@ class PartitionSet:
         self._schedule = schedule
         self._on_idle = on_idle
         self._rng = rng or random.Random()
+        # The ordering hooks are chosen once: with ordering none the per-message path is the
+        # same as without a gate (``_admit`` is ``emit``, ``_complete`` is ``_done``).
+        self.ordering = delivery.ordering
+        self._admit: Callable[[Delivery], None] = emit
+        self._complete: Callable[[Delivery], None] = self._done
+        self._lane: Callable[[Delivery], Hashable] | None = None
+        if delivery.ordering != "none":
+            self._admit = self._admit_ordered
+            self._complete = self._done_ordered
+            self._lane = _key_lane if delivery.ordering == "key" else _partition_lane
 
     # -- assignment ----------------------------------------------------------------------
 
@@ -215,6 +238,8 @@ class PartitionSet:
             part.tracker = PartitionTracker(committed, self._max_in_flight, restored)
             part.last_commit = (committed, metadata or "")
             part.received_end = committed
+        if self._lane is not None:
+            part.gate = KeyGate()
         old = self.parts.get(part.tp)
         if old is not None:
             self.forget(old)
@@ -292,6 +317,14 @@ class PartitionSet:
         part.restored = None
         assert part.tracker is not None
         part.tracker.truncate(offset)
+        if part.gate is not None:
+            # Messages cut from the log no longer hold their key back, and those waiting
+            # are forgotten (their records come again with the new fetches).
+            dropped, promoted = part.gate.prune(_is_stale)
+            for delivery in dropped:
+                self._release(delivery)
+            for delivery in promoted:
+                self._emit(delivery)
 
     def truncated(self, tp: TP, position: int | None) -> None:
         """The consumer detected log truncation on ``tp`` (an unclean leader election) and
@@ -347,9 +380,15 @@ class PartitionSet:
         size = len(key or b"") + len(value or b"") + sum(len(k) + len(v) for k, v in user)
         part.bytes += size
         self.bytes += size
-        self._emit(
+        self._admit(
             Delivery(part, part.epoch, offset, key, value, user, origin, size, source, attempt)
         )
+
+    def _admit_ordered(self, delivery: Delivery) -> None:
+        gate = delivery.part.gate
+        assert gate is not None and self._lane is not None
+        if gate.admit(self._lane(delivery), delivery):
+            self._emit(delivery)
 
     def _drain_backlog(self, part: PartitionState) -> None:
         tracker = part.tracker
@@ -394,10 +433,10 @@ class PartitionSet:
         counters = self.counters
         if action is Action.ACK:
             counters.ack += 1
-            self._done(delivery)
+            self._complete(delivery)
         elif action is Action.DROP:
             counters.drop += 1
-            self._done(delivery)
+            self._complete(delivery)
         elif action is Action.DEAD_LETTER:
             counters.dead_letter += 1
             part.calls += 1  # the DLQ write: the partition's revoke waits for it too
@@ -439,10 +478,12 @@ class PartitionSet:
         if delivery.stale:
             self._release(delivery)
         else:
-            self._done(delivery)
+            self._complete(delivery)
 
     def dead_letter_abandoned(self, delivery: Delivery) -> None:
-        """The DLQ write was cancelled (revoked, shutdown): the next owner dead-letters it."""
+        """The DLQ write was cancelled (revoked, shutdown): the next owner dead-letters it.
+
+        Its key stays held back (it is not done): the gate goes with the partition."""
         delivery.part.calls -= 1
         self._release(delivery)
 
@@ -462,6 +503,27 @@ class PartitionSet:
             self._drain_backlog(part)
         elif tracker.pending == 0 and self._on_idle is not None:
             self._on_idle()
+
+    def _done_ordered(self, delivery: Delivery) -> None:
+        # The next message of the key goes out once this one is done, before the backlog
+        # is drained (which may admit more behind it).
+        gate = delivery.part.gate
+        assert gate is not None and self._lane is not None
+        nxt = gate.release(self._lane(delivery), delivery)
+        if nxt is not None:
+            self._emit(nxt)
+        self._done(delivery)
+
+    def key_backlog(self) -> KeyBacklog:
+        """The ordering gates' backlog over the owned partitions (for the metrics)."""
+        keys = longest = held = 0
+        for part in self.parts.values():
+            if part.gate is not None:
+                k, m = part.gate.backlog()
+                keys += k
+                longest = max(longest, m)
+                held += part.gate.held
+        return KeyBacklog(keys, longest, held)
 
     # -- plans ---------------------------------------------------------------------------
 
@@ -530,3 +592,15 @@ class PartitionSet:
     def owned(self, tps: Sequence[TP]) -> list[PartitionState]:
         """The states of those of ``tps`` this member owns."""
         return [self.parts[tp] for tp in tps if tp in self.parts]
+
+
+def _key_lane(delivery: Delivery) -> Hashable:
+    return delivery.key  # None: the partition's no-key lane
+
+
+def _partition_lane(_delivery: Delivery) -> Hashable:
+    return PARTITION_LANE
+
+
+def _is_stale(delivery: Delivery) -> bool:
+    return delivery.stale

@@ -24,6 +24,7 @@ H_REASON = "cp-reason"
 H_ENDPOINT = "cp-endpoint"
 H_GROUP = "cp-group"
 H_DEAD_LETTERED_AT = "cp-dead-lettered-at"
+H_ORDERING = "cp-ordering"  # only on records of a group with delivery.ordering key/partition
 
 UserHeaders = list[tuple[str, bytes]]
 Headers = list[tuple[str, str | bytes | None]]  # what the producer takes
@@ -83,8 +84,14 @@ def dlq_headers(
     endpoint: str,
     group: str,
     now_ms: int | None = None,
+    ordering: str | None = None,
 ) -> Headers:
-    """The DLQ record's headers: the user's, then the ``cp-*`` contract headers (UTF-8 text)."""
+    """The DLQ record's headers: the user's, then the ``cp-*`` contract headers (UTF-8 text).
+
+    ``ordering`` (``key`` or ``partition``; nothing for ``none``) adds ``cp-ordering``: the
+    message was delivered in order, so a redrive of it arrives after later messages of its
+    key, which went on once this one was confirmed in the DLQ.
+    """
     ours = {
         H_TOPIC: origin.topic,
         H_PARTITION: str(origin.partition),
@@ -97,4 +104,6 @@ def dlq_headers(
         H_GROUP: group,
         H_DEAD_LETTERED_AT: str(now_ms if now_ms is not None else int(time.time() * 1000)),
     }
+    if ordering and ordering != "none":
+        ours[H_ORDERING] = ordering
     return [*user_headers, *((k, v.encode("utf-8")) for k, v in ours.items())]

@@ -12,6 +12,11 @@ service down (UNAVAILABLE or hung) and the DLQ. Invariants are checked at every 
 - no message is dead-lettered because of an outage (only poison ones, and ones that time out
   several times while the service answers others);
 - in-flight offsets and bytes stay within their bounds;
+- with ``delivery.ordering`` key or partition (a third of the seeds each): no two messages of
+  one key (lane) are in flight at once, and a message is pushed only when every earlier
+  message of its key in its partition is done (so per-key push order is offset order, a
+  redelivery of the same offset after a crash or rebalance allowed); every tracked, pending
+  offset is in the partition's gate (out or waiting), so none is forgotten there;
 - liveness: after the schedule, with a healthy service, every partition drains (its commit
   reaches the log end) within a bounded virtual time.
 
@@ -28,6 +33,7 @@ import grpc
 from consumer_proxy.config import BackoffConfig, CircuitBreakerConfig, DeliveryConfig
 from consumer_proxy.core.codec import decode
 from consumer_proxy.core.decision import Action
+from consumer_proxy.core.ordering import ORDERINGS, Ordering
 from consumer_proxy.core.outcomes import Classification, Classifier
 from consumer_proxy.core.partitions import Delivery, PartitionSet
 from consumer_proxy.flow import Breaker
@@ -59,6 +65,7 @@ class Stats:
     outages: int = 0
     pauses: int = 0
     resets: int = 0
+    held_back: int = 0  # steps at which the ordering gate held messages back
 
 
 @dataclass
@@ -90,6 +97,7 @@ class Member:
             max_attempts=5,
             metadata_budget_bytes=budget,
             backoff=BackoffConfig(initial_ms=10, max_ms=500),
+            ordering=sim.ordering,
         )
         self.core = PartitionSet(
             "g",
@@ -105,9 +113,19 @@ class Member:
 class Simulation:
     """One seeded schedule."""
 
-    def __init__(self, seed: int, partitions: int = 3) -> None:
+    def __init__(self, seed: int, partitions: int = 3, ordering: Ordering | None = None) -> None:
         self.seed = seed
         self.rng = random.Random(seed)
+        # Ordering and keys come from their own streams, so the schedule of a seed is the same
+        # whatever its ordering.
+        self.ordering: Ordering = ordering or ORDERINGS[seed % len(ORDERINGS)]
+        self.key_rng = random.Random(f"keys:{seed}")
+        self.keys: list[bytes | None] = [b"k%d" % i for i in range(self.key_rng.choice([1, 3, 8]))]
+        self.keys.append(None)  # the no-key lane
+        # Per (tp, lane): the (offset, ident) of its messages in the log, and the index of
+        # the first one not known done (done only grows, except by log truncation).
+        self.lanes: dict[tuple[TP, object], list[tuple[int, int]]] = {}
+        self.lane_head: dict[tuple[TP, object], int] = {}
         self.clock = Clock()
         self.classifier = Classifier()
         self.truth = Truth()
@@ -155,6 +173,39 @@ class Simulation:
 
     reset_tps: set[TP] = set()
 
+    def _lane(self, tp: TP, key: bytes | None) -> tuple[TP, object]:
+        return (tp, key if self.ordering == "key" else "*")
+
+    def check_order(self, delivery: Delivery, ident: int) -> None:
+        """Before a push: nothing else of its key in flight, every earlier one of it done."""
+        if self.ordering == "none":
+            return
+        tp = delivery.part.tp
+        lane = self._lane(tp, delivery.key)
+        for other in self.member.calls:
+            if (
+                not other.stale
+                and other.part.tp == tp
+                and self._lane(tp, other.key) == lane
+                and other.offset != delivery.offset
+            ):
+                self.fail(
+                    f"{tp}@{delivery.offset} (key {delivery.key!r}) pushed while "
+                    f"@{other.offset} of its key is in flight ({self.ordering} ordering)"
+                )
+        entries = self.lanes.get(lane, [])
+        head = self.lane_head.get(lane, 0)
+        done = self.truth.done
+        while head < len(entries) and entries[head][1] in done:
+            head += 1
+        self.lane_head[lane] = head
+        if head < len(entries) and entries[head][0] < delivery.offset:
+            first = entries[head]
+            self.fail(
+                f"{tp}@{delivery.offset} (key {delivery.key!r}) pushed before @{first[0]} "
+                f"(message {first[1]}) of its key is done ({self.ordering} ordering)"
+            )
+
     def check_bounds(self) -> None:
         core = self.member.core
         for part in core.parts.values():
@@ -164,6 +215,18 @@ class Simulation:
             self.fail(f"{core.bytes} bytes held over the 1024-byte budget")
         if len(self.member.calls) > self.concurrency:
             self.fail(f"{len(self.member.calls)} calls over concurrency {self.concurrency}")
+        held = 0
+        for part in core.parts.values():
+            gate, tracker = part.gate, part.tracker
+            if gate is None or tracker is None:
+                continue
+            held += gate.held
+            if gate.keys_out + gate.held != tracker.pending:
+                self.fail(
+                    f"{part.tp}: {tracker.pending} offsets pending but the gate holds "
+                    f"{gate.keys_out} out and {gate.held} waiting"
+                )
+        self.stats.held_back += held > 0
 
     # -- the group protocol --------------------------------------------------------------
 
@@ -223,10 +286,16 @@ class Simulation:
                 if x < 0.12
                 else "ok"
             )
-            msg = Msg(self.next_ident, behaviour, value=b"v" * self.rng.randint(0, 40))
+            # No keys in none mode: its schedules stay those of the seeds before ordering
+            # existed (a key's bytes count towards the byte budget, which moves pauses).
+            key = self.key_rng.choice(self.keys) if self.ordering != "none" else None
+            msg = Msg(self.next_ident, behaviour, key=key, value=b"v" * self.rng.randint(0, 40))
             self.truth.behaviour[msg.ident] = behaviour
             self.next_ident += 1
             self.logs[tp].append(msg, gap=1 if r() < 0.05 else 0)
+            self.lanes.setdefault(self._lane(tp, key), []).append(
+                (self.logs[tp].end - 1, msg.ident)
+            )
             self.stats.produced += 1
 
     def fetch(self) -> None:
@@ -257,6 +326,7 @@ class Simulation:
         truth = self.truth
         if ident in truth.acked and ident not in truth.dup_ok:
             self.fail(f"message {ident} pushed again after it was acked")
+        self.check_order(delivery, ident)
         truth.attempts[ident] = truth.attempts.get(ident, 0) + 1
         behaviour = truth.behaviour[ident]
         latency = self.rng.uniform(0.001, 0.05)
@@ -360,6 +430,10 @@ class Simulation:
         cut = self.rng.randint(floor, log.end - 1)
         for msg in log.truncate(cut):
             self.truth.done.discard(msg.ident)  # gone: no longer owed to anyone
+        for lane, entries in self.lanes.items():
+            if lane[0] == tp:
+                entries[:] = [e for e in entries if e[0] < cut]
+                self.lane_head[lane] = 0
         self.consumer.truncated(tp, cut)
         self._allow_dups(tp)  # the ack state above the fetch position is dropped
         # librdkafka raises _LOG_TRUNCATION to the app; the shell reads the position then.
