@@ -33,7 +33,8 @@ def ack_states(draw: st.DrawFn) -> AckState:
     )
     total = sum(runs)
     base = draw(st.integers(0, MAX_OFFSET_END - 1 - total))
-    return AckState(base, tuple(runs))
+    epoch = draw(st.one_of(st.none(), st.integers(0, 2**31 - 1)))
+    return AckState(base, tuple(runs), epoch)
 
 
 @st.composite
@@ -67,6 +68,14 @@ def test_round_trip_preserves_every_offsets_done_flag(pattern: tuple[int, list[b
     assert [restored.is_done(base + i) for i in range(len(flags))] == flags
     assert restored.is_done(base - 1)
     assert not restored.is_done(base + len(flags))
+
+
+def test_the_leader_epoch_travels_and_states_without_one_keep_the_first_format() -> None:
+    with_epoch = encode(AckState(10, (1, 3, 2, 1), epoch=7))
+    without = encode(AckState(10, (1, 3, 2, 1)))
+    assert decode(with_epoch).epoch == 7 and decode(without).epoch is None
+    assert with_epoch[3].isupper() and without[3].islower()  # older readers refuse the former
+    assert decode(with_epoch).runs == decode(without).runs
 
 
 def test_is_done_follows_the_runs() -> None:

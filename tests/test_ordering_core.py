@@ -146,7 +146,7 @@ class Harness:
             key = None if ch == "-" else ch.encode()
             offset = self.next[partition]
             self.next[partition] += 1
-            self.core.intake(Record("t", partition, offset, Msg(offset, "ok", key=key)))
+            self.core.intake(Record("t", partition, offset, Msg(offset, "ok", key=key), 0))
 
     def take(self) -> list[Delivery]:
         """Every delivery emitted so far, each begun (a worker took it)."""

@@ -43,6 +43,10 @@ MAX_OFFSET_END = 2**63
 
 _FLAG_RAW = "r"
 _FLAG_DEFLATE = "z"
+# Upper case: the body starts with the leader epoch. Older readers refuse these flags, which
+# makes them redeliver above the committed offset (safe) during a rolling upgrade.
+_FLAG_RAW_EPOCH = "R"
+_FLAG_DEFLATE_EPOCH = "Z"
 _HEADER_LEN = len(PREFIX) + 1
 _CRC_LEN = 4
 # Ten 7-bit groups cover 64 bits; refusing longer varints keeps garbage from turning into
@@ -72,6 +76,10 @@ class AckState:
 
     base: int
     runs: tuple[int, ...] = ()
+    epoch: int | None = None
+    """The highest leader epoch among the records the state describes, when known. A record
+    fetched later in ``[base, end)`` with a higher epoch was written after a log truncation
+    reused its offset: the state does not describe it."""
     end: int = field(init=False)
     # Absolute end offset of each run, so is_done() is one bisect per re-fetched message.
     _bounds: tuple[int, ...] = field(init=False, repr=False, compare=False)
@@ -121,6 +129,8 @@ def _put_uvarint(buf: bytearray, value: int) -> None:
 
 def _body(state: AckState) -> bytes:
     buf = bytearray()
+    if state.epoch is not None:
+        _put_uvarint(buf, state.epoch)
     _put_uvarint(buf, state.base)
     _put_uvarint(buf, state.end - state.base)
     for run in state.runs:
@@ -144,6 +154,8 @@ def encode(state: AckState) -> str:
         flag, stored = _FLAG_DEFLATE, deflated
     else:
         flag, stored = _FLAG_RAW, body
+    if state.epoch is not None:
+        flag = flag.upper()
     return PREFIX + flag + base64.b85encode(crc + stored).decode("ascii")
 
 
@@ -160,7 +172,7 @@ def _inflate(stored: bytes) -> bytes:
     return body
 
 
-def _parse_body(body: bytes) -> AckState:
+def _parse_body(body: bytes, with_epoch: bool) -> AckState:
     values: list[int] = []
     value = shift = count = 0
     for byte in body:
@@ -175,13 +187,14 @@ def _parse_body(body: bytes) -> AckState:
         value = shift = count = 0
     if count:
         raise CodecError("truncated varint")
+    epoch = values.pop(0) if with_epoch and values else None
     if len(values) < 2:
         raise CodecError("ack state header is missing")
     base, length, *runs = values
     if sum(runs) != length:
         raise CodecError(f"run lengths add up to {sum(runs)}, header says {length}")
     try:
-        return AckState(base, tuple(runs))
+        return AckState(base, tuple(runs), epoch)
     except ValueError as exc:
         raise CodecError(f"invalid ack state: {exc}") from exc
 
@@ -199,7 +212,7 @@ def decode(metadata: str | None) -> AckState:
             raise CodecError(f"unsupported ack state version {metadata[2]!r}")
         raise CodecError("not consumer-proxy commit metadata")
     flag = metadata[len(PREFIX) : _HEADER_LEN]
-    if flag not in (_FLAG_RAW, _FLAG_DEFLATE):
+    if flag not in (_FLAG_RAW, _FLAG_DEFLATE, _FLAG_RAW_EPOCH, _FLAG_DEFLATE_EPOCH):
         raise CodecError(f"unknown ack state encoding flag {flag!r}")
     text = metadata[_HEADER_LEN:]
     try:
@@ -213,7 +226,7 @@ def decode(metadata: str | None) -> AckState:
     if len(payload) < _CRC_LEN:
         raise CodecError("ack state is too short")
     crc, stored = payload[:_CRC_LEN], payload[_CRC_LEN:]
-    body = _inflate(stored) if flag == _FLAG_DEFLATE else stored
+    body = _inflate(stored) if flag in (_FLAG_DEFLATE, _FLAG_DEFLATE_EPOCH) else stored
     if zlib.crc32(body).to_bytes(_CRC_LEN, "big") != crc:
         raise CodecError("ack state checksum mismatch")
-    return _parse_body(body)
+    return _parse_body(body, flag.isupper())

@@ -48,6 +48,7 @@ class Record(Protocol):
     def value(self) -> bytes | None: ...
     def headers(self) -> Any: ...
     def timestamp(self) -> tuple[int, int]: ...
+    def leader_epoch(self) -> int | None: ...
 
 
 class BreakerView(Protocol):
@@ -361,6 +362,9 @@ class PartitionSet:
         tracker = part.tracker
         assert tracker is not None
         offset = record.offset() or 0
+        epoch = record.leader_epoch()
+        if epoch is not None:
+            tracker.saw_epoch(offset, epoch)
         if not tracker.track(offset):
             return  # done before a restart or rebalance: the commit metadata says so
         user, ours = split_headers(record.headers())

@@ -35,7 +35,15 @@ class PartitionTracker:
     must still be tracked. It drives :attr:`is_full`, which tells the caller to pause fetching.
     """
 
-    __slots__ = ("_committed", "_last", "_max_in_flight", "_offsets", "_pending", "_restored")
+    __slots__ = (
+        "_committed",
+        "_last",
+        "_max_in_flight",
+        "_offsets",
+        "_pending",
+        "_restored",
+        "epoch",
+    )
 
     def __init__(
         self, committed: int, max_in_flight: int, restored: AckState | None = None
@@ -60,6 +68,9 @@ class PartitionTracker:
         # duplicates and offsets below C.
         self._last = committed - 1
         self._restored = restored if restored is not None and restored.base == committed else None
+        self.epoch: int | None = self._restored.epoch if self._restored is not None else None
+        """The highest leader epoch seen (fetched records and a restored state): the epoch
+        the metadata records."""
 
     def track(self, offset: int) -> bool:
         """Record a fetched offset; return True if its message must be delivered.
@@ -82,6 +93,25 @@ class PartitionTracker:
                 self._restored = None
         self._pending.add(offset)
         return True
+
+    def saw_epoch(self, offset: int, epoch: int) -> None:
+        """The record about to be tracked at ``offset`` was written in leader ``epoch``.
+
+        A restored state was committed after every record it describes was fetched, so a
+        record in its range written in a later epoch than the state's reuses an offset of a
+        truncated log (an unclean leader election): the state no longer describes the log,
+        and is dropped (its acks are redelivered, never skipped). Call before :meth:`track`.
+        """
+        restored = self._restored
+        if (
+            restored is not None
+            and restored.epoch is not None
+            and epoch > restored.epoch
+            and offset < restored.end
+        ):
+            self._restored = None
+        if self.epoch is None or epoch > self.epoch:
+            self.epoch = epoch
 
     def skip_to(self, offset: int) -> None:
         """The consumer moved on to ``offset``: untracked offsets below it will never be fetched.
@@ -189,10 +219,10 @@ class PartitionTracker:
         runs = self._runs(base)
         if not runs:
             return "", True
-        text = encode(AckState(base, runs))
+        text = encode(AckState(base, runs, self.epoch))
         if len(text) <= budget:
             return text, True
-        return self._longest_prefix(base, runs, budget), False
+        return self._longest_prefix(base, runs, budget, self.epoch), False
 
     def _runs(self, base: int) -> tuple[int, ...]:
         """Pending/done run lengths from ``base`` (which is C) up to the last done offset.
@@ -229,7 +259,7 @@ class PartitionTracker:
         return tuple(runs)
 
     @staticmethod
-    def _longest_prefix(base: int, runs: tuple[int, ...], budget: int) -> str:
+    def _longest_prefix(base: int, runs: tuple[int, ...], budget: int, epoch: int | None) -> str:
         # Binary search over whole pending+done run pairs: a prefix ending in a pending run
         # says nothing more than the shorter one. The compressed size is not strictly monotonic
         # in the prefix length, but every returned candidate is checked against the budget.
@@ -237,7 +267,7 @@ class PartitionTracker:
         low, high = 1, len(runs) // 2 - 1
         while low <= high:
             pairs = (low + high) // 2
-            text = encode(AckState(base, runs[: 2 * pairs]))
+            text = encode(AckState(base, runs[: 2 * pairs], epoch))
             if len(text) <= budget:
                 best = text
                 low = pairs + 1

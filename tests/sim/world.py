@@ -86,13 +86,14 @@ class Msg:
 class Record:
     """A fetched record with confluent_kafka.Message's accessors."""
 
-    __slots__ = ("_msg", "_offset", "_partition", "_topic")
+    __slots__ = ("_epoch", "_msg", "_offset", "_partition", "_topic")
 
-    def __init__(self, topic: str, partition: int, offset: int, msg: Msg) -> None:
+    def __init__(self, topic: str, partition: int, offset: int, msg: Msg, epoch: int) -> None:
         self._topic = topic
         self._partition = partition
         self._offset = offset
         self._msg = msg
+        self._epoch = epoch
 
     @property
     def msg(self) -> Msg:
@@ -122,6 +123,9 @@ class Record:
     def error(self) -> None:
         return None
 
+    def leader_epoch(self) -> int:
+        return self._epoch
+
 
 @dataclass
 class Log:
@@ -129,16 +133,23 @@ class Log:
 
     records: dict[int, Msg] = field(default_factory=dict)
     end: int = 0  # the next offset to be written
+    epoch: int = 0  # the leader epoch new records are written in
+    epochs: dict[int, int] = field(default_factory=dict)
 
     def append(self, msg: Msg, gap: int = 0) -> None:
         self.end += gap  # offsets skipped: compaction or transaction markers
         self.records[self.end] = msg
+        self.epochs[self.end] = self.epoch
         self.end += 1
 
     def truncate(self, offset: int) -> list[Msg]:
+        """An unclean leader election: the new leader's log ends at ``offset`` and it writes
+        in a new epoch."""
         gone = [m for o, m in self.records.items() if o >= offset]
         self.records = {o: m for o, m in self.records.items() if o < offset}
+        self.epochs = {o: e for o, e in self.epochs.items() if o < offset}
         self.end = offset
+        self.epoch += 1
         return gone
 
 
@@ -189,7 +200,7 @@ class Consumer:
             while pos < log.end and len(out) < max_records:
                 msg = log.records.get(pos)
                 if msg is not None:
-                    out.append(Record(tp[0], tp[1], pos, msg))
+                    out.append(Record(tp[0], tp[1], pos, msg, log.epochs[pos]))
                 pos += 1
             self.position[tp] = pos
         return out
