@@ -220,18 +220,31 @@ async def _broker_restart(bootstrap: str, directory: Path) -> None:
     create_topic(bootstrap, topic, partitions=partitions)
     ledger = Ledger("Kafka broker restart")
     await asyncio.to_thread(produce, bootstrap, topic, ledger.records(2000, partitions=partitions))
-    async with TestService(lambda m, k: Behaviour(delay_s=0.005)) as service:
+    # The service answers the first 500 deliveries, then holds every call until the broker
+    # is down: the stop is mid-run by construction, however fast the run.
+    broker_down = asyncio.Event()
+    seen = 0
+
+    def behaviour(msg, k):
+        nonlocal seen
+        seen += 1
+        return Behaviour(delay_s=0.005, hold=None if seen <= 500 else broker_down)
+
+    async with TestService(behaviour) as service:
         config = make_config(
             bootstrap,
             group,
             [topic],
             [service.address],
             delivery={"concurrency": 10, "max_in_flight": window},
+            # Held calls must outlast the broker's stop without a deadline.
+            service={"timeout_ms": 120_000},
         )
         proxy, task = start_proxy(config)
         # When the broker stops mid-run and starts again on the same port and log dir
-        await async_wait_until(lambda: _acks(service) >= 500, timeout=60)
+        await async_wait_until(lambda: seen > 500, timeout=60)
         await asyncio.to_thread(stop_broker, directory)
+        broker_down.set()
         assert _distinct_acked(ledger, service) < 2000
         assert not task.done()
         restarted = await asyncio.to_thread(start_broker, directory, None, watch_pid=os.getpid())
