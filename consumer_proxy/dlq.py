@@ -296,6 +296,53 @@ def ensure_topics(kafka: KafkaConfig, group: GroupConfig, timeout_s: float = 30.
     return created
 
 
+async def ensure_topics_unless_stopped(
+    kafka: KafkaConfig, group: GroupConfig, stopping: asyncio.Event, timeout_s: float = 30.0
+) -> bool:
+    """``ensure_topics`` off the loop, abandoned when ``stopping`` is set first.
+
+    Returns True once the topics are there (raises what ``ensure_topics`` raises), False when
+    stopping won. The call runs on a daemon thread of its own, not ``asyncio.to_thread``: the
+    default executor's threads are joined when ``asyncio.run`` ends, so a metadata call blocked
+    on an unreachable Kafka would hold a stopping process for up to ``timeout_s``.
+    """
+    loop = asyncio.get_running_loop()
+    result: asyncio.Future[list[str]] = loop.create_future()
+
+    def settle(value: list[str] | None, error: BaseException | None) -> None:
+        if result.done():  # abandoned: nobody waits for it any more
+            return
+        if error is not None:
+            result.set_exception(error)
+        else:
+            result.set_result(value or [])
+
+    def work() -> None:
+        value: list[str] | None = None
+        error: BaseException | None = None
+        try:
+            value = ensure_topics(kafka, group, timeout_s)
+        except Exception as exc:  # noqa: BLE001 (handed over to the loop, raised there)
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the process is ending
+            loop.call_soon_threadsafe(settle, value, error)
+
+    threading.Thread(target=work, name=f"topics-{group.name}", daemon=True).start()
+    stop = asyncio.ensure_future(stopping.wait())
+    try:
+        await asyncio.wait({result, stop}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+        if not result.done():
+            result.cancel()
+    if stopping.is_set():
+        if not result.cancelled():
+            result.exception()  # retrieved: a late failure does not matter when stopping
+        return False
+    result.result()
+    return True
+
+
 def _record_size_config(admin: AdminClient, sources: list[str], timeout_s: float) -> dict[str, str]:
     """``max.message.bytes`` for created DLQ/redrive topics: the largest of the source topics'.
 

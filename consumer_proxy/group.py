@@ -40,7 +40,7 @@ from .dlq import (
     DeadLetterWriter,
     Origin,
     dlq_headers,
-    ensure_topics,
+    ensure_topics_unless_stopped,
     origin_from_headers,
     producer_config,
     split_headers,
@@ -164,7 +164,9 @@ class GroupRunner:
     async def run(self) -> None:
         """Run until ``stop()``; returns after the full shutdown sequence."""
         loop = asyncio.get_running_loop()
-        await asyncio.to_thread(ensure_topics, self.kafka, self.group)
+        if not await ensure_topics_unless_stopped(self.kafka, self.group, self._stopping):
+            log.info("group %s: stopped during start-up", self.name)
+            return
         self.dispatcher = Dispatcher(
             self.name,
             self.group.service,
