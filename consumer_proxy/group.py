@@ -175,7 +175,10 @@ class GroupRunner:
         )
         self.dispatcher.start()
         self.writer = DeadLetterWriter(
-            producer_config(self.kafka, self.group.dlq.write_timeout_ms), loop
+            producer_config(self.kafka, self.group.dlq.write_timeout_ms),
+            loop,
+            group=self.name,
+            metrics=self.metrics,
         )
         conf = consumer_config(self.kafka, self.name, self._consumer_overrides)
         self.kafka_link.attach(conf)
