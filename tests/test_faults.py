@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import os
 from pathlib import Path
 
@@ -265,6 +266,84 @@ async def _broker_restart(bootstrap: str, directory: Path) -> None:
         bound=f"1 restart x {partitions} partitions x max_in_flight {window}",
     )
     await asyncio.to_thread(_assert_committed_to_end, bootstrap, group, topic)
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def messages(self, level: int = logging.INFO) -> list[str]:
+        return [r.getMessage() for r in list(self.records) if r.levelno >= level]
+
+
+def test_a_broker_outage_is_logged_as_state_changes_not_a_flood(tmp_path: Path) -> None:
+    directory = tmp_path / "kafka"
+    try:
+        broker = start_broker(directory, watch_pid=os.getpid())
+        asyncio.run(_outage_logs(broker.bootstrap, directory))
+        gc.collect()  # free the proxy's clients before the broker goes (see above)
+    finally:
+        stop_broker(directory)
+
+
+async def _outage_logs(bootstrap: str, directory: Path) -> None:
+    # Given a running proxy, its consumer and its DLQ producer connected to the broker
+    topic, group = unique_name("outagelogs"), unique_name("outagelogs")
+    create_topic(bootstrap, topic, partitions=2)
+    lines = _Lines()
+    logger = logging.getLogger("consumer_proxy")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(lines)
+    try:
+        async with TestService() as service:
+            config = make_config(bootstrap, group, [topic], [service.address])
+            proxy, task = start_proxy(config)
+            runner = proxy.runners[0]
+            await async_wait_until(lambda: proxy.ready()[0], timeout=60)
+            assert runner.fetcher is not None and runner.writer is not None
+            gates = [runner.fetcher.log_gate, runner.writer.log_gate]
+            # When the broker is down long enough for dozens of connection errors per client
+            lines.records.clear()
+            await asyncio.to_thread(stop_broker, directory)
+            await async_wait_until(
+                lambda: all(g.suppressed_total >= 20 for g in gates),
+                timeout=60,
+                message="each client to fail 20 more connections",
+            )
+            during = lines.messages(logging.WARNING)
+            suppressed = sum(g.suppressed_total for g in gates)
+            # Then each client said once that Kafka is unreachable, and nothing flooded
+            for gate in gates:
+                said = [m for m in during if m.startswith(f"{gate.client}: Kafka unreachable")]
+                assert len(said) == 1, during
+            assert len(during) <= 6, during
+            # When the broker is back
+            await asyncio.to_thread(start_broker, directory, None, watch_pid=os.getpid())
+            # Then each client says once that Kafka is reachable again, and after how long
+            for gate in gates:
+                await async_wait_until(
+                    lambda g=gate: any(
+                        m.startswith(f"{g.client}: Kafka reachable again after ")
+                        for m in lines.messages()
+                    ),
+                    timeout=60,
+                    message=f"{gate.client} to say Kafka is reachable again",
+                )
+            await asyncio.to_thread(produce, bootstrap, topic, ["after"])
+            await async_wait_until(lambda: len(service.counts) == 1, timeout=60)
+            await proxy.shutdown()
+            await task
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+    again = [m for m in lines.messages() if "reachable again" in m]
+    assert len(again) == 2, again
+    print(f"warning+ lines during the outage: {len(during)}, suppressed: {suppressed}")
 
 
 # --------------------------------------------------------------------------- DLQ outage
