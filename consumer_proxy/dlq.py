@@ -256,7 +256,7 @@ class DeadLetterWriter:
         self._factory: ProducerFactory = producer_factory or self._real_producer
         self._error_cb = self._conf["error_cb"]
         self._session = self._new_session()
-        self._session_started = clock()
+        self._last_recreated: float | None = None
         self.recreated = 0
         """Producers replaced after a fatal error."""
         self.failures = 0
@@ -286,18 +286,27 @@ class DeadLetterWriter:
         return session
 
     def _recreate(self, session: _Session, why: str) -> None:
-        """Replace a producer that hit a fatal error (once per producer; on the loop)."""
+        """Replace a producer that hit a fatal error (on the loop).
+
+        Once per producer however many writes fail on it, and at most once per
+        ``retry_max_s``: a fatal error that persists (an ACL still missing) must not churn
+        producers; the writes keep retrying meanwhile.
+        """
         if session is not self._session or self._closed:
             return
-        log.warning(
-            "group %s: the DLQ producer hit a fatal error (%s); replacing it with a new one",
-            self._group,
-            why,
+        now = self._clock()
+        if self._last_recreated is not None and now - self._last_recreated < self._retry_max_s:
+            return
+        self._last_recreated = now
+        self.log_gate.say(
+            logging.WARNING,
+            f"the DLQ producer hit a fatal error ({why}); replacing it with a new one",
         )
         self._session = self._new_session()
-        self._session_started = self._clock()
         self.recreated += 1
-        self._loop.run_in_executor(None, session.discard)
+        # Its queued records fail (their writes retry on the new producer); a daemon thread,
+        # not the default executor, so that a stopping process never waits for it.
+        threading.Thread(target=session.discard, name="dlq-discard", daemon=True).start()
 
     # -- state ---------------------------------------------------------------------------
 
@@ -460,7 +469,8 @@ def ensure_topics(kafka: KafkaConfig, group: GroupConfig, timeout_s: float = 30.
     for consumer_only in ("isolation.level", "auto.offset.reset", "session.timeout.ms"):
         conf.pop(consumer_only, None)
     gate = KafkaLogGate(log, f"group {group.name} admin")
-    admin = AdminClient(gate.attach(conf), logger=gate)
+    conf["error_cb"] = gate.error  # no statistics: nothing polls this short-lived client
+    admin = AdminClient(conf, logger=gate)
     try:
         metadata = admin.list_topics(timeout=timeout_s)
     except KafkaException as exc:

@@ -109,7 +109,7 @@ class KafkaLogGate:
         if level >= logging.WARNING and text.split(" ", 1)[0] in CONNECTION_FACILITIES:
             self.unreachable(_strip_facility(text))
             return
-        self._say_unless_repeated(level, text)
+        self.say(level, text)
 
     def error(self, err: KafkaError) -> None:
         """The ``error_cb``: connection errors change the state, others are logged once."""
@@ -117,7 +117,7 @@ class KafkaLogGate:
             self.unreachable(err.str())
             return
         level = logging.ERROR if err.fatal() else logging.WARNING
-        self._say_unless_repeated(level, f"{err.name()}: {err.str()}")
+        self.say(level, f"{err.name()}: {err.str()}")
 
     def on_stats(self, raw: str) -> None:
         """librdkafka statistics: a broker connection that is UP means Kafka is reachable."""
@@ -170,7 +170,8 @@ class KafkaLogGate:
             self._down_since = None
             self._suppressed = 0
 
-    def _say_unless_repeated(self, level: int, text: str) -> None:
+    def say(self, level: int, text: str) -> None:
+        """Log ``text`` for this client, unless it repeats a line said within ``window_s``."""
         key = f"{level}:{_DIGITS.sub('#', text)}"
         with self._lock:
             now = self._clock()

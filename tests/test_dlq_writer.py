@@ -249,3 +249,37 @@ def test_a_produce_call_that_raises_fatal_also_replaces_the_producer() -> None:
             await writer.close()
 
     asyncio.run(scenario())
+
+
+def test_a_fatal_error_that_persists_does_not_churn_producers() -> None:
+    async def scenario() -> None:
+        # Given a fatal error that every new producer hits again (an ACL still missing), and a
+        # clock that stands still (less than retry_max_s passes)
+        factory = Factory(FATAL)
+        writer = DeadLetterWriter(
+            {},
+            asyncio.get_running_loop(),
+            0.01,
+            0.05,
+            group="billing",
+            producer_factory=factory,
+            clock=lambda: 100.0,
+        )
+        try:
+            task = asyncio.create_task(writer.write("billing.dlq", None, b"v", []))
+            # When the write keeps failing on the replacement too
+            await async_wait_until(
+                lambda: len(factory.made) == 2 and factory.made[1].produced >= 3, timeout=10
+            )
+            # Then the producer was replaced once, and the write still waits (never skipped)
+            assert len(factory.made) == 2 and writer.recreated == 1
+            assert not task.done()
+            refusal = writer.refusal()
+            assert refusal is not None and "(fatal: _FATAL: " in refusal
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            await writer.close()
+
+    asyncio.run(scenario())
