@@ -307,13 +307,14 @@ async def _outage_logs(bootstrap: str, directory: Path) -> None:
             await async_wait_until(lambda: proxy.ready()[0], timeout=60)
             assert runner.fetcher is not None and runner.writer is not None
             gates = [runner.fetcher.log_gate, runner.writer.log_gate]
-            # When the broker is down long enough for dozens of connection errors per client
+            # When the broker is down long enough for repeated connection errors per client
+            # (how many librdkafka reports, and how many it suppresses itself, varies)
             lines.records.clear()
             await asyncio.to_thread(stop_broker, directory)
             await async_wait_until(
-                lambda: all(g.suppressed_total >= 20 for g in gates),
-                timeout=60,
-                message="each client to fail 20 more connections",
+                lambda: all(g.suppressed_total >= 5 for g in gates),
+                timeout=120,
+                message="each client to report 5 more connection errors",
             )
             during = lines.messages(logging.WARNING)
             suppressed = sum(g.suppressed_total for g in gates)
