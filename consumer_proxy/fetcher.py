@@ -126,6 +126,13 @@ class Fetcher:
         self._positions_due = 0.0  # positions of a previous assignment must not outlive it
         if not partitions:
             return
+        # librdkafka keeps an application's pause on a partition across revoke or loss and
+        # re-assignment (librdkafka issue 1849), while the runner starts every assigned
+        # partition unpaused: a partition lost while paused would never be fetched again.
+        try:
+            consumer.resume(partitions)
+        except KafkaException as exc:
+            log.warning("resuming %d assigned partitions failed: %s", len(partitions), exc)
         committed = None
         for attempt in range(1, 4):
             try:

@@ -268,6 +268,70 @@ async def _broker_restart(bootstrap: str, directory: Path) -> None:
     await asyncio.to_thread(_assert_committed_to_end, bootstrap, group, topic)
 
 
+def test_a_partition_paused_when_it_was_lost_drains_after_it_is_assigned_again(
+    tmp_path: Path,
+) -> None:
+    directory = tmp_path / "kafka"
+    try:
+        broker = start_broker(directory, watch_pid=os.getpid())
+        asyncio.run(_paused_and_lost(broker.bootstrap, directory))
+        gc.collect()  # free the proxy's clients before the broker goes (see above)
+    finally:
+        stop_broker(directory)
+
+
+async def _paused_and_lost(bootstrap: str, directory: Path) -> None:
+    # Given partitions whose windows are full (the service holds every call after the 40th),
+    # so the proxy has paused them
+    topic, group = unique_name("pausedlost"), unique_name("pausedlost")
+    partitions, n = 2, 400
+    create_topic(bootstrap, topic, partitions=partitions)
+    ledger = Ledger("partitions lost while paused")
+    await asyncio.to_thread(produce, bootstrap, topic, ledger.records(n, partitions=partitions))
+    released = asyncio.Event()
+    seen = 0
+
+    def behaviour(msg, k):
+        nonlocal seen
+        seen += 1
+        return Behaviour(hold=None if seen <= 40 else released)
+
+    async with TestService(behaviour) as service:
+        config = make_config(
+            bootstrap,
+            group,
+            [topic],
+            [service.address],
+            # No periodic commit: a synchronous commit to a stopped broker would hold the
+            # consumer thread, and the session expiry would only be seen after the restart.
+            delivery={"concurrency": 4, "max_in_flight": 20, "commit_interval_ms": 600_000},
+            service={"timeout_ms": 120_000},
+        )
+        proxy, task = start_proxy(config)
+        runner = proxy.runners[0]
+
+        def paused() -> float:
+            text = proxy.metrics.exposition().decode()
+            return parse(text).total("consumer_proxy_partitions_paused", group=group)
+
+        await async_wait_until(lambda: paused() == partitions, timeout=60)
+        # When the broker is down long enough for the group session to expire (the partitions
+        # are lost, librdkafka keeps their pause), then comes back
+        await asyncio.to_thread(stop_broker, directory)
+        await async_wait_until(lambda: runner.assignment() == [], timeout=60)
+        released.set()
+        await asyncio.to_thread(start_broker, directory, None, watch_pid=os.getpid())
+        # Then the partitions, assigned again, are resumed and every message is delivered
+        await async_wait_until(lambda: _distinct_acked(ledger, service) == n, timeout=120)
+        await proxy.shutdown()
+        await task
+    await asyncio.to_thread(_assert_committed_to_end, bootstrap, group, topic)
+    ledger.observe(service.deliveries)
+    ledger.note("partitions lost while paused, then assigned again")
+    # Nothing was committed before the loss: the 40 acked and the 4 held calls come again.
+    ledger.check(max_duplicates=40 + 4, bound="40 acks + concurrency 4, none committed")
+
+
 class _Lines(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.INFO)
