@@ -241,7 +241,11 @@ async def _broker_restart(bootstrap: str, directory: Path) -> None:
             # Held calls must outlast the broker's stop without a deadline.
             service={"timeout_ms": 120_000},
         )
-        proxy, task = start_proxy(config)
+        # The group session outlives the outage by construction: this is the restart the
+        # proxy rides out with its memory (a session that expires is the next test's case).
+        proxy, task = start_proxy(
+            config, consumer_overrides={"session.timeout.ms": 60_000, "heartbeat.interval.ms": 1000}
+        )
         # When the broker stops mid-run and starts again on the same port and log dir
         await async_wait_until(lambda: seen > 500, timeout=60)
         await asyncio.to_thread(stop_broker, directory)
