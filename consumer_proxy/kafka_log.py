@@ -10,7 +10,8 @@ lines a second. A :class:`KafkaLogGate` stands between one client and the Python
   every ``remind_s``;
 - ``<client>: Kafka reachable again after 19 s (210 connection errors suppressed)`` once the
   client shows a broker connection up (its statistics) or an operation succeeded
-  (``reachable()``).
+  (``reachable()``). Connection failures within ``settle_s`` after that are counted, not
+  told: librdkafka may serve a queued line from before the recovery after it.
 
 Any other line that repeats identically (digits aside) within ``window_s`` is suppressed and
 counted; the count is said when the line next gets through. Debug lines (librdkafka's
@@ -55,6 +56,7 @@ class KafkaLogGate:
         *,
         remind_s: float = 60.0,
         window_s: float = 60.0,
+        settle_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
@@ -62,6 +64,8 @@ class KafkaLogGate:
         self.client = client
         self._remind_s = remind_s
         self._window_s = window_s
+        self._settle_s = settle_s
+        self._up_at: float | None = None  # when Kafka was last found reachable again
         self._clock = clock
         self._wall = wall
         self._lock = threading.Lock()
@@ -134,6 +138,13 @@ class KafkaLogGate:
         """A broker connection failed: say so once, then only remind every ``remind_s``."""
         with self._lock:
             now = self._clock()
+            if self._down_since is None and (
+                self._up_at is not None and now - self._up_at < self._settle_s
+            ):
+                # librdkafka serves queued log lines after newer statistics: a failure
+                # reported right after the recovery is most likely from before it.
+                self.suppressed_total += 1
+                return
             if self._down_since is None:
                 self._down_since = self._reminded = now
                 self._suppressed = 0
@@ -169,6 +180,7 @@ class KafkaLogGate:
             )
             self._down_since = None
             self._suppressed = 0
+            self._up_at = self._clock()
 
     def say(self, level: int, text: str) -> None:
         """Log ``text`` for this client, unless it repeats a line said within ``window_s``."""

@@ -130,3 +130,23 @@ def test_attach_routes_errors_and_chains_an_existing_statistics_callback() -> No
     assert gate.unreachable_since is None
     assert "Kafka reachable again after 0 s" in lines.messages[-1]
     assert gate.attach({"statistics.interval.ms": 0})["statistics.interval.ms"] == 0
+
+
+def test_a_stale_failure_right_after_the_recovery_does_not_reopen_the_outage() -> None:
+    gate, clock, lines = _gate(settle_s=2.0)
+    gate.log(logging.ERROR, FAIL % 0)
+    clock.now += 7.0
+    gate.on_stats(_stats("UP"))
+    # Given a failure line served late, just after the statistics that showed the recovery
+    clock.now += 0.5
+    gate.log(logging.ERROR, FAIL % 0)
+    assert gate.unreachable_since is None
+    # but a failure after the settle time is a new outage
+    clock.now += 2.0
+    gate.log(logging.ERROR, FAIL % 0)
+    assert gate.unreachable_since == clock.now
+    assert [m.split(": ")[1][:22] for m in lines.messages] == [
+        "Kafka unreachable sinc",
+        "Kafka reachable again ",
+        "Kafka unreachable sinc",
+    ]
