@@ -27,7 +27,6 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from .dlq import DeadLetterWriter
 from .flow import Breaker
 
 log = logging.getLogger(__name__)
@@ -72,6 +71,13 @@ class KafkaLink:
         self.reachable = up
 
 
+class RefusalSource(Protocol):
+    """A DLQ writer as health sees it (``dlq.DeadLetterWriter``)."""
+
+    def refusal(self) -> str | None:
+        """Why the DLQ refuses records right now, or None while every write goes through."""
+
+
 class GroupView(Protocol):
     """What health needs to know about a running group (GroupRunner provides it)."""
 
@@ -92,7 +98,7 @@ class GroupView(Protocol):
         """The group's consumer's view of Kafka."""
 
     @property
-    def writer(self) -> DeadLetterWriter | None:
+    def writer(self) -> RefusalSource | None:
         """The group's DLQ writer, once started."""
 
 
