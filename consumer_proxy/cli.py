@@ -200,6 +200,12 @@ def _run_one(config_path: Path, level: str, fmt: str, index: int) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, proxy.request_shutdown)
+        log.info(
+            "consumer-proxy %s starting: groups %s, Kafka at %s",
+            __version__,
+            ", ".join(g.name for g in config.groups),
+            config.kafka.bootstrap_servers,
+        )
         await proxy.run()
 
     try:

@@ -13,7 +13,8 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol, cast
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import (  # type: ignore[attr-defined]
@@ -44,6 +45,8 @@ from .core.records import (
     split_headers,
 )
 from .errors import DeadLetterWriteError, TopicSetupError
+from .kafka_log import KafkaLogGate
+from .metrics import ProxyMetrics
 
 # The record format lives in the core; re-exported here for the writer's callers.
 __all__ = [
@@ -92,8 +95,96 @@ def producer_config(kafka: KafkaConfig, write_timeout_ms: int) -> dict[str, Any]
     return conf
 
 
+REASONS = (
+    "record_too_large",
+    "topic_authorization",
+    "unknown_topic",
+    "timed_out",
+    "queue_full",
+    "fatal",
+    "other",
+)
+"""Why a DLQ write failed, as a short category (the ``reason`` label of the metrics)."""
+
+_REASON_OF_CODE = {
+    KafkaError.MSG_SIZE_TOO_LARGE: "record_too_large",
+    KafkaError.RECORD_LIST_TOO_LARGE: "record_too_large",
+    KafkaError.TOPIC_AUTHORIZATION_FAILED: "topic_authorization",
+    KafkaError.UNKNOWN_TOPIC_OR_PART: "unknown_topic",
+    KafkaError._UNKNOWN_TOPIC: "unknown_topic",
+    KafkaError._UNKNOWN_PARTITION: "unknown_topic",
+    KafkaError._MSG_TIMED_OUT: "timed_out",
+    KafkaError._TIMED_OUT: "timed_out",
+    KafkaError.REQUEST_TIMED_OUT: "timed_out",
+    KafkaError._QUEUE_FULL: "queue_full",
+    KafkaError._FATAL: "fatal",
+}
+
+
+def failure_reason(err: KafkaError | None) -> str:
+    """The category of a failed DLQ write (one of REASONS)."""
+    if err is None:
+        return "other"
+    if err.fatal():
+        return "fatal"
+    return _REASON_OF_CODE.get(err.code(), "other")
+
+
+class ProducerLike(Protocol):
+    """The part of confluent_kafka.Producer the writer uses (tests inject fakes)."""
+
+    def produce(self, topic: str, **kwargs: Any) -> None:
+        """Queue one record; ``on_delivery`` reports it."""
+
+    def poll(self, timeout: float) -> int:
+        """Serve delivery reports and callbacks."""
+
+    def flush(self, timeout: float) -> int:
+        """Wait for queued records; returns how many are left."""
+
+    def purge(self, in_queue: bool = True, in_flight: bool = True, blocking: bool = True) -> None:
+        """Fail every queued record (their reports say so)."""
+
+
+ProducerFactory = Callable[[dict[str, Any]], ProducerLike]
+
+
+class _Session:
+    """One producer and the thread that polls it (a fatal error replaces both)."""
+
+    def __init__(self, producer: ProducerLike) -> None:
+        self.producer = producer
+        self.stop = threading.Event()
+        # librdkafka fires delivery reports from poll(); a thread of its own keeps polling.
+        self.poller = threading.Thread(target=self._poll, name="dlq-poller", daemon=True)
+        self.poller.start()
+
+    def _poll(self) -> None:
+        while not self.stop.is_set():
+            self.producer.poll(0.1)
+
+    def discard(self) -> None:
+        """Fail what is queued (each report lets its write retry elsewhere), then stop polling.
+
+        Blocking: call off the loop.
+        """
+        with contextlib.suppress(KafkaException, RuntimeError):
+            self.producer.purge()
+        with contextlib.suppress(KafkaException, RuntimeError):
+            self.producer.flush(5.0)  # serves the purged records' reports
+        self.stop.set()
+
+
 class DeadLetterWriter:
-    """Writes DLQ records and resolves when the broker has confirmed each one."""
+    """Writes DLQ records and resolves when the broker has confirmed each one.
+
+    While a record is refused (written, failed, not yet confirmed) the writer says so:
+    ``refusal()`` for the health verdict, ``consumer_proxy_dlq_write_errors_total{reason}``
+    and ``consumer_proxy_dlq_held_messages`` when metrics are given, and one log line when
+    the DLQ starts and one when it stops refusing. A fatal producer error (e.g. a missing
+    IdempotentWrite ACL, a sequence error) replaces the producer: librdkafka never recovers
+    one by itself.
+    """
 
     def __init__(
         self,
@@ -101,44 +192,178 @@ class DeadLetterWriter:
         loop: asyncio.AbstractEventLoop,
         retry_initial_s: float = 0.5,
         retry_max_s: float = 10.0,
+        *,
+        group: str = "",
+        metrics: ProxyMetrics | None = None,
+        producer_factory: ProducerFactory | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._producer = Producer(conf, logger=log)
         self._loop = loop
         self._retry_initial_s = retry_initial_s
         self._retry_max_s = retry_max_s
-        self._stop = threading.Event()
-        # librdkafka fires delivery reports from poll(); a thread of its own keeps polling.
-        self._poller = threading.Thread(target=self._poll, name="dlq-poller", daemon=True)
-        self._poller.start()
+        self._group = group
+        self._metrics = metrics
+        self._clock = clock
+        self.log_gate = KafkaLogGate(
+            log, f"group {group} DLQ producer" if group else "DLQ producer"
+        )
+        self._conf = self.log_gate.attach(dict(conf))
+        self._factory: ProducerFactory = producer_factory or self._real_producer
+        self._error_cb = self._conf["error_cb"]
+        self._session = self._new_session()
+        self._last_recreated: float | None = None
+        self.recreated = 0
+        """Producers replaced after a fatal error."""
         self.failures = 0
+        self._refused: dict[object, tuple[str, str, str]] = {}  # write -> topic, reason, detail
+        self._refused_since: float | None = None
+        self._said_reasons: set[str] = set()
+        self._failures_while_refused = 0
+        self._closed = False
 
-    def _poll(self) -> None:
-        while not self._stop.is_set():
-            self._producer.poll(0.1)
+    def _real_producer(self, conf: dict[str, Any]) -> ProducerLike:
+        # Producer.produce's stub spells out every keyword; the protocol takes **kwargs.
+        return cast(ProducerLike, Producer(conf, logger=self.log_gate))
+
+    def _new_session(self) -> _Session:
+        conf = dict(self._conf)
+        holder: list[_Session] = []
+
+        def on_error(err: KafkaError) -> None:  # the producer's thread
+            self._error_cb(err)
+            if err.fatal() and holder:
+                with contextlib.suppress(RuntimeError):  # the loop is closed
+                    self._loop.call_soon_threadsafe(self._recreate, holder[0], err.str())
+
+        conf["error_cb"] = on_error
+        session = _Session(self._factory(conf))
+        holder.append(session)
+        return session
+
+    def _recreate(self, session: _Session, why: str) -> None:
+        """Replace a producer that hit a fatal error (on the loop).
+
+        Once per producer however many writes fail on it, and at most once per
+        ``retry_max_s``: a fatal error that persists (an ACL still missing) must not churn
+        producers; the writes keep retrying meanwhile.
+        """
+        if session is not self._session or self._closed:
+            return
+        now = self._clock()
+        if self._last_recreated is not None and now - self._last_recreated < self._retry_max_s:
+            return
+        self._last_recreated = now
+        self.log_gate.say(
+            logging.WARNING,
+            f"the DLQ producer hit a fatal error ({why}); replacing it with a new one",
+        )
+        self._session = self._new_session()
+        self.recreated += 1
+        # Its queued records fail (their writes retry on the new producer); a daemon thread,
+        # not the default executor, so that a stopping process never waits for it.
+        threading.Thread(target=session.discard, name="dlq-discard", daemon=True).start()
+
+    # -- state ---------------------------------------------------------------------------
+
+    def refusal(self) -> str | None:
+        """Why the DLQ refuses records right now, or None while every write goes through."""
+        if not self._refused:
+            return None
+        topics = sorted({topic for topic, _, _ in self._refused.values()})
+        reasons = sorted({reason for _, reason, _ in self._refused.values()})
+        detail = next(iter(self._refused.values()))[2]
+        held = len(self._refused)
+        return (
+            f"DLQ {', '.join(topics)} refuses records ({', '.join(reasons)}: {detail[:200]}); "
+            f"{held} dead letter{'s' if held != 1 else ''} wait{'s' if held == 1 else ''}, "
+            "their offsets stay uncommitted"
+        )
+
+    def _refuse(self, token: object, topic: str, error: DeadLetterWriteError) -> None:
+        self.failures += 1
+        self._failures_while_refused += 1
+        if self._metrics is not None:
+            self._metrics.dlq_write_errors.labels(self._group, error.reason).inc()
+        first = not self._refused
+        self._refused[token] = (topic, error.reason, str(error))
+        if first:
+            self._refused_since = self._clock()
+        if error.reason not in self._said_reasons:
+            self._said_reasons.add(error.reason)
+            log.warning(
+                "group %s: DLQ %s refuses records (%s: %s); the dead letters wait and their "
+                "offsets stay uncommitted until it accepts them",
+                self._group,
+                topic,
+                error.reason,
+                error,
+            )
+        self._publish()
+
+    def _settled(self, token: object) -> None:
+        """A write ended (confirmed or cancelled): it no longer holds anything."""
+        entry = self._refused.pop(token, None)
+        if entry is None:
+            return
+        if not self._refused and self._refused_since is not None:
+            log.info(
+                "group %s: DLQ %s accepts records again after %.0f s (%d failed writes)",
+                self._group,
+                entry[0],
+                self._clock() - self._refused_since,
+                self._failures_while_refused,
+            )
+            self._refused_since = None
+            self._said_reasons.clear()
+            self._failures_while_refused = 0
+        self._publish()
+
+    def _publish(self) -> None:
+        if self._metrics is not None:
+            self._metrics.dlq_held.labels(self._group).set(len(self._refused))
+
+    # -- writing -------------------------------------------------------------------------
 
     async def _produce_once(
         self, topic: str, key: bytes | None, value: bytes | None, headers: Headers
     ) -> None:
+        session = self._session
         future: asyncio.Future[None] = self._loop.create_future()
 
         def report(err: KafkaError | None, _msg: Any) -> None:
             def settle() -> None:
-                if future.done():
+                if future.done():  # the write was cancelled: nothing waits for it
                     return
                 if err is None:
                     future.set_result(None)
                 else:
-                    future.set_exception(DeadLetterWriteError(str(err)))
+                    detail = f"{err.name()}: {err.str()}"
+                    future.set_exception(DeadLetterWriteError(detail, reason=failure_reason(err)))
 
-            self._loop.call_soon_threadsafe(settle)
+            with contextlib.suppress(RuntimeError):  # the loop is closed
+                self._loop.call_soon_threadsafe(settle)
 
         try:
-            self._producer.produce(topic, value=value, key=key, headers=headers, on_delivery=report)
+            session.producer.produce(
+                topic, value=value, key=key, headers=headers, on_delivery=report
+            )
         except BufferError as exc:
-            raise DeadLetterWriteError("the DLQ producer queue is full") from exc
+            raise DeadLetterWriteError(
+                "the DLQ producer queue is full", reason="queue_full"
+            ) from exc
         except KafkaException as exc:
-            raise DeadLetterWriteError(str(exc)) from exc
-        await future
+            error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+            reason = failure_reason(error)
+            if reason == "fatal":
+                self._recreate(session, str(exc))
+            raise DeadLetterWriteError(str(exc), reason=reason) from exc
+        try:
+            await future
+        except DeadLetterWriteError as exc:
+            if exc.reason == "fatal":
+                self._recreate(session, str(exc))
+            raise
+        self.log_gate.reachable()
 
     async def write(
         self,
@@ -150,35 +375,43 @@ class DeadLetterWriter:
     ) -> int:
         """Write one record and return once confirmed; retries until then (or cancellation).
 
-        Returns how many attempts failed before the write was confirmed.
+        Returns how many attempts failed before the write was confirmed. A cancelled write
+        stops retrying and leaves nothing behind (a record already handed to the producer may
+        still land in the DLQ: at least once).
         """
+        token = object()
         delay = self._retry_initial_s
         failed = 0
-        while True:
-            try:
-                await self._produce_once(topic, key, value, headers)
-                return failed
-            except DeadLetterWriteError as exc:
-                failed += 1
-                self.failures += 1
-                if on_failure is not None:
-                    on_failure(exc)
-                log.warning(
-                    "DLQ write to %s failed (attempt %d), retrying in %.1fs; the offset stays "
-                    "uncommitted: %s",
-                    topic,
-                    failed,
-                    delay,
-                    exc,
-                )
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self._retry_max_s)
+        try:
+            while True:
+                try:
+                    await self._produce_once(topic, key, value, headers)
+                    return failed
+                except DeadLetterWriteError as exc:
+                    failed += 1
+                    self._refuse(token, topic, exc)
+                    if on_failure is not None:
+                        on_failure(exc)
+                    log.debug(
+                        "group %s: DLQ write to %s failed (attempt %d), retrying in %.1fs: %s",
+                        self._group,
+                        topic,
+                        failed,
+                        delay,
+                        exc,
+                    )
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, self._retry_max_s)
+        finally:
+            self._settled(token)
 
     async def close(self, timeout_s: float = 10.0) -> None:
         """Flush what is queued, then stop the poller."""
-        await asyncio.to_thread(self._producer.flush, timeout_s)
-        self._stop.set()
-        await asyncio.to_thread(self._poller.join, 5)
+        self._closed = True
+        session = self._session
+        await asyncio.to_thread(session.producer.flush, timeout_s)
+        session.stop.set()
+        await asyncio.to_thread(session.poller.join, 5)
 
 
 def ensure_topics(kafka: KafkaConfig, group: GroupConfig, timeout_s: float = 30.0) -> list[str]:
@@ -190,11 +423,14 @@ def ensure_topics(kafka: KafkaConfig, group: GroupConfig, timeout_s: float = 30.
     conf["bootstrap.servers"] = kafka.bootstrap_servers
     for consumer_only in ("isolation.level", "auto.offset.reset", "session.timeout.ms"):
         conf.pop(consumer_only, None)
-    admin = AdminClient(conf, logger=log)
+    gate = KafkaLogGate(log, f"group {group.name} admin")
+    conf["error_cb"] = gate.error  # no statistics: nothing polls this short-lived client
+    admin = AdminClient(conf, logger=gate)
     try:
         metadata = admin.list_topics(timeout=timeout_s)
     except KafkaException as exc:
         raise TopicSetupError(f"cannot reach Kafka at {kafka.bootstrap_servers}: {exc}") from exc
+    gate.reachable()
     existing = metadata.topics
     wanted = [group.dlq_topic, group.redrive_topic]
     missing = [t for t in wanted if t not in existing]
@@ -248,6 +484,54 @@ def ensure_topics(kafka: KafkaConfig, group: GroupConfig, timeout_s: float = 30.
                 break
             time.sleep(0.1)
     return created
+
+
+async def ensure_topics_unless_stopped(
+    kafka: KafkaConfig, group: GroupConfig, stopping: asyncio.Event, timeout_s: float = 30.0
+) -> bool:
+    """``ensure_topics`` off the loop, abandoned when ``stopping`` is set first.
+
+    Returns True once the topics are there (raises what ``ensure_topics`` raises), False when
+    stopping won. The call runs on a daemon thread of its own, not ``asyncio.to_thread``: the
+    default executor's threads are joined when ``asyncio.run`` ends, so a metadata call blocked
+    on an unreachable Kafka would hold a stopping process for up to ``timeout_s``.
+    """
+    loop = asyncio.get_running_loop()
+    result: asyncio.Future[list[str]] = loop.create_future()
+
+    def settle(value: list[str] | None, error: BaseException | None) -> None:
+        if result.done():  # abandoned: nobody waits for it any more
+            return
+        if error is not None:
+            result.set_exception(error)
+        else:
+            result.set_result(value or [])
+
+    def work() -> None:
+        value: list[str] | None = None
+        error: BaseException | None = None
+        try:
+            value = ensure_topics(kafka, group, timeout_s)
+        except Exception as exc:  # noqa: BLE001 (handed over to the loop, raised there)
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the process is ending
+            loop.call_soon_threadsafe(settle, value, error)
+
+    threading.Thread(target=work, name=f"topics-{group.name}", daemon=True).start()
+    stop: asyncio.Future[Any] = asyncio.ensure_future(stopping.wait())
+    waited: set[asyncio.Future[Any]] = {result, stop}
+    try:
+        await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+        if not result.done():
+            result.cancel()
+    if stopping.is_set():
+        if not result.cancelled():
+            result.exception()  # retrieved: a late failure does not matter when stopping
+        return False
+    result.result()
+    return True
 
 
 def _record_size_config(admin: AdminClient, sources: list[str], timeout_s: float) -> dict[str, str]:

@@ -32,6 +32,14 @@ class TopicSetupError(ConsumerProxyError):
 
 
 class DeadLetterWriteError(ConsumerProxyError):
-    """A DLQ write was not confirmed; the message stays pending and the write is retried."""
+    """A DLQ write was not confirmed; the message stays pending and the write is retried.
+
+    ``reason`` is a short category (``record_too_large``, ``topic_authorization``,
+    ``unknown_topic``, ``timed_out``, ``queue_full``, ``fatal``, ``other``).
+    """
 
     retriable = True
+
+    def __init__(self, message: str, *, reason: str = "other") -> None:
+        super().__init__(message)
+        self.reason = reason

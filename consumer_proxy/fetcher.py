@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from .config import KafkaConfig
+from .kafka_log import KafkaLogGate
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,8 @@ class Fetcher:
             max_workers=1, thread_name_prefix=f"kafka-{conf['group.id']}"
         )
         self._consumer: Consumer | None = None
+        self.log_gate = KafkaLogGate(log, f"group {conf['group.id']} consumer")
+        """librdkafka's lines and errors for this consumer, told as state changes."""
         self.closed = False
         self.last_error: str | None = None
         self.positions: dict[TP, int] = {}
@@ -100,7 +103,7 @@ class Fetcher:
         """Create the consumer and subscribe (the group join happens in the first consume)."""
 
         def create() -> None:
-            consumer = Consumer(self._conf, logger=log)
+            consumer = Consumer(self.log_gate.attach(dict(self._conf)), logger=self.log_gate)
             consumer.subscribe(
                 self._topics,
                 on_assign=self._on_assign,
@@ -124,6 +127,13 @@ class Fetcher:
         self._positions_due = 0.0  # positions of a previous assignment must not outlive it
         if not partitions:
             return
+        # librdkafka keeps an application's pause on a partition across revoke or loss and
+        # re-assignment (librdkafka issue 1849), while the runner starts every assigned
+        # partition unpaused: a partition lost while paused would never be fetched again.
+        try:
+            consumer.resume(partitions)
+        except KafkaException as exc:
+            log.warning("resuming %d assigned partitions failed: %s", len(partitions), exc)
         committed = None
         for attempt in range(1, 4):
             try:

@@ -35,7 +35,7 @@ from .core.decision import Action
 from .core.outcomes import Classification, Classifier
 from .core.partitions import TP, Commit, Delivery, PartitionSet, PartitionState
 from .dispatcher import Dispatcher
-from .dlq import DeadLetterWriter, dlq_headers, ensure_topics, producer_config
+from .dlq import DeadLetterWriter, dlq_headers, ensure_topics_unless_stopped, producer_config
 from .fetcher import Fetcher, consumer_config
 from .flow import AdaptiveLimiter, Breaker, ConcurrencyLimiter, RateLimiter, StaticLimiter
 from .health import KafkaLink
@@ -122,7 +122,9 @@ class GroupRunner:
     async def run(self) -> None:
         """Run until ``stop()``; returns after the full shutdown sequence."""
         loop = asyncio.get_running_loop()
-        await asyncio.to_thread(ensure_topics, self.kafka, self.group)
+        if not await ensure_topics_unless_stopped(self.kafka, self.group, self._stopping):
+            log.info("group %s: stopped during start-up", self.name)
+            return
         self.dispatcher = Dispatcher(
             self.name,
             self.group.service,
@@ -131,7 +133,10 @@ class GroupRunner:
         )
         self.dispatcher.start()
         self.writer = DeadLetterWriter(
-            producer_config(self.kafka, self.group.dlq.write_timeout_ms), loop
+            producer_config(self.kafka, self.group.dlq.write_timeout_ms),
+            loop,
+            group=self.name,
+            metrics=self.metrics,
         )
         conf = consumer_config(self.kafka, self.name, self._consumer_overrides)
         self.kafka_link.attach(conf)

@@ -1,8 +1,10 @@
 """The proxy's own health: grpc.health.v1 (overall and per group) and the /readyz verdict.
 
 A group is SERVING once its consumer is up (its first poll returned) and Kafka is reachable,
-and NOT_SERVING while its circuit breaker is open or half-open (the service is failing) or
-while none of its consumer's broker connections is up. The overall service ``""`` is SERVING
+and NOT_SERVING while its circuit breaker is open or half-open (the service is failing),
+while none of its consumer's broker connections is up, or while its DLQ refuses a record
+(the dead letter waits and its offset stays uncommitted; the verdict names the DLQ and the
+reason, and clears by itself once the record is written). The overall service ``""`` is SERVING
 only when every group is; the per-group service name is the group name. /readyz answers from
 the same verdicts, so the gRPC and the HTTP probes never disagree.
 
@@ -69,6 +71,13 @@ class KafkaLink:
         self.reachable = up
 
 
+class RefusalSource(Protocol):
+    """A DLQ writer as health sees it (``dlq.DeadLetterWriter``)."""
+
+    def refusal(self) -> str | None:
+        """Why the DLQ refuses records right now, or None while every write goes through."""
+
+
 class GroupView(Protocol):
     """What health needs to know about a running group (GroupRunner provides it)."""
 
@@ -88,6 +97,10 @@ class GroupView(Protocol):
     def kafka_link(self) -> KafkaLink:
         """The group's consumer's view of Kafka."""
 
+    @property
+    def writer(self) -> RefusalSource | None:
+        """The group's DLQ writer, once started."""
+
 
 def group_verdict(group: GroupView) -> tuple[bool, str]:
     """(serving, why) for one group."""
@@ -98,6 +111,9 @@ def group_verdict(group: GroupView) -> tuple[bool, str]:
     link = group.kafka_link
     if link.enabled and link.reachable is not True:
         return False, link.detail
+    refusal = group.writer.refusal() if group.writer is not None else None
+    if refusal is not None:
+        return False, refusal
     return True, "consumer up, Kafka reachable, circuit closed"
 
 

@@ -88,6 +88,19 @@ class ProxyMetrics:
             ["group", "result"],
             registry=r,
         )
+        self.dlq_write_errors = Counter(
+            "consumer_proxy_dlq_write_errors",
+            "Failed DLQ writes by reason (record_too_large, topic_authorization, unknown_topic, "
+            "timed_out, queue_full, fatal, other); each is retried, never skipped.",
+            ["group", "reason"],
+            registry=r,
+        )
+        self.dlq_held = Gauge(
+            "consumer_proxy_dlq_held_messages",
+            "Dead letters the DLQ refused and that wait for it (their offsets stay uncommitted).",
+            ["group"],
+            registry=r,
+        )
         self.commits = Counter(
             "consumer_proxy_commits",
             "Offset commits by result (ok, error).",

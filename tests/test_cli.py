@@ -291,3 +291,42 @@ def test_run_logs_json_lines_and_exits_0_on_sigterm(kafka, tmp_path: Path) -> No
     assert any(f"group {group}: assigned {topic}[0]" in m for m in messages), messages
     assert any(f"group {group}: stopped" in m for m in messages), messages
     assert {r["level"] for r in records} <= {"debug", "info", "warning"}
+
+
+def test_sigterm_during_startup_exits_0_within_grace(tmp_path: Path) -> None:
+    # Given a proxy whose Kafka is unreachable (nothing listens on its port), so that it is
+    # stuck in its start-up metadata call (30 s), and a shutdown grace shorter than that
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{sock.getsockname()[1]}"
+    grace = 20.0
+    config = make_config(dead, "starting", ["orders"], ["127.0.0.1:1"], shutdown_grace_s=grace)
+    path = write_config(tmp_path / "proxy.yaml", config)
+    log = tmp_path / "proxy.log"
+    with log.open("w") as stderr:
+        process = subprocess.Popen(
+            [*COMMAND, "run", "--config", str(path)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            cwd=ROOT,
+        )
+        try:
+            # When it gets SIGTERM while still starting
+            wait_until(
+                lambda: (
+                    "starting: groups starting" in log.read_text() or process.poll() is not None
+                ),
+                timeout=60,
+                message="the proxy to start",
+            )
+            assert process.poll() is None, log.read_text()
+            process.send_signal(signal.SIGTERM)
+            # Then it exits with 0 within the grace period (a generous bound: it needs far less)
+            code = process.wait(timeout=grace)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    assert code == 0, log.read_text()
+    assert "stopped during start-up" in log.read_text()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import os
 from pathlib import Path
 
@@ -259,18 +260,35 @@ async def _broker_restart(bootstrap: str, directory: Path) -> None:
     create_topic(bootstrap, topic, partitions=partitions)
     ledger = Ledger("Kafka broker restart")
     await asyncio.to_thread(produce, bootstrap, topic, ledger.records(2000, partitions=partitions))
-    async with TestService(lambda m, k: Behaviour(delay_s=0.005)) as service:
+    # The service answers the first 500 deliveries, then holds every call until the broker
+    # is down: the stop is mid-run by construction, however fast the run.
+    broker_down = asyncio.Event()
+    seen = 0
+
+    def behaviour(msg, k):
+        nonlocal seen
+        seen += 1
+        return Behaviour(delay_s=0.005, hold=None if seen <= 500 else broker_down)
+
+    async with TestService(behaviour) as service:
         config = make_config(
             bootstrap,
             group,
             [topic],
             [service.address],
             delivery={"concurrency": 10, "max_in_flight": window},
+            # Held calls must outlast the broker's stop without a deadline.
+            service={"timeout_ms": 120_000},
         )
-        proxy, task = start_proxy(config)
+        # The group session outlives the outage by construction: this is the restart the
+        # proxy rides out with its memory (a session that expires is the next test's case).
+        proxy, task = start_proxy(
+            config, consumer_overrides={"session.timeout.ms": 60_000, "heartbeat.interval.ms": 1000}
+        )
         # When the broker stops mid-run and starts again on the same port and log dir
-        await async_wait_until(lambda: _acks(service) >= 500, timeout=60)
+        await async_wait_until(lambda: seen > 500, timeout=60)
         await asyncio.to_thread(stop_broker, directory)
+        broker_down.set()
         assert _distinct_acked(ledger, service) < 2000
         assert not task.done()
         restarted = await asyncio.to_thread(start_broker, directory, None, watch_pid=os.getpid())
@@ -291,6 +309,149 @@ async def _broker_restart(bootstrap: str, directory: Path) -> None:
         bound=f"1 restart x {partitions} partitions x max_in_flight {window}",
     )
     await asyncio.to_thread(_assert_committed_to_end, bootstrap, group, topic)
+
+
+def test_a_partition_paused_when_it_was_lost_drains_after_it_is_assigned_again(
+    tmp_path: Path,
+) -> None:
+    directory = tmp_path / "kafka"
+    try:
+        broker = start_broker(directory, watch_pid=os.getpid())
+        asyncio.run(_paused_and_lost(broker.bootstrap, directory))
+        gc.collect()  # free the proxy's clients before the broker goes (see above)
+    finally:
+        stop_broker(directory)
+
+
+async def _paused_and_lost(bootstrap: str, directory: Path) -> None:
+    # Given partitions whose windows are full (the service holds every call after the 40th),
+    # so the proxy has paused them
+    topic, group = unique_name("pausedlost"), unique_name("pausedlost")
+    partitions, n = 2, 400
+    create_topic(bootstrap, topic, partitions=partitions)
+    ledger = Ledger("partitions lost while paused")
+    await asyncio.to_thread(produce, bootstrap, topic, ledger.records(n, partitions=partitions))
+    released = asyncio.Event()
+    seen = 0
+
+    def behaviour(msg, k):
+        nonlocal seen
+        seen += 1
+        return Behaviour(hold=None if seen <= 40 else released)
+
+    async with TestService(behaviour) as service:
+        config = make_config(
+            bootstrap,
+            group,
+            [topic],
+            [service.address],
+            # No periodic commit: a synchronous commit to a stopped broker would hold the
+            # consumer thread, and the session expiry would only be seen after the restart.
+            delivery={"concurrency": 4, "max_in_flight": 20, "commit_interval_ms": 600_000},
+            service={"timeout_ms": 120_000},
+        )
+        proxy, task = start_proxy(config)
+        runner = proxy.runners[0]
+
+        def paused() -> float:
+            text = proxy.metrics.exposition().decode()
+            return parse(text).total("consumer_proxy_partitions_paused", group=group)
+
+        await async_wait_until(lambda: paused() == partitions, timeout=60)
+        # When the broker is down long enough for the group session to expire (the partitions
+        # are lost, librdkafka keeps their pause), then comes back
+        await asyncio.to_thread(stop_broker, directory)
+        await async_wait_until(lambda: runner.assignment() == [], timeout=60)
+        released.set()
+        await asyncio.to_thread(start_broker, directory, None, watch_pid=os.getpid())
+        # Then the partitions, assigned again, are resumed and every message is delivered
+        await async_wait_until(lambda: _distinct_acked(ledger, service) == n, timeout=120)
+        await proxy.shutdown()
+        await task
+    await asyncio.to_thread(_assert_committed_to_end, bootstrap, group, topic)
+    ledger.observe(service.deliveries)
+    ledger.note("partitions lost while paused, then assigned again")
+    # Nothing was committed before the loss: the 40 acked and the 4 held calls come again.
+    ledger.check(max_duplicates=40 + 4, bound="40 acks + concurrency 4, none committed")
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def messages(self, level: int = logging.INFO) -> list[str]:
+        return [r.getMessage() for r in list(self.records) if r.levelno >= level]
+
+
+def test_a_broker_outage_is_logged_as_state_changes_not_a_flood(tmp_path: Path) -> None:
+    directory = tmp_path / "kafka"
+    try:
+        broker = start_broker(directory, watch_pid=os.getpid())
+        asyncio.run(_outage_logs(broker.bootstrap, directory))
+        gc.collect()  # free the proxy's clients before the broker goes (see above)
+    finally:
+        stop_broker(directory)
+
+
+async def _outage_logs(bootstrap: str, directory: Path) -> None:
+    # Given a running proxy, its consumer and its DLQ producer connected to the broker
+    topic, group = unique_name("outagelogs"), unique_name("outagelogs")
+    create_topic(bootstrap, topic, partitions=2)
+    lines = _Lines()
+    logger = logging.getLogger("consumer_proxy")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(lines)
+    try:
+        async with TestService() as service:
+            config = make_config(bootstrap, group, [topic], [service.address])
+            proxy, task = start_proxy(config)
+            runner = proxy.runners[0]
+            await async_wait_until(lambda: proxy.ready()[0], timeout=60)
+            assert runner.fetcher is not None and runner.writer is not None
+            gates = [runner.fetcher.log_gate, runner.writer.log_gate]
+            # When the broker is down long enough for repeated connection errors per client
+            # (how many librdkafka reports, and how many it suppresses itself, varies)
+            lines.records.clear()
+            await asyncio.to_thread(stop_broker, directory)
+            await async_wait_until(
+                lambda: all(g.suppressed_total >= 5 for g in gates),
+                timeout=120,
+                message="each client to report 5 more connection errors",
+            )
+            during = lines.messages(logging.WARNING)
+            suppressed = sum(g.suppressed_total for g in gates)
+            # Then each client said once that Kafka is unreachable, and nothing flooded
+            for gate in gates:
+                said = [m for m in during if m.startswith(f"{gate.client}: Kafka unreachable")]
+                assert len(said) == 1, during
+            assert len(during) <= 6, during
+            # When the broker is back
+            await asyncio.to_thread(start_broker, directory, None, watch_pid=os.getpid())
+            # Then each client says once that Kafka is reachable again, and after how long
+            for gate in gates:
+                await async_wait_until(
+                    lambda g=gate: any(
+                        m.startswith(f"{g.client}: Kafka reachable again after ")
+                        for m in lines.messages()
+                    ),
+                    timeout=60,
+                    message=f"{gate.client} to say Kafka is reachable again",
+                )
+            await asyncio.to_thread(produce, bootstrap, topic, ["after"])
+            await async_wait_until(lambda: len(service.counts) == 1, timeout=60)
+            await proxy.shutdown()
+            await task
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+    again = [m for m in lines.messages() if "reachable again" in m]
+    assert len(again) == 2, again
+    print(f"warning+ lines during the outage: {len(during)}, suppressed: {suppressed}")
 
 
 # --------------------------------------------------------------------------- DLQ outage

@@ -12,10 +12,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from consumer_proxy.config import HealthConfig
 from consumer_proxy.health import KafkaLink
-from tests.support.kafka import consume_all, create_topic, produce, unique_name
+from tests.support.kafka import alter_topic, consume_all, create_topic, produce, unique_name
 from tests.support.proxy import caught_up, make_config, start_proxy
-from tests.support.scrape import http_get
-from tests.support.service import TestService
+from tests.support.scrape import http_get, scrape
+from tests.support.service import Behaviour, TestService
 from tests.support.waiting import async_wait_until, wait_until
 
 pytestmark = pytest.mark.kafka
@@ -131,6 +131,73 @@ async def _shutdown(bootstrap: str) -> None:
         await async_wait_until(lambda: not proxy.ready()[0], timeout=5)
         assert proxy.ready() == (False, f"{group}: shutting down")
         await task
+
+
+def test_a_dlq_that_refuses_records_makes_readyz_not_ready(kafka) -> None:
+    asyncio.run(_dlq_refuses(kafka.bootstrap))
+
+
+async def _dlq_refuses(bootstrap: str) -> None:
+    # Given a DLQ topic created beforehand with a max.message.bytes too small for a poison pill
+    topic, group = unique_name("dlqready"), unique_name("dlqready")
+    dlq = f"{group}.dlq"
+    create_topic(bootstrap, topic, partitions=1)
+    create_topic(bootstrap, dlq, partitions=1, config={"max.message.bytes": "200"})
+
+    def behaviour(msg, n):
+        if msg.value.startswith(b"poison"):
+            return Behaviour(status=grpc.StatusCode.INVALID_ARGUMENT, details="cannot parse")
+        return Behaviour()
+
+    async with TestService(behaviour) as service:
+        config = make_config(bootstrap, group, [topic], [service.address], metrics_port=0)
+        proxy, task = start_proxy(config)
+        try:
+            await async_wait_until(lambda: proxy.ready()[0], timeout=30)
+            assert proxy.http is not None
+            port = proxy.http.port
+
+            async def readyz() -> tuple[int, str]:
+                return await http_get(port, "/readyz")
+
+            # When a poison pill cannot be dead-lettered
+            values = ["a", "poison " + "x" * 1000, "b"]
+            await asyncio.to_thread(produce, bootstrap, topic, values)
+            # Then /readyz says not ready, naming the DLQ and the reason
+            _, detail = await async_wait_until(
+                lambda: _when(readyz(), lambda r: r[0] == 503),
+                timeout=30,
+                message="/readyz to answer 503 while the DLQ refuses the record",
+            )
+            assert detail.startswith(f"{group}: DLQ {dlq} refuses records (record_too_large: ")
+            assert "1 dead letter waits" in detail
+            # and the metrics count the failures by reason and show the message held
+            metrics = await scrape(port)
+            errors = metrics.value(
+                "consumer_proxy_dlq_write_errors_total", group=group, reason="record_too_large"
+            )
+            assert errors is not None and errors >= 1
+            assert metrics.value("consumer_proxy_dlq_held_messages", group=group) == 1
+            # When the topic is fixed
+            await asyncio.to_thread(alter_topic, bootstrap, dlq, {"max.message.bytes": "1048588"})
+            # Then the proxy recovers by itself: ready again, nothing held, the commit at the end
+            await async_wait_until(
+                lambda: _when(readyz(), lambda r: r == (200, "ready\n")),
+                timeout=60,
+                message="/readyz to answer 200 once the DLQ accepts the record",
+            )
+            metrics = await scrape(port)
+            assert metrics.value("consumer_proxy_dlq_held_messages", group=group) == 0
+            await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=60)
+        finally:
+            await proxy.shutdown()
+            await task
+    assert len(await asyncio.to_thread(consume_all, bootstrap, dlq)) == 1
+
+
+async def _when(awaitable, accept):
+    value = await awaitable
+    return value if accept(value) else None
 
 
 def test_kafka_reachability_comes_from_the_consumers_statistics(kafka) -> None:

@@ -93,12 +93,15 @@ T = TypeVar("T")
 class Behaviour:
     """What the service does with one delivery.
 
-    First waits ``delay_s``; then ``crash`` (see the module docstring), or answers the
-    non-OK ``status`` with ``details``, or answers OK with ``action`` (``EMPTY`` = an empty
-    response), ``retry_after_ms`` and ``reason``.
+    First waits ``delay_s``, then until ``hold`` (an event of the service's loop) is set, if
+    given; then ``crash`` (see the module docstring), or answers the non-OK ``status`` with
+    ``details``, or answers OK with ``action`` (``EMPTY`` = an empty response),
+    ``retry_after_ms`` and ``reason``. ``hold`` lets a test keep calls open until a step of
+    its own has happened, so a "mid-run" precondition holds by construction.
     """
 
     delay_s: float = 0.0
+    hold: asyncio.Event | None = None
     status: grpc.StatusCode = grpc.StatusCode.OK
     details: str = ""
     action: handler_pb2.HandleMessageResponse.Action.ValueType = EMPTY
@@ -420,6 +423,8 @@ class TestService:
         try:
             if behaviour.delay_s > 0:
                 await asyncio.sleep(behaviour.delay_s)
+            if behaviour.hold is not None:
+                await behaviour.hold.wait()
         except asyncio.CancelledError:
             self._finish(index, "CANCELLED")
             raise
