@@ -518,7 +518,9 @@ class GroupRunner:
                 await asyncio.shield(self.fetcher.commit(still_owned))
             except KafkaException:
                 self.metrics.commits.labels(self.name, "error").inc()
+                self.partitions.commits_failing = True
                 raise
+            self.partitions.commits_failing = False
             self.metrics.commits.labels(self.name, "ok").inc()
             kept: list[Commit] = self.partitions.committed(plan)
             for c in kept:

@@ -147,3 +147,33 @@ def test_ack_state_from_before_an_unclean_truncation_never_skips_the_new_records
     sim.restart(crash=True)
     # Then the next owner delivers the new records (the state's epoch is older than theirs)
     sim.drain()
+
+
+def test_while_commits_fail_a_partition_stops_a_window_past_its_last_commit() -> None:
+    # Given a member that committed once, then cannot commit any more (broker unreachable)
+    sim = Simulation(seed=11, ordering="none")
+    sim.reset_tps = set()
+    core = sim.member.core
+    for _ in range(3):
+        sim.produce()
+    for _ in range(10):
+        sim.fetch()
+        sim.dispatch()
+        sim.clock.run_until(sim.clock.now + 0.1)
+    sim.commit()
+    core.commits_failing = True
+    # When far more messages arrive and are acked than one window
+    for _ in range(400):
+        sim.produce()
+        sim.fetch()
+        sim.dispatch()
+        sim.clock.run_until(sim.clock.now + 0.1)
+    # Then no partition's done prefix runs more than a window (plus one fetch) past its commit,
+    # so losing the partitions now would redeliver at most that
+    for part in core.parts.values():
+        assert part.tracker is not None and part.last_commit is not None
+        lag = part.tracker.committable() - part.last_commit[0]
+        assert lag <= sim.max_in_flight + 5, (part.tp, lag)
+    # and once commits succeed again, everything drains
+    core.commits_failing = False
+    sim.drain()

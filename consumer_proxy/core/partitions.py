@@ -195,6 +195,10 @@ class PartitionSet:
         self.parts: dict[TP, PartitionState] = {}
         self.bytes = 0
         self.counters = Counters()
+        self.commits_failing = False
+        """The last commit failed (broker unreachable): a partition whose done prefix runs
+        ``max_in_flight`` past its last confirmed commit stops taking messages, so that losing
+        it (or a crash) redelivers at most a window, however long the outage."""
         self._max_in_flight = delivery.max_in_flight
         self._max_bytes = delivery.max_in_flight_bytes
         self._budget = delivery.metadata_budget_bytes
@@ -290,7 +294,7 @@ class PartitionSet:
         part.received_end = offset + 1
         if part.tracker is None:
             part.tracker = PartitionTracker(offset, self._max_in_flight)
-        if part.backlog or part.tracker.is_full or self.bytes >= self._max_bytes:
+        if part.backlog or self._full(part) or self.bytes >= self._max_bytes:
             part.backlog.append(record)
             return
         self._accept(part, record)
@@ -397,7 +401,7 @@ class PartitionSet:
     def _drain_backlog(self, part: PartitionState) -> None:
         tracker = part.tracker
         backlog = part.backlog
-        while backlog and tracker is not None and not tracker.is_full:
+        while backlog and tracker is not None and not self._full(part):
             if self.bytes >= self._max_bytes:
                 return
             self._accept(part, backlog.popleft())
@@ -555,7 +559,7 @@ class PartitionSet:
                 (breaker_open and holding)
                 or self.bytes >= self._max_bytes
                 or bool(part.backlog)
-                or (tracker is not None and tracker.is_full)
+                or (tracker is not None and self._full(part))
                 or (part.meta_over_budget and tracker is not None and not tracker.restoring)
             )
             if want is not part.paused:
@@ -563,6 +567,19 @@ class PartitionSet:
                 part.paused = want
             paused += want
         return PausePlan(pause, resume, paused)
+
+    def _full(self, part: PartitionState) -> bool:
+        """The partition's window is full: ``max_in_flight`` offsets above the committable
+        offset, or, while commits fail, above the last confirmed commit."""
+        tracker = part.tracker
+        assert tracker is not None
+        if tracker.is_full:
+            return True
+        if not self.commits_failing or part.last_commit is None:
+            return False
+        last = tracker.last_tracked
+        frontier = part.last_commit[0] if last is None else last + 1
+        return frontier - part.last_commit[0] >= self._max_in_flight
 
     def commit_plan(self) -> tuple[list[Commit], list[PartitionState]]:
         """Each owned partition's commit (done prefix + ack state) that differs from the last
