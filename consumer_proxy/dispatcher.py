@@ -34,6 +34,7 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .config import ServiceConfig, TlsConfig
+from .core.batching import BatchOutcome, classify_batch, classify_failed_call
 from .core.outcomes import Classification, Classifier
 from .proto.v1 import handler_pb2, handler_pb2_grpc
 
@@ -51,6 +52,7 @@ _CHANNEL_OPTIONS: list[tuple[str, int | str]] = [
     ("grpc.max_reconnect_backoff_ms", 1_000),
 ]
 SERVICE_NAME = "consumerproxy.v1.MessageHandler"
+BATCH_METHOD = f"/{SERVICE_NAME}/HandleMessageBatch"
 """The health-check service name (the server's overall status, "", when it does not know it)."""
 EJECT_AFTER_FAILURES = 5
 EJECT_BASE_S = 2.0
@@ -133,6 +135,9 @@ class Dispatcher:
         self._ejected_interval_s = ejected_check_interval_s
         self._health_timeout_s = health_timeout_s
         self._rng = random.Random()
+        # Per endpoint: a HandleMessageBatch callable that sends a request already encoded
+        # by the shell (the batch is concatenated from per-message encodings).
+        self._batch_calls: dict[Endpoint, aio.UnaryUnaryMultiCallable[bytes, object]] = {}
         self._n_ejected = 0
         self._health_task: asyncio.Task[None] | None = None
         self._health_wake: asyncio.Event | None = None
@@ -240,6 +245,35 @@ class Dispatcher:
             endpoint.outstanding -= 1
         self._observe(endpoint, result)
         return result
+
+    async def push_batch(self, payload: bytes, count: int, endpoint: Endpoint) -> BatchOutcome:
+        """One ``HandleMessageBatch`` call carrying ``count`` messages (``payload`` is the
+        encoded ``HandleMessageBatchRequest``); never raises for a failed call. Endpoint
+        ejection hears one result per call, like the breaker."""
+        call = self._batch_calls.get(endpoint)
+        if call is None:
+            call = endpoint.channel.unary_unary(
+                BATCH_METHOD,
+                request_serializer=None,  # bytes as they are
+                response_deserializer=handler_pb2.HandleMessageBatchResponse.FromString,
+            )
+            self._batch_calls[endpoint] = call
+        endpoint.outstanding += 1
+        endpoint.calls += 1
+        try:
+            response = await call(payload, timeout=self._timeout_s)
+        except aio.AioRpcError as exc:
+            outcome = classify_failed_call(self._classifier, exc.code(), exc.details(), count)
+        else:
+            outcome = classify_batch(
+                self._classifier,
+                response if isinstance(response, handler_pb2.HandleMessageBatchResponse) else None,
+                count,
+            )
+        finally:
+            endpoint.outstanding -= 1
+        self._observe(endpoint, outcome.call)
+        return outcome
 
     def _observe(self, endpoint: Endpoint, result: Classification) -> None:
         if not result.service_failure:

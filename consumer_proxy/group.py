@@ -25,12 +25,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from .config import REVOKE_MARGIN_MS, GroupConfig, KafkaConfig
+from .core.batching import NOT_IMPLEMENTED_REASON, BatchLimits, BatchOutcome, frame, take
 from .core.decision import Action
 from .core.outcomes import Classification, Classifier
 from .core.partitions import TP, Commit, Delivery, PartitionSet, PartitionState
@@ -46,6 +48,47 @@ log = logging.getLogger(__name__)
 
 IDLE_COMMIT_GAP_S = 0.1
 """At most this often an idle partition's progress is committed before the next interval."""
+
+
+class ReadyDeque:
+    """Batch mode's ready messages: workers wait for any, then take a whole batch.
+
+    Each arriving message wakes one waiting worker (a free call slot sends what is ready at
+    once); while every worker is in a call, messages queue here and the next free worker
+    takes up to a batch of them.
+    """
+
+    __slots__ = ("_waiters", "items")
+
+    def __init__(self) -> None:
+        self.items: deque[Delivery] = deque()
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    def put(self, delivery: Delivery) -> None:
+        """A message is ready (``PartitionSet``'s ``emit``)."""
+        self.items.append(delivery)
+        self.wake()
+
+    def wake(self) -> None:
+        """Wake one waiting worker, if any."""
+        waiters = self._waiters
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    async def wait(self) -> None:
+        """Return once a message is ready."""
+        while not self.items:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():
+                    self.wake()  # the wake-up meant for this worker goes to another
+                raise
 
 
 class GroupRunner:
@@ -68,6 +111,12 @@ class GroupRunner:
         d = group.delivery
         self._classifier = Classifier(d.status_overrides)
         self._ready: asyncio.Queue[Delivery] = asyncio.Queue()
+        # Batch mode: workers are call slots taking batches from a deque of ready messages.
+        self._batch_ready = ReadyDeque()
+        self._batch_limits = (
+            BatchLimits(d.batch.max_messages, d.batch.max_bytes) if d.batch is not None else None
+        )
+        self.service_problem = ""  # said by /readyz while set (the batch method is missing)
         self._stopping = asyncio.Event()
         self._draining = False
         self._flush = asyncio.Event()  # a partition went idle: commit its progress soon
@@ -99,7 +148,7 @@ class GroupRunner:
             d,
             group.redrive_topic,
             self.breaker,
-            emit=self._ready.put_nowait,
+            emit=self._ready.put_nowait if d.batch is None else self._batch_ready.put,
             schedule=self._call_later,
             on_idle=self._flush.set,
         )
@@ -111,6 +160,9 @@ class GroupRunner:
         }
         self._m_push = metrics.push_duration.labels(self.name)
         self._m_in_flight = metrics.in_flight.labels(self.name)
+        self._m_batch_size = metrics.batch_size.labels(self.name)
+        self._m_batch_unsupported = metrics.batch_unsupported.labels(self.name)
+        self._m_batch_protocol_errors = metrics.batch_protocol_errors.labels(self.name)
 
     @staticmethod
     def _call_later(delay_s: float, fn: Callable[[], None]) -> asyncio.TimerHandle:
@@ -142,7 +194,8 @@ class GroupRunner:
         try:
             await self.fetcher.start()
             for i in range(self._workers):
-                self._spawn(self._worker(), f"worker-{i}")
+                worker = self._worker() if self._batch_limits is None else self._batch_worker()
+                self._spawn(worker, f"worker-{i}")
             intake = self._spawn(self._intake_loop(), "intake")
             committer = self._spawn(self._commit_loop(), "committer")
             stop = asyncio.ensure_future(self._stopping.wait())
@@ -346,27 +399,28 @@ class GroupRunner:
                     partitions.abandon(delivery)
                 self.limiter.release(rtt, result)
 
+    def _message(self, delivery: Delivery) -> handler_pb2.Message:
+        origin = delivery.origin
+        key = delivery.key
+        value = delivery.value
+        return handler_pb2.Message(
+            topic=origin.topic,
+            partition=origin.partition,
+            offset=origin.offset,
+            key=key or b"",
+            has_key=key is not None,
+            value=value or b"",
+            has_value=value is not None,
+            headers=[handler_pb2.Header(key=k, value=v) for k, v in delivery.headers],
+            timestamp_ms=origin.timestamp_ms,
+            consumer_group=self.name,
+            source=delivery.source,  # type: ignore[arg-type]
+        )
+
     def _request(self, delivery: Delivery) -> handler_pb2.HandleMessageRequest:
         request = delivery.request
         if request is None:
-            origin = delivery.origin
-            key = delivery.key
-            value = delivery.value
-            request = handler_pb2.HandleMessageRequest(
-                message=handler_pb2.Message(
-                    topic=origin.topic,
-                    partition=origin.partition,
-                    offset=origin.offset,
-                    key=key or b"",
-                    has_key=key is not None,
-                    value=value or b"",
-                    has_value=value is not None,
-                    headers=[handler_pb2.Header(key=k, value=v) for k, v in delivery.headers],
-                    timestamp_ms=origin.timestamp_ms,
-                    consumer_group=self.name,
-                    source=delivery.source,  # type: ignore[arg-type]
-                )
-            )
+            request = handler_pb2.HandleMessageRequest(message=self._message(delivery))
             delivery.request = request
         request.message.attempt = delivery.attempt
         return request  # type: ignore[no-any-return]
@@ -403,6 +457,136 @@ class GroupRunner:
                 self._dlq_tasks[task] = delivery.part
                 task.add_done_callback(self._dlq_tasks.pop)
         return result
+
+    # -- batch delivery ------------------------------------------------------------------
+
+    async def _batch_worker(self) -> None:
+        """One call slot of batch mode: wait for anything ready, then send what is ready."""
+        ready = self._batch_ready
+        limits = self._batch_limits
+        assert limits is not None
+        batch_config = self.group.delivery.batch
+        linger_s = batch_config.linger_ms / 1000.0 if batch_config is not None else 0.0
+        me = asyncio.current_task()
+        assert me is not None
+        loop = asyncio.get_running_loop()
+        partitions = self.partitions
+        while not self._draining:
+            await ready.wait()
+            await self.limiter.acquire()
+            probe = False
+            outcome: BatchOutcome | None = None
+            began: list[Delivery] = []
+            rtt = 0.0
+            try:
+                probe = await self.breaker.acquire()
+                if linger_s and len(ready.items) < limits.max_messages:
+                    await asyncio.sleep(linger_s)
+                # From here to begin() nothing awaits: a taken message is always begun.
+                batch = take(ready.items, limits)
+                if ready.items:
+                    ready.wake()  # more is ready than this call takes: another slot goes
+                began = [d for d in batch if partitions.begin(d)]
+                if began:
+                    self._pushing.add(me)
+                    if self.rate is not None:
+                        for _ in began:
+                            await self.rate.acquire()
+                    started = loop.time()
+                    outcome = await self._deliver_batch(began, probe)
+                    rtt = loop.time() - started
+                    self._m_push.observe(rtt)
+            finally:
+                self._pushing.discard(me)
+                if probe and outcome is None:
+                    self.breaker.abandon_probe()
+                if outcome is None:
+                    for delivery in began:
+                        partitions.abandon(delivery)
+                self.limiter.release(rtt, outcome.call if outcome is not None else None)
+
+    def _framed(self, delivery: Delivery) -> bytes:
+        encoded = delivery.request
+        if encoded is None:  # encoded once, without its attempt; retries reuse it
+            encoded = delivery.request = self._message(delivery).SerializeToString()
+        return frame(encoded, delivery.attempt)
+
+    async def _deliver_batch(self, batch: list[Delivery], probe: bool) -> BatchOutcome:
+        assert self.dispatcher is not None
+        endpoint = self.dispatcher.pick()
+        framed = self._framed
+        payload = b"".join([framed(d) for d in batch])
+        count = len(batch)
+        self._m_in_flight.inc(count)
+        try:
+            outcome = await self.dispatcher.push_batch(payload, count, endpoint)
+        finally:
+            self._m_in_flight.dec(count)
+            self._call_ended.set()
+        self._m_batch_size.observe(count)
+        self._batch_answered(outcome, endpoint.target)
+        failure = outcome.breaker
+        if failure is None:  # a protocol error says nothing about the service's health
+            if probe:
+                self.breaker.abandon_probe()
+        elif failure and endpoint.ejected:
+            if probe:  # ejection's business, as in unary mode
+                self.breaker.abandon_probe()
+        else:
+            self.breaker.record(failure, probe)
+        finish = self.partitions.finish
+        actions: dict[Action, int] = {}
+        for delivery, result in zip(batch, outcome.results, strict=True):
+            decision = finish(delivery, result, probe)
+            if decision is None:
+                continue
+            action = decision.action
+            actions[action] = actions.get(action, 0) + 1
+            if action is Action.DEAD_LETTER:
+                task = self._spawn(
+                    self._write_dead_letter(
+                        delivery, result.status, decision.reason, endpoint.target
+                    ),
+                    "dlq",
+                )
+                self._dlq_tasks[task] = delivery.part
+                task.add_done_callback(self._dlq_tasks.pop)
+        for action, n in actions.items():
+            self._m_outcome[action].inc(n)
+        return outcome
+
+    def _batch_answered(self, outcome: BatchOutcome, target: str) -> None:
+        """Logs, metrics and health for what a batch call's answer says about the service."""
+        call = outcome.call
+        if outcome.breaker:
+            self._last_failure = f"{call.status} from {target}: {call.reason}"
+        if outcome.unimplemented:
+            if not self.service_problem:
+                self.service_problem = f"{NOT_IMPLEMENTED_REASON} ({target} answered UNIMPLEMENTED)"
+                self._m_batch_unsupported.set(1)
+                log.error(
+                    "group %s: %s; delivery.batch is configured, so messages wait (no fallback "
+                    "to HandleMessage, nothing is dead-lettered) until the service implements "
+                    "it or the group's batch setting is removed",
+                    self.name,
+                    self.service_problem,
+                )
+                if self.on_health_change is not None:
+                    self.on_health_change()
+        elif self.service_problem and outcome.breaker is False:
+            self.service_problem = ""
+            self._m_batch_unsupported.set(0)
+            log.warning("group %s: %s answers HandleMessageBatch again", self.name, target)
+            if self.on_health_change is not None:
+                self.on_health_change()
+        if outcome.protocol_error:
+            self._m_batch_protocol_errors.inc()
+            log.warning(
+                "group %s: protocol error from %s: %s; the batch is retried (no attempt counted)",
+                self.name,
+                target,
+                outcome.protocol_error,
+            )
 
     async def _write_dead_letter(
         self, delivery: Delivery, status: str, reason: str, endpoint: str

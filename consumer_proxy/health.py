@@ -93,8 +93,13 @@ def group_verdict(group: GroupView) -> tuple[bool, str]:
     """(serving, why) for one group."""
     if not group.started.is_set():
         return False, "starting: the consumer has not polled Kafka yet"
+    problem = getattr(group, "service_problem", "")  # e.g. the batch method is missing
     if group.breaker.is_open:
-        return False, f"circuit {group.breaker.state}: the service is failing"
+        return False, f"circuit {group.breaker.state}: the service is failing" + (
+            f": {problem}" if problem else ""
+        )
+    if problem:
+        return False, problem
     link = group.kafka_link
     if link.enabled and link.reachable is not True:
         return False, link.detail

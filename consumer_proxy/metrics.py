@@ -105,6 +105,26 @@ class ProxyMetrics:
             ["group", "state"],
             registry=r,
         )
+        self.batch_size = Histogram(
+            "consumer_proxy_batch_size_messages",
+            "Messages per HandleMessageBatch call (_count: calls, _sum: messages).",
+            ["group"],
+            buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000),
+            registry=r,
+        )
+        self.batch_unsupported = Gauge(
+            "consumer_proxy_batch_unsupported",
+            "1 while the service does not implement HandleMessageBatch (answers UNIMPLEMENTED) "
+            "for a group with delivery.batch.",
+            ["group"],
+            registry=r,
+        )
+        self.batch_protocol_errors = Counter(
+            "consumer_proxy_batch_protocol_errors",
+            "Batch answers with the wrong number of results (the batch is retried).",
+            ["group"],
+            registry=r,
+        )
 
     def forget_partition(self, group: str, topic: str, partition: int) -> None:
         """Drop a revoked partition's series so label sets stay bounded by the assignment."""
