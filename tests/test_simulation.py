@@ -35,6 +35,10 @@ def test_thousands_of_random_schedules_keep_every_invariant() -> None:
     assert total.rebalances > 100 and total.restarts > 20 and total.crashes > 5
     assert total.outages > 50 and total.truncations > 5 and total.pauses > 100
     assert total.dead_lettered > 0 and total.acked > 10_000
+    # ... in unary and in batch mode, with real batches and broken batch answers
+    assert 300 < total.batch_schedules < 700
+    assert total.batched_messages > 1.2 * total.batch_calls > 0
+    assert total.protocol_errors > 50
 
 
 def test_a_paused_partition_reassigned_to_the_same_member_drains() -> None:
@@ -107,4 +111,27 @@ def test_restored_ack_state_over_the_budget_does_not_stall_the_partition() -> No
     # Then it keeps fetching the restored range (only fetching can shrink that state)
     sim.fetch()
     assert not part.paused or part.tracker.is_full or part.backlog
+    sim.drain()
+
+
+@pytest.mark.parametrize("outage", ["hung", "unavailable", "unimplemented"])
+def test_a_batch_service_outage_dead_letters_nothing(outage: str) -> None:
+    # Given a group in batch mode whose service hangs, says UNAVAILABLE (per call or per
+    # message) or does not implement HandleMessageBatch, for a long outage
+    from consumer_proxy.core.batching import BatchLimits
+
+    sim = Simulation(seed=11)
+    sim.reset_tps = set()
+    sim.batch = BatchLimits(max_messages=20, max_bytes=1000)
+    for _ in range(20):
+        sim.produce()
+    sim.outage = outage
+    for _ in range(400):
+        sim.fetch()
+        sim.dispatch()
+        sim.clock.run_until(sim.clock.now + 0.5)
+    # Then nothing was dead-lettered meanwhile, and everything drains once it answers
+    assert sim.stats.batch_calls > 0
+    assert all(sim.truth.behaviour[i].startswith(("poison", "timeout:")) for i in sim.truth.dlq)
+    assert sim.member.breaker.is_open
     sim.drain()
