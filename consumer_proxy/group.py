@@ -32,7 +32,7 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from .config import REVOKE_MARGIN_MS, GroupConfig, KafkaConfig
-from .core.batching import NOT_IMPLEMENTED_REASON, BatchLimits, BatchOutcome, frame, take
+from .core.batching import NOT_IMPLEMENTED_REASON, BatchLimits, BatchOutcome, take
 from .core.decision import Action
 from .core.outcomes import Classification, Classifier
 from .core.partitions import TP, Commit, Delivery, PartitionSet, PartitionState
@@ -505,17 +505,38 @@ class GroupRunner:
                         partitions.abandon(delivery)
                 self.limiter.release(rtt, outcome.call if outcome is not None else None)
 
-    def _framed(self, delivery: Delivery) -> bytes:
-        encoded = delivery.request
-        if encoded is None:  # encoded once, without its attempt; retries reuse it
-            encoded = delivery.request = self._message(delivery).SerializeToString()
-        return frame(encoded, delivery.attempt)
+    def _batch_request(self, batch: list[Delivery]) -> bytes:
+        """The encoded HandleMessageBatchRequest. Built in place for each push (measured:
+        cheaper than caching each encoded message and concatenating them)."""
+        request = handler_pb2.HandleMessageBatchRequest()
+        add = request.messages.add
+        group = self.name
+        for d in batch:
+            origin = d.origin
+            m = add()
+            m.topic = origin.topic
+            m.partition = origin.partition
+            m.offset = origin.offset
+            key = d.key
+            if key is not None:
+                m.key = key
+                m.has_key = True
+            value = d.value
+            if value is not None:
+                m.value = value
+                m.has_value = True
+            if d.headers:
+                m.headers.extend([handler_pb2.Header(key=k, value=v) for k, v in d.headers])
+            m.timestamp_ms = origin.timestamp_ms
+            m.consumer_group = group
+            m.attempt = d.attempt
+            m.source = d.source  # type: ignore[assignment]
+        return request.SerializeToString()
 
     async def _deliver_batch(self, batch: list[Delivery], probe: bool) -> BatchOutcome:
         assert self.dispatcher is not None
         endpoint = self.dispatcher.pick()
-        framed = self._framed
-        payload = b"".join([framed(d) for d in batch])
+        payload = self._batch_request(batch)
         count = len(batch)
         self._m_in_flight.inc(count)
         try:
@@ -535,13 +556,17 @@ class GroupRunner:
         else:
             self.breaker.record(failure, probe)
         finish = self.partitions.finish
-        actions: dict[Action, int] = {}
+        acks = 0
+        others: list[Action] = []
         for delivery, result in zip(batch, outcome.results, strict=True):
             decision = finish(delivery, result, probe)
             if decision is None:
                 continue
             action = decision.action
-            actions[action] = actions.get(action, 0) + 1
+            if action is Action.ACK:
+                acks += 1
+                continue
+            others.append(action)
             if action is Action.DEAD_LETTER:
                 task = self._spawn(
                     self._write_dead_letter(
@@ -551,8 +576,10 @@ class GroupRunner:
                 )
                 self._dlq_tasks[task] = delivery.part
                 task.add_done_callback(self._dlq_tasks.pop)
-        for action, n in actions.items():
-            self._m_outcome[action].inc(n)
+        if acks:
+            self._m_outcome[Action.ACK].inc(acks)
+        for action in others:
+            self._m_outcome[action].inc()
         return outcome
 
     def _batch_answered(self, outcome: BatchOutcome, target: str) -> None:

@@ -17,7 +17,6 @@ from consumer_proxy.core.batching import (
     BatchLimits,
     classify_batch,
     classify_failed_call,
-    frame,
     take,
 )
 from consumer_proxy.core.decision import Action, Evidence, Policy, decide
@@ -207,32 +206,3 @@ def test_unimplemented_is_an_outage_even_when_overridden() -> None:
         assert result.outcome is Outcome.RETRY
         assert result.service_failure and not result.counted
         assert result.reason == NOT_IMPLEMENTED_REASON
-
-
-# ------------------------------------------------------------------ encoding
-
-
-@given(
-    st.lists(
-        st.tuples(st.binary(max_size=300), st.integers(min_value=1, max_value=100_000), st.text()),
-        max_size=20,
-    )
-)
-def test_a_framed_batch_decodes_to_the_messages_with_their_attempts(
-    entries: list[tuple[bytes, int, str]],
-) -> None:
-    messages = [
-        handler_pb2.Message(topic=topic, offset=i, value=value, has_value=True)
-        for i, (value, _, topic) in enumerate(entries)
-    ]
-    payload = b"".join(
-        frame(m.SerializeToString(), attempt)
-        for m, (_, attempt, _) in zip(messages, entries, strict=True)
-    )
-    decoded = handler_pb2.HandleMessageBatchRequest.FromString(payload)
-    assert len(decoded.messages) == len(entries)
-    for got, want, (_, attempt, _) in zip(decoded.messages, messages, entries, strict=True):
-        expected = handler_pb2.Message()
-        expected.CopyFrom(want)
-        expected.attempt = attempt
-        assert got == expected

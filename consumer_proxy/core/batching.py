@@ -153,31 +153,3 @@ def classify_batch(
         return BatchOutcome(results, results[0], True)
     # The limiter learns "slow down" from the call when any message asked for it.
     return BatchOutcome(results, slow or _OK_CALL, False)
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-_ATTEMPT_TAG = b"\x58"  # Message.attempt: field 11, varint
-_MESSAGES_TAG = b"\x0a"  # HandleMessageBatchRequest.messages: field 1, length-delimited
-_TAILS = [_ATTEMPT_TAG + _varint(n) for n in range(128)]
-
-
-def frame(message: bytes, attempt: int) -> bytes:
-    """One entry of an encoded ``HandleMessageBatchRequest``: ``message`` (an encoded
-    ``Message`` without its attempt, cached across retries) with ``attempt`` appended.
-
-    Protobuf lets a later occurrence of a scalar field win, and concatenated entries of a
-    repeated field are the repeated field: a batch request is the concatenation of its
-    framed messages, with no per-push protobuf object built.
-    """
-    tail = _TAILS[attempt] if 0 <= attempt < 128 else _ATTEMPT_TAG + _varint(attempt)
-    length = len(message) + len(tail)
-    head = _MESSAGES_TAG + (bytes((length,)) if length < 128 else _varint(length))
-    return head + message + tail
