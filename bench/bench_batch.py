@@ -89,6 +89,8 @@ class _Books:
         self.last: float | None = None
         self.sizes: dict[int, int] = {}
         self.latency_ms: list[float] = []
+        self.in_flight = 0
+        self.peak_in_flight = 0
 
 
 def _handler_main(spec: BatchHandlerSpec, conn: Connection) -> None:
@@ -119,7 +121,10 @@ async def _serve(spec: BatchHandlerSpec, conn: Connection) -> None:
             wall_ms = time.time() * 1000.0
             books.latency_ms += [wall_ms - m.timestamp_ms for m in messages if m.attempt == 1]
         if delay_s:
+            books.in_flight += 1
+            books.peak_in_flight = max(books.peak_in_flight, books.in_flight)
             await asyncio.sleep(delay_s)
+            books.in_flight -= 1
         answer = answers.get(count)
         if answer is None:  # `count` empty results (field 1, length 0): all acks
             answer = answers[count] = b"\x0a\x00" * count
@@ -164,7 +169,13 @@ async def _serve(spec: BatchHandlerSpec, conn: Connection) -> None:
                     (books.messages, books.calls, books.first, books.last, time.process_time())
                 )
             elif command == "stats":
-                conn.send({"sizes": dict(books.sizes), "latency_ms": list(books.latency_ms)})
+                conn.send(
+                    {
+                        "sizes": dict(books.sizes),
+                        "latency_ms": list(books.latency_ms),
+                        "peak_calls": books.peak_in_flight,
+                    }
+                )
     finally:
         await server.stop(grace=1.0)
         conn.send("stopped")
@@ -288,7 +299,8 @@ def proxy_run(
             time.sleep(0.05)
         committed_at = time.monotonic()
         seen, calls, first, last, _ = handler.ask("progress")
-        sizes = handler.ask("stats")["sizes"]
+        stats = handler.ask("stats")
+        sizes = stats["sizes"]
     return {
         "committed_rate": rate(n, committed_at - first),
         "seen_rate": rate(n, last - first),
@@ -296,6 +308,7 @@ def proxy_run(
         "calls": calls,
         "mean_batch": seen / max(calls, 1),
         "sizes": sizes,
+        "peak_calls": stats["peak_calls"],
         "duplicates": seen - n,
     }
 
@@ -341,6 +354,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-messages", type=int, default=500)
     parser.add_argument("--concurrency", type=int, default=4, help="calls in flight")
+    parser.add_argument(
+        "--pc-window", type=int, default=1000, help="max_in_flight of the 1-partition workload"
+    )
     parser.add_argument("--only", nargs="+", choices=["throughput", "pc", "latency"], default=None)
     args = parser.parse_args()
     n = 20_000 if args.quick else args.n
@@ -418,12 +434,12 @@ def main() -> int:
                 higher_is_better=False,
             )
         if "pc" in parts:
-            pc_n = 4000 if args.quick else 40_000
+            pc_n = 4000 if args.quick else 60_000
             topic = create_topic(bootstrap, unique_name("bench-batch-pc1"), partitions=1)
             produce_bulk(bootstrap, topic, pc_n, partitions=1, value=value_of)
             delivery = {
                 "concurrency": 4,
-                "max_in_flight": 200,
+                "max_in_flight": args.pc_window,
                 "commit_interval_ms": 100,
                 "batch": {"max_messages": 50},
             }
@@ -434,7 +450,7 @@ def main() -> int:
                     print(
                         f"  1 partition, 20 ms/msg, round {round_ + 1}: committed "
                         f"{run['committed_rate']:,.0f} msg/s, CPU {run['cpu_us_per_msg']:.1f} "
-                        f"us/msg, batches: {sizes_line(run['sizes'])}",
+                        f"us/msg, batches: {sizes_line(run['sizes'])}; peak calls {run['peak_calls']}",
                         flush=True,
                     )
                     runs.append(run)
