@@ -560,11 +560,11 @@ class GroupRunner:
         endpoint = self.dispatcher.pick()
         payload = self._batch_request(batch)
         count = len(batch)
-        self._m_in_flight.inc(count)
+        self._m_in_flight.inc()  # calls, as in unary mode
         try:
             outcome = await self.dispatcher.push_batch(payload, count, endpoint)
         finally:
-            self._m_in_flight.dec(count)
+            self._m_in_flight.dec()
             self._call_ended.set()
         self._m_batch_size.observe(count)
         self._batch_answered(outcome, endpoint.target)
