@@ -443,14 +443,23 @@ def main() -> int:
                 "commit_interval_ms": 100,
                 "batch": {"max_messages": 50},
             }
-            runs = []
+            runs, pc_bares = [], []
             with BatchHandler(BatchHandlerSpec(delay_ms=20)) as handler:
                 for round_ in range(rounds):
+                    # The same calls without Kafka or the proxy: what this machine allows now.
+                    pc_bare = bare_run(handler, pc_n, 50, 4)
+                    pc_bares.append(pc_bare)
+                    print(
+                        f"  1 partition, 20 ms/msg, round {round_ + 1}: bare 4 x 50 "
+                        f"{pc_bare['rate']:,.0f} msg/s",
+                        flush=True,
+                    )
                     run = proxy_run(bootstrap, handler, topic, pc_n, delivery)
                     print(
                         f"  1 partition, 20 ms/msg, round {round_ + 1}: committed "
                         f"{run['committed_rate']:,.0f} msg/s, CPU {run['cpu_us_per_msg']:.1f} "
-                        f"us/msg, batches: {sizes_line(run['sizes'])}; peak calls {run['peak_calls']}",
+                        f"us/msg, batches: {sizes_line(run['sizes'])}; "
+                        f"peak calls {run['peak_calls']}",
                         flush=True,
                     )
                     runs.append(run)
@@ -462,6 +471,17 @@ def main() -> int:
                 "us",
             )
             result.figures["pc.one_partition_20ms_runs"] = runs
+            result.figure(
+                "pc.one_partition_20ms_bare_msgs_per_s",
+                statistics.median(b["rate"] for b in pc_bares),
+                "msg/s",
+            )
+            result.ratio(
+                "pc.one_partition_20ms_over_bare",
+                statistics.median(
+                    r["committed_rate"] / b["rate"] for r, b in zip(runs, pc_bares, strict=True)
+                ),
+            )
             result.ratio("pc.one_partition_20ms_over_ceiling_10k", pc_rate / 10_000)
             result.ratio(
                 "pc.one_partition_20ms_over_parallel_consumer", pc_rate / PC_ONE_PARTITION_20MS, 1.0
