@@ -53,6 +53,8 @@ BATCH_FETCH_WAIT_MS = 20
 """Batch groups' default long-poll of a fetch request (librdkafka's default: 500 ms)."""
 FETCH_WAIT_S = 0.2
 """How long one consume waits for a first message."""
+IDLE_FETCH_WAIT_S = 1.0
+"""... while the group holds no message at all."""
 STARVED_POLL_S = 0.005
 """... and while a partition is paused for a full window or the byte budget."""
 
@@ -354,6 +356,7 @@ class GroupRunner:
         batch = self.group.delivery.fetch_batch
         paused = self.metrics.partitions_paused.labels(self.name)
         timeout_s = FETCH_WAIT_S
+        quiet = 0  # polls in a row that found the group holding nothing
         while not self._stopping.is_set():
             messages = await fetcher.consume(batch, timeout_s)
             self.started.set()  # the consumer is up (joined, or joining, the group)
@@ -379,7 +382,17 @@ class GroupRunner:
             # would wait out the whole fetch timeout (measured: 1 partition, batches of 50 at
             # 20 ms, a 200 window: 1,000 msg/s instead of 10,000).
             starved = plan.paused and not self.breaker.is_open
-            timeout_s = STARVED_POLL_S if starved else FETCH_WAIT_S
+            quiet = 0 if messages or plan.paused or partitions.holding() else quiet + 1
+            if starved:
+                timeout_s = STARVED_POLL_S
+            elif quiet < 2:
+                timeout_s = FETCH_WAIT_S
+            else:
+                # Nothing held or paused for two polls (the idle commit has had its turn on
+                # the consumer thread): only a new message, which ends the wait at once, or a
+                # rebalance, served inside consume, can change anything. An idle group wakes
+                # once a second instead of five times (the idle cost of many groups).
+                timeout_s = IDLE_FETCH_WAIT_S
 
     # -- delivery ------------------------------------------------------------------------
 

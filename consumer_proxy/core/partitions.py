@@ -540,6 +540,13 @@ class PartitionSet:
                 kept.append(commit)
         return kept
 
+    def holding(self) -> bool:
+        """True while any partition holds a message not yet done (tracked or in a backlog)."""
+        return any(
+            part.backlog or (part.tracker is not None and part.tracker.pending > 0)
+            for part in self.parts.values()
+        )
+
     def owned(self, tps: Sequence[TP]) -> list[PartitionState]:
         """The states of those of ``tps`` this member owns."""
         return [self.parts[tp] for tp in tps if tp in self.parts]
