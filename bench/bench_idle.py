@@ -94,6 +94,10 @@ def main() -> int:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--groups", type=int, default=40)
     parser.add_argument("--seconds", type=float, default=30.0, help="sampling window")
+    parser.add_argument(
+        "--baseline-root",
+        help="also run the proxy from this checkout (e.g. /work/main) side by side: before/after",
+    )
     args = parser.parse_args()
     groups = 5 if args.quick else args.groups
     seconds = 10.0 if args.quick else args.seconds
@@ -107,33 +111,40 @@ def main() -> int:
             create_topic(bootstrap, unique_name("idle"), partitions=PARTITIONS)
             for _ in range(groups)
         ]
-        names = [unique_name("idle-g") for _ in topics]
-        config = {
-            "kafka": {"bootstrap_servers": bootstrap},
-            "metrics": {"enabled": False},
-            "groups": [
-                {"name": name, "topics": [topic], "service": {"endpoints": [handler.address]}}
-                for name, topic in zip(names, topics, strict=True)
-            ],
-        }
-        path = Path(tmp) / "proxy.json"
-        path.write_text(json.dumps(config))
-        log = open(Path(tmp) / "proxy.log", "wb")  # noqa: SIM115
-        proxy = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "consumer_proxy",
-                "run",
-                "--config",
-                str(path),
-                "--log-level",
-                "info",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=str(ROOT),
-        )
+
+        def start_proxy(root: Path, tag: str) -> tuple[subprocess.Popen[bytes], Path]:
+            names = [unique_name(f"idle-{tag}") for _ in topics]
+            config = {
+                "kafka": {"bootstrap_servers": bootstrap},
+                "metrics": {"enabled": False},
+                "groups": [
+                    {"name": name, "topics": [topic], "service": {"endpoints": [handler.address]}}
+                    for name, topic in zip(names, topics, strict=True)
+                ],
+            }
+            path = Path(tmp) / f"proxy-{tag}.json"
+            path.write_text(json.dumps(config))
+            log_path = Path(tmp) / f"proxy-{tag}.log"
+            with open(log_path, "wb") as log:
+                proc = subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "consumer_proxy",
+                        "run",
+                        "--config",
+                        str(path),
+                        "--log-level",
+                        "info",
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=str(root),  # `python -m` imports consumer_proxy from there
+                )
+            return proc, log_path
+
+        proxy, proxy_log = start_proxy(ROOT, "proxy")
+        baseline = start_proxy(Path(args.baseline_root), "base") if args.baseline_root else None
         ready = Path(tmp) / "floor.ready"
         floor = subprocess.Popen(
             [
@@ -149,28 +160,39 @@ def main() -> int:
         )
         try:
 
-            def proxy_assigned() -> bool:
-                text = (Path(tmp) / "proxy.log").read_text(errors="replace")
+            def assigned(log_path: Path) -> bool:
+                text = log_path.read_text(errors="replace")
                 return all(f"{t}[{PARTITIONS - 1}]" in text for t in topics)
 
-            wait_for(proxy_assigned, 180, what="the proxy's groups to own their partitions")
+            wait_for(lambda: assigned(proxy_log), 180, what="the proxy's groups to own partitions")
+            if baseline is not None:
+                wait_for(lambda: assigned(baseline[1]), 180, what="the baseline proxy's groups")
             wait_for(ready.exists, 180, what="the bare consumers to own their partitions")
             time.sleep(5.0)  # joins and first commits settle
-            cpu0 = (cpu_seconds(proxy.pid), cpu_seconds(floor.pid))
+            pids = [proxy.pid, floor.pid] + ([baseline[0].pid] if baseline else [])
+            cpu0 = [cpu_seconds(pid) for pid in pids]
             t0 = time.monotonic()
             time.sleep(seconds)
             elapsed = time.monotonic() - t0
-            cpu1 = (cpu_seconds(proxy.pid), cpu_seconds(floor.pid))
-            proxy_cpu = 100.0 * (cpu1[0] - cpu0[0]) / elapsed
-            floor_cpu = 100.0 * (cpu1[1] - cpu0[1]) / elapsed
-            proxy_rss, proxy_threads = proc_status(proxy.pid)
-            floor_rss, floor_threads = proc_status(floor.pid)
+            cpu = [
+                100.0 * (cpu_seconds(pid) - c) / elapsed for pid, c in zip(pids, cpu0, strict=True)
+            ]
+            status = [proc_status(pid) for pid in pids]
         finally:
-            proxy.terminate()
+            for proc in [proxy, *([baseline[0]] if baseline else [])]:
+                proc.terminate()
             floor.kill()
-            proxy.wait(60)
+            for proc in [proxy, *([baseline[0]] if baseline else [])]:
+                proc.wait(60)
             floor.wait(30)
-            log.close()
+    proxy_cpu, floor_cpu = cpu[0], cpu[1]
+    (proxy_rss, proxy_threads), (floor_rss, floor_threads) = status[0], status[1]
+    if baseline is not None:
+        result.figure("baseline.cpu_percent_of_a_core", round(cpu[2], 2), "%")
+        result.figure("baseline.rss_mib", round(status[2][0], 1), "MiB")
+        result.figure("baseline.threads", status[2][1])
+        result.ratio("baseline_cpu_over_floor", cpu[2] / max(floor_cpu, 1e-9))
+        result.ratio("baseline_rss_over_floor", status[2][0] / floor_rss)
     result.figure("proxy.cpu_percent_of_a_core", round(proxy_cpu, 2), "%")
     result.figure("floor.cpu_percent_of_a_core", round(floor_cpu, 2), "%")
     result.figure("proxy.rss_mib", round(proxy_rss, 1), "MiB")

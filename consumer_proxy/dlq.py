@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -179,6 +180,39 @@ class DeadLetterWriter:
         await asyncio.to_thread(self._producer.flush, timeout_s)
         self._stop.set()
         await asyncio.to_thread(self._poller.join, 5)
+
+
+class DeadLetterWriters:
+    """The process's DLQ producers: one per distinct producer configuration, shared by every
+    group that needs it (usually one for the whole process), closed when its last group
+    lets go. Each producer costs librdkafka threads, buffers and a polling thread that wakes
+    ten times a second: per group, that was most of an idle group's cost."""
+
+    def __init__(self) -> None:
+        self._writers: dict[str, tuple[DeadLetterWriter, int]] = {}
+
+    @staticmethod
+    def _key(conf: dict[str, Any]) -> str:
+        return json.dumps(conf, sort_keys=True, default=str)
+
+    def acquire(self, conf: dict[str, Any], loop: asyncio.AbstractEventLoop) -> DeadLetterWriter:
+        """The writer for ``conf``, created on first use."""
+        key = self._key(conf)
+        entry = self._writers.get(key)
+        writer = entry[0] if entry is not None else DeadLetterWriter(conf, loop)
+        self._writers[key] = (writer, (entry[1] if entry is not None else 0) + 1)
+        return writer
+
+    async def release(self, writer: DeadLetterWriter, timeout_s: float = 10.0) -> None:
+        """A group is done with ``writer``; the last one closes it (flushing what is queued)."""
+        for key, (known, users) in list(self._writers.items()):
+            if known is writer:
+                if users > 1:
+                    self._writers[key] = (known, users - 1)
+                    return
+                del self._writers[key]
+                break
+        await writer.close(timeout_s)
 
 
 def ensure_topics(kafka: KafkaConfig, group: GroupConfig, timeout_s: float = 30.0) -> list[str]:

@@ -37,7 +37,7 @@ from .core.decision import Action
 from .core.outcomes import Classification, Classifier
 from .core.partitions import TP, Commit, Delivery, PartitionSet, PartitionState
 from .dispatcher import Dispatcher
-from .dlq import DeadLetterWriter, dlq_headers, ensure_topics, producer_config
+from .dlq import DeadLetterWriter, DeadLetterWriters, dlq_headers, ensure_topics, producer_config
 from .fetcher import Fetcher, consumer_config
 from .flow import AdaptiveLimiter, Breaker, ConcurrencyLimiter, RateLimiter, StaticLimiter
 from .health import KafkaLink
@@ -55,6 +55,8 @@ FETCH_WAIT_S = 0.2
 """How long one consume waits for a first message."""
 IDLE_FETCH_WAIT_S = 1.0
 """... while the group holds no message at all."""
+QUIET_TICKS = 10
+"""A group that held nothing for two commit intervals ticks every this many intervals."""
 STARVED_POLL_S = 0.005
 """... and while a partition is paused for a full window or the byte budget."""
 
@@ -110,8 +112,10 @@ class GroupRunner:
         metrics: ProxyMetrics,
         consumer_overrides: dict[str, Any] | None = None,
         shutdown_grace_s: float = 25.0,
+        dlq_writers: DeadLetterWriters | None = None,
     ) -> None:
         self.kafka = kafka
+        self._dlq_writers = dlq_writers or DeadLetterWriters()  # the process's, when shared
         self._grace_s = shutdown_grace_s
         self.group = group
         self.name = group.name
@@ -129,6 +133,7 @@ class GroupRunner:
         self._stopping = asyncio.Event()
         self._draining = False
         self._flush = asyncio.Event()  # a partition went idle: commit its progress soon
+        self._commit_quiet = False  # the committer ticks slowly: intake wakes it on traffic
         self._commit_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._dlq_tasks: dict[asyncio.Task[Any], PartitionState] = {}
@@ -190,7 +195,7 @@ class GroupRunner:
             on_ejected=self.metrics.endpoints_ejected.labels(self.name).set,
         )
         self.dispatcher.start()
-        self.writer = DeadLetterWriter(
+        self.writer = self._dlq_writers.acquire(
             producer_config(self.kafka, self.group.dlq.write_timeout_ms), loop
         )
         overrides = dict(self._consumer_overrides)
@@ -277,7 +282,7 @@ class GroupRunner:
                 await self.commit()
             await self.fetcher.close()
         if self.writer is not None:
-            await self.writer.close()
+            await self._dlq_writers.release(self.writer)
         if self.dispatcher is not None:
             await self.dispatcher.close()
         log.info("group %s: stopped", self.name)
@@ -382,6 +387,8 @@ class GroupRunner:
             # would wait out the whole fetch timeout (measured: 1 partition, batches of 50 at
             # 20 ms, a 200 window: 1,000 msg/s instead of 10,000).
             starved = plan.paused and not self.breaker.is_open
+            if messages and self._commit_quiet:
+                self._flush.set()  # traffic after a quiet spell: the committer's usual cadence
             quiet = 0 if messages or plan.paused or partitions.holding() else quiet + 1
             if starved:
                 timeout_s = STARVED_POLL_S
@@ -709,6 +716,7 @@ class GroupRunner:
         interval = self.group.delivery.commit_interval_ms / 1000.0
         gap = min(IDLE_COMMIT_GAP_S, interval)
         next_tick = loop.time() + interval
+        quiet = 0  # ticks in a row with nothing held and nothing to commit
         while True:
             # A partition that went idle is committed soon (fewer duplicates after a crash);
             # otherwise every interval. Never more often than every ``gap``.
@@ -716,13 +724,23 @@ class GroupRunner:
                 async with asyncio.timeout(max(0.0, next_tick - loop.time())):
                     await self._flush.wait()
             self._flush.clear()
+            committed = 0
             try:
-                await self.commit()
+                committed = await self.commit()
             except KafkaException as exc:
                 log.warning("group %s: commit failed, will retry: %s", self.name, exc)
-            if loop.time() >= next_tick:
-                next_tick = loop.time() + interval
+            now = loop.time()
+            holding = self.partitions.holding()
+            if now >= next_tick:
                 await self._update_lag()
+                quiet = 0 if committed or holding else quiet + 1
+                # A group that holds nothing has nothing to commit until messages come (the
+                # intake then flushes): it ticks every QUIET_TICKS intervals (the idle cost).
+                next_tick = now + interval * (QUIET_TICKS if quiet >= 2 else 1)
+            elif holding and quiet:
+                quiet = 0
+                next_tick = min(next_tick, now + interval)  # busy again: the usual cadence
+            self._commit_quiet = quiet >= 2
             await asyncio.sleep(gap)
 
     async def commit(self) -> int:

@@ -10,6 +10,7 @@ import asyncio
 from typing import Any
 
 from .config import ProxyConfig
+from .dlq import DeadLetterWriters
 from .group import GroupRunner
 from .health import ProxyHealth
 from .metrics import HttpEndpoint, ProxyMetrics
@@ -26,8 +27,16 @@ class Proxy:
     ) -> None:
         self.config = config
         self.metrics = metrics or ProxyMetrics()
+        writers = DeadLetterWriters()  # one DLQ producer per process, not per group
         self.runners = [
-            GroupRunner(config.kafka, g, self.metrics, consumer_overrides, config.shutdown_grace_s)
+            GroupRunner(
+                config.kafka,
+                g,
+                self.metrics,
+                consumer_overrides,
+                config.shutdown_grace_s,
+                dlq_writers=writers,
+            )
             for g in config.groups
         ]
         self._stop = asyncio.Event()
