@@ -7,10 +7,12 @@ from collections import deque
 from dataclasses import dataclass
 
 import grpc
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
-from consumer_proxy.config import BackoffConfig
+from consumer_proxy.config import BackoffConfig, DeliveryConfig
 from consumer_proxy.core.batching import (
     NOT_IMPLEMENTED_REASON,
     PROTOCOL_ERROR,
@@ -206,3 +208,20 @@ def test_unimplemented_is_an_outage_even_when_overridden() -> None:
         assert result.outcome is Outcome.RETRY
         assert result.service_failure and not result.counted
         assert result.reason == NOT_IMPLEMENTED_REASON
+
+
+# ------------------------------------------------------------------ configuration
+
+
+def test_batching_is_off_unless_the_block_is_present() -> None:
+    assert DeliveryConfig().batch is None
+    on = DeliveryConfig.model_validate({"batch": {}}).batch
+    assert on is not None
+    assert (on.max_messages, on.max_bytes, on.linger_ms) == (100, 1024 * 1024, 0)
+
+
+def test_bad_batch_settings_are_rejected_with_their_field_path() -> None:
+    for bad in ({"max_messages": 0}, {"max_bytes": 0}, {"linger_ms": -1}, {"nope": 1}):
+        with pytest.raises(ValidationError) as caught:
+            DeliveryConfig.model_validate({"batch": bad})
+        assert caught.value.errors()[0]["loc"][0] == "batch"
