@@ -52,8 +52,8 @@ _CHANNEL_OPTIONS: list[tuple[str, int | str]] = [
     ("grpc.max_reconnect_backoff_ms", 1_000),
 ]
 SERVICE_NAME = "consumerproxy.v1.MessageHandler"
-BATCH_METHOD = f"/{SERVICE_NAME}/HandleMessageBatch"
 """The health-check service name (the server's overall status, "", when it does not know it)."""
+BATCH_METHOD = f"/{SERVICE_NAME}/HandleMessageBatch"
 EJECT_AFTER_FAILURES = 5
 EJECT_BASE_S = 2.0
 EJECT_MAX_S = 60.0
@@ -136,7 +136,7 @@ class Dispatcher:
         self._health_timeout_s = health_timeout_s
         self._rng = random.Random()
         # Per endpoint: a HandleMessageBatch callable that sends a request already encoded
-        # by the shell (the batch is concatenated from per-message encodings).
+        # by the shell (bytes, no protobuf object in between).
         self._batch_calls: dict[Endpoint, aio.UnaryUnaryMultiCallable[bytes, object]] = {}
         self._n_ejected = 0
         self._health_task: asyncio.Task[None] | None = None

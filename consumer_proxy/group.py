@@ -9,6 +9,11 @@ result means). This shell owns the tasks and executes the plans:
     PartitionSet.dead_lettered) ; committer: every commit_interval_ms, soon after a partition
     goes idle, on revoke and on shutdown -> PartitionSet.commit_plan
 
+Batch mode (``delivery.batch``): ``emit`` fills a ``ReadyDeque``; each worker is a call slot
+that waits for anything ready, takes a batch (``core.batching.take``), pushes it with
+``Dispatcher.push_batch`` (which reads the answer with ``core.batching``), records the call
+once in the breaker, then calls ``PartitionSet.finish`` for each message.
+
 Shutdown order (``Proxy.shutdown`` / SIGTERM): stop intake -> let in-flight calls finish
 within the grace period, then cancel them -> commit what is done -> close the consumer
 (leave the group) -> close the DLQ producer and the gRPC channels.
