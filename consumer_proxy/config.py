@@ -191,6 +191,29 @@ class AdaptiveConfig(BaseModel):
         return self
 
 
+class BatchConfig(BaseModel):
+    """Batch push: several messages per ``HandleMessageBatch`` call (the throughput path)."""
+
+    model_config = _FROZEN
+    max_messages: int = Field(
+        100, ge=1, le=10_000, description="Most messages in one HandleMessageBatch call."
+    )
+    max_bytes: int = Field(
+        1024 * 1024,
+        ge=1,
+        le=64 * 1024 * 1024,
+        description="Most message bytes (key, value, headers) in one call; a larger message "
+        "goes alone in a batch of one.",
+    )
+    linger_ms: int = Field(
+        0,
+        ge=0,
+        le=10_000,
+        description="Wait this long for a batch to fill once a call slot is free (0: send "
+        "what is ready at once; batches still grow while every call slot is busy).",
+    )
+
+
 class DeliveryConfig(BaseModel):
     """How messages are delivered, retried and committed."""
 
@@ -247,6 +270,11 @@ class DeliveryConfig(BaseModel):
         "flight, each key's messages in offset order (a retry or a pending DLQ write holds "
         "back only its key; messages without a key are ordered among themselves per "
         "partition). partition: one message per partition in flight, in offset order.",
+    )
+    batch: BatchConfig | None = Field(
+        None,
+        description="Push several messages per HandleMessageBatch call; present (even {}) "
+        "turns batching on. Concurrency then counts calls, max_in_flight still messages.",
     )
 
     @field_validator("concurrency", mode="before")

@@ -36,6 +36,7 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .config import ServiceConfig, TlsConfig
+from .core.batching import BatchOutcome, classify_batch, classify_failed_call
 from .core.ejection import (
     EJECTED_CHECK_INTERVAL_S,
     HEALTH_INTERVAL_S,
@@ -62,6 +63,7 @@ _CHANNEL_OPTIONS: list[tuple[str, int | str]] = [
 ]
 SERVICE_NAME = "consumerproxy.v1.MessageHandler"
 """The health-check service name (the server's overall status, "", when it does not know it)."""
+BATCH_METHOD = f"/{SERVICE_NAME}/HandleMessageBatch"
 HEALTH_TIMEOUT_S = 1.0
 
 
@@ -138,6 +140,9 @@ class Dispatcher:
         self._on_ejected = on_ejected
         self._health_timeout_s = health_timeout_s
         self._rng = random.Random()
+        # Per endpoint: a HandleMessageBatch callable that sends a request already encoded
+        # by the shell (bytes, no protobuf object in between).
+        self._batch_calls: dict[Endpoint, aio.UnaryUnaryMultiCallable[bytes, object]] = {}
         self._ejection = Ejection(
             len(service.endpoints),
             time.monotonic,
@@ -256,6 +261,40 @@ class Dispatcher:
         if change is not None:
             self._changed(change)
         return result
+
+    async def push_batch(self, payload: bytes, count: int, endpoint: Endpoint) -> BatchOutcome:
+        """One ``HandleMessageBatch`` call carrying ``count`` messages (``payload`` is the
+        encoded ``HandleMessageBatchRequest``); never raises for a failed call. Endpoint
+        ejection hears one result per call, like the breaker."""
+        call = self._batch_calls.get(endpoint)
+        if call is None:
+            call = endpoint.channel.unary_unary(
+                BATCH_METHOD,
+                request_serializer=None,  # bytes as they are
+                response_deserializer=handler_pb2.HandleMessageBatchResponse.FromString,
+            )
+            self._batch_calls[endpoint] = call
+        endpoint.outstanding += 1
+        endpoint.calls += 1
+        try:
+            response = await call(payload, timeout=self._timeout_s)
+        except aio.AioRpcError as exc:
+            outcome = classify_failed_call(self._classifier, exc.code(), exc.details(), count)
+        else:
+            outcome = classify_batch(
+                self._classifier,
+                response if isinstance(response, handler_pb2.HandleMessageBatchResponse) else None,
+                count,
+            )
+        finally:
+            endpoint.outstanding -= 1
+        call_result = outcome.call
+        change = self._ejection.observe(
+            endpoint.index, call_result.service_failure, call_result.status
+        )
+        if change is not None:
+            self._changed(change)
+        return outcome
 
     def _changed(self, *changes: Change) -> None:
         """Log each change of the rotation, report the count, and wake the health loop."""

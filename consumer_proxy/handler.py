@@ -41,11 +41,13 @@ any other exception               INTERNAL               RETRY, counted; logged 
 ================================  =====================  ====================================
 
 ``HandleMessageBatch`` is served too: it calls the handler concurrently for every message of
-the batch and answers one result per message, in order. A batch result can only carry an
-action, so a raised error becomes the action its status would have led to: PoisonPill (and
-the other dead-letter codes) -> DEAD_LETTER, AlreadyProcessed -> ACK, anything else -> RETRY,
-each with the error as the reason. (A RETRY in a batch is counted: batch mode cannot signal
-an outage per message.)
+the batch and answers one result per message, in order. A raised error becomes that message's
+result with the same gRPC status as in unary mode (the result's ``status_code``, the error as
+its ``reason``), so the proxy classifies it exactly like a failed unary call: ``Unavailable``
+for one message is the same outage signal (retried, not counted, a breaker failure). Each
+such result also carries the action its status leads to (PoisonPill and the other
+dead-letter codes -> DEAD_LETTER, AlreadyProcessed -> ACK, anything else -> RETRY) for
+proxies that predate ``status_code``.
 
 ``serve()`` / :class:`Server` also serve the standard ``grpc.health.v1.Health`` service,
 SERVING for ``""`` and ``"consumerproxy.v1.MessageHandler"``, NOT_SERVING once stopping.
@@ -306,7 +308,7 @@ class Unavailable(HandlerError):
         super().__init__(grpc.StatusCode.UNAVAILABLE, message)
 
 
-# In a batch a raised error can only become an action: the one its status would have led to.
+# For proxies that predate a batch result's status_code: the action its status leads to.
 _DEAD_LETTER_CODES: Final = frozenset(
     {
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -316,6 +318,19 @@ _DEAD_LETTER_CODES: Final = frozenset(
         grpc.StatusCode.NOT_FOUND,
     }
 )
+
+
+def _status_result(code: grpc.StatusCode, details: str) -> handler_pb2.HandleMessageResponse:
+    """A batch result failing one message with ``code``, as a unary call would fail."""
+    if code == grpc.StatusCode.ALREADY_EXISTS:
+        action = handler_pb2.HandleMessageResponse.ACK
+    elif code in _DEAD_LETTER_CODES:
+        action = handler_pb2.HandleMessageResponse.DEAD_LETTER
+    else:
+        action = handler_pb2.HandleMessageResponse.RETRY
+    return handler_pb2.HandleMessageResponse(
+        action=action, reason=_truncate(details), status_code=code.value[0]
+    )
 
 
 def _truncate(text: str, limit: int = MAX_REASON_BYTES) -> str:
@@ -425,16 +440,10 @@ class _MessageHandlerServicer(handler_pb2_grpc.MessageHandlerServicer):
             result = await _call_handler(self._handle, message)
         except HandlerError as exc:
             log.debug("%s: handler raised %r", _where(message), exc)
-            reason = f"{exc.code.name}: {exc.message}" if exc.message else exc.code.name
-            if exc.code == grpc.StatusCode.ALREADY_EXISTS:
-                result = ack()
-            elif exc.code in _DEAD_LETTER_CODES:
-                result = dead_letter(reason)
-            else:
-                result = retry(reason=reason)
+            return _status_result(exc.code, exc.message)
         except Exception as exc:
             log.exception("%s: handler failed", _where(message))
-            result = retry(reason=f"INTERNAL: {_describe(exc)}")
+            return _status_result(grpc.StatusCode.INTERNAL, _describe(exc))
         return handler_pb2.HandleMessageResponse() if result is None else result.to_proto()
 
     @contextlib.contextmanager

@@ -128,6 +128,26 @@ class ProxyMetrics:
             ["group", "state"],
             registry=r,
         )
+        self.batch_size = Histogram(
+            "consumer_proxy_batch_size_messages",
+            "Messages per HandleMessageBatch call (_count: calls, _sum: messages).",
+            ["group"],
+            buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000),
+            registry=r,
+        )
+        self.batch_unsupported = Gauge(
+            "consumer_proxy_batch_unsupported",
+            "1 while the service does not implement HandleMessageBatch (answers UNIMPLEMENTED) "
+            "for a group with delivery.batch.",
+            ["group"],
+            registry=r,
+        )
+        self.batch_protocol_errors = Counter(
+            "consumer_proxy_batch_protocol_errors",
+            "Batch answers with the wrong number of results (the batch is retried).",
+            ["group"],
+            registry=r,
+        )
 
         self.keys_backlogged = Gauge(
             "consumer_proxy_ordering_keys_backlogged",

@@ -6,7 +6,10 @@ different latencies, and the proxy (`consumer-proxy run`); produces sample traff
 poison pills; shows a live progress line; and ends with an account: every produced message
 was acked or dead-lettered, and the committed offsets reached the end of every partition.
 
-    python scripts/demo.py [--messages 5000] [--partitions 6] [--keep]
+    python scripts/demo.py [--messages 5000] [--partitions 6] [--batch] [--keep]
+
+--batch turns on batch push (delivery.batch: HandleMessageBatch calls of up to 100 messages,
+8 calls in flight) and the account adds the calls made and the messages they carried.
 
 Everything lives under .demo/ (broker data, config, logs). With --keep the broker, services
 and proxy keep running after the account so you can try `consumer-proxy status` and
@@ -121,7 +124,9 @@ def start_services(logs: Path) -> tuple[list[subprocess.Popen[bytes]], list[str]
     return procs, endpoints
 
 
-def write_config(bootstrap: str, endpoints: list[str], metrics_port: int) -> Path:
+def write_config(
+    bootstrap: str, endpoints: list[str], metrics_port: int, batch: bool = False
+) -> Path:
     config = DEMO / "proxy.yaml"
     eps = ", ".join(f'"{e}"' for e in endpoints)
     config.write_text(f"""# Written by scripts/demo.py
@@ -137,13 +142,16 @@ groups:
       timeout_ms: 2000
     delivery:
       max_in_flight: 1000
-      concurrency: 200
+      concurrency: {8 if batch else 200}{BATCH_LINE if batch else ""}
       max_attempts: 3
       commit_interval_ms: 500
       backoff: {{initial_ms: 50, max_ms: 1000}}
     circuit_breaker: {{failure_threshold: 20, reset_timeout_s: 5}}
 """)
     return config
+
+
+BATCH_LINE = "\n      batch: {max_messages: 100}"
 
 
 def produce(bootstrap: str, count: int, poison_every: int, seconds: float) -> int:
@@ -177,7 +185,12 @@ def scrape(port: int) -> dict[str, float]:
         for sample in family.samples:
             if sample.name == "consumer_proxy_messages_total":
                 key = sample.labels["outcome"]
-            elif sample.name in ("consumer_proxy_lag_messages", "consumer_proxy_in_flight"):
+            elif sample.name in (
+                "consumer_proxy_lag_messages",
+                "consumer_proxy_in_flight",
+                "consumer_proxy_batch_size_messages_count",
+                "consumer_proxy_batch_size_messages_sum",
+            ):
                 key = sample.name.removeprefix("consumer_proxy_")
             else:
                 continue
@@ -224,6 +237,9 @@ def main() -> int:
     parser.add_argument("--poison-every", type=int, default=100, help="one poison pill per N")
     parser.add_argument("--seconds", type=float, default=5.0, help="spread production over")
     parser.add_argument("--keep", action="store_true", help="leave everything running")
+    parser.add_argument(
+        "--batch", action="store_true", help="push with HandleMessageBatch (delivery.batch)"
+    )
     args = parser.parse_args()
     logs = DEMO / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -236,7 +252,7 @@ def main() -> int:
         services, endpoints = start_services(logs)
         procs += services
         metrics_port = free_port()
-        config = write_config(bootstrap, endpoints, metrics_port)
+        config = write_config(bootstrap, endpoints, metrics_port, args.batch)
         proxy_log = open(logs / "proxy.log", "wb")  # noqa: SIM115
         proxy = subprocess.Popen(
             [sys.executable, "-m", "consumer_proxy", "run", "--config", str(config)],
@@ -302,6 +318,10 @@ def main() -> int:
         say(f"  acked               {acked}")
         say(f"  dead-lettered       {in_dlq}  (poison pills produced: {poison})")
         say(f"  retries             {int(m.get('retry', 0))}")
+        if args.batch:
+            calls = int(m.get("batch_size_messages_count", 0))
+            carried = int(m.get("batch_size_messages_sum", 0))
+            say(f"  batch calls         {calls} carrying {carried} messages")
         for p in sorted(ends):
             mark = "✓" if committed.get(p) == ends[p] else "✗"
             say(f"  partition {p}: committed {committed.get(p)} / end {ends[p]} {mark}")

@@ -255,7 +255,7 @@ async def test_a_batch_runs_concurrently_and_answers_in_request_order() -> None:
     assert [r.retry_after_ms for r in response.results] == [0, 1, 2, 3, 4]
 
 
-async def test_errors_in_a_batch_become_the_action_their_status_leads_to(
+async def test_errors_in_a_batch_carry_their_unary_status_and_the_action_it_leads_to(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     async def mixed(message: cp.Message) -> cp.Result | None:
@@ -270,22 +270,26 @@ async def test_errors_in_a_batch_become_the_action_their_status_leads_to(
                 raise RuntimeError("boom")
             case 5:
                 return cp.drop()
+            case 6:
+                raise cp.Unavailable("database down")
         return None
 
     async with serving(mixed) as (_server, stub):
         response = await stub.HandleMessageBatch(
             handler_pb2.HandleMessageBatchRequest(
-                messages=[wire_message(offset) for offset in range(6)]
+                messages=[wire_message(offset) for offset in range(7)]
             ),
             timeout=5,
         )
-    assert [(r.action, r.reason) for r in response.results] == [
-        (Response.ACTION_UNSPECIFIED, ""),
-        (Response.DEAD_LETTER, "INVALID_ARGUMENT: cannot parse"),
-        (Response.ACK, ""),
-        (Response.RETRY, "RESOURCE_EXHAUSTED: too busy"),
-        (Response.RETRY, "INTERNAL: RuntimeError: boom"),
-        (Response.DROP, ""),
+    code = grpc.StatusCode
+    assert [(r.status_code, r.action, r.reason) for r in response.results] == [
+        (0, Response.ACTION_UNSPECIFIED, ""),
+        (code.INVALID_ARGUMENT.value[0], Response.DEAD_LETTER, "cannot parse"),
+        (code.ALREADY_EXISTS.value[0], Response.ACK, ""),
+        (code.RESOURCE_EXHAUSTED.value[0], Response.RETRY, "too busy"),
+        (code.INTERNAL.value[0], Response.RETRY, "RuntimeError: boom"),
+        (0, Response.DROP, ""),
+        (code.UNAVAILABLE.value[0], Response.RETRY, "database down"),
     ]
     assert "orders[3]@4: handler failed" in caplog.text
 

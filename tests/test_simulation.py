@@ -38,6 +38,10 @@ def test_thousands_of_random_schedules_keep_every_invariant() -> None:
     assert total.outages > 50 and total.truncations > 5 and total.pauses > 100
     assert total.dead_lettered > 0 and total.acked > 10_000
     assert total.held_back > 1000  # the ordering gate (a third of the seeds each mode) works
+    # ... in unary and in batch mode, with real batches and broken batch answers
+    assert 300 < total.batch_schedules < 700
+    assert total.batched_messages > 1.2 * total.batch_calls > 0
+    assert total.protocol_errors > 50
 
 
 def test_a_paused_partition_reassigned_to_the_same_member_drains() -> None:
@@ -176,4 +180,27 @@ def test_while_commits_fail_a_partition_stops_a_window_past_its_last_commit() ->
         assert lag <= sim.max_in_flight + 5, (part.tp, lag)
     # and once commits succeed again, everything drains
     core.commits_failing = False
+    sim.drain()
+
+
+@pytest.mark.parametrize("outage", ["hung", "unavailable", "unimplemented"])
+def test_a_batch_service_outage_dead_letters_nothing(outage: str) -> None:
+    # Given a group in batch mode whose service hangs, says UNAVAILABLE (per call or per
+    # message) or does not implement HandleMessageBatch, for a long outage
+    from consumer_proxy.core.batching import BatchLimits
+
+    sim = Simulation(seed=11)
+    sim.reset_tps = set()
+    sim.batch = BatchLimits(max_messages=20, max_bytes=1000)
+    for _ in range(20):
+        sim.produce()
+    sim.outage = outage
+    for _ in range(400):
+        sim.fetch()
+        sim.dispatch()
+        sim.clock.run_until(sim.clock.now + 0.5)
+    # Then nothing was dead-lettered meanwhile, and everything drains once it answers
+    assert sim.stats.batch_calls > 0
+    assert all(sim.truth.behaviour[i].startswith(("poison", "timeout:")) for i in sim.truth.dlq)
+    assert sim.member.breaker.is_open
     sim.drain()

@@ -90,6 +90,9 @@ _ACTIONS: Mapping[int, Outcome] = {
     handler_pb2.HandleMessageResponse.DROP: Outcome.DROP,
 }
 _ACK = Classification(Outcome.ACK, "OK")
+_CODES: Mapping[int, grpc.StatusCode] = {
+    code.value[0]: code for code in grpc.StatusCode if code is not grpc.StatusCode.OK
+}
 
 
 def clip_reason(text: str) -> str:
@@ -127,8 +130,13 @@ class Classifier:
         )
 
     def from_response(self, response: handler_pb2.HandleMessageResponse) -> Classification:
-        """Classify an OK call by the response's action (an empty response is an ACK)."""
+        """Classify an OK call by the response's action (an empty response is an ACK), or by
+        its ``status_code`` when it carries one (a per-message status in a batch result)."""
         action = response.action
+        code = response.status_code
+        if code:
+            # A per-message status (batch results): classified exactly like a call's status.
+            return self.from_status(_CODES.get(code, grpc.StatusCode.UNKNOWN), response.reason)
         if action == handler_pb2.HandleMessageResponse.ACTION_UNSPECIFIED:
             return _ACK
         outcome = _ACTIONS.get(action)

@@ -27,7 +27,7 @@ from ..config import DeliveryConfig
 from .codec import AckState, CodecError, decode
 from .decision import Action, Decision, Evidence, Policy, decide
 from .ordering import PARTITION_LANE, KeyGate
-from .outcomes import Classification
+from .outcomes import Classification, Outcome
 from .records import Origin, UserHeaders, origin_from_headers, split_headers
 from .tracker import PartitionTracker
 
@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 TP = tuple[str, int]
 SOURCE_PRIMARY = 1  # handler.proto DeliverySource values (the core does not import protos)
 SOURCE_REDRIVE = 2
+_ACKED = Decision(Action.ACK)
+_NO_HEADERS: dict[str, str] = {}  # read only
 
 
 class Record(Protocol):
@@ -371,7 +373,11 @@ class PartitionSet:
             tracker.saw_epoch(offset, epoch)
         if not tracker.track(offset):
             return  # done before a restart or rebalance: the commit metadata says so
-        user, ours = split_headers(record.headers())
+        headers = record.headers()
+        if headers:
+            user, ours = split_headers(headers)
+        else:
+            user, ours = [], _NO_HEADERS
         key = record.key()
         value = record.value()
         source = SOURCE_PRIMARY
@@ -385,7 +391,9 @@ class PartitionSet:
         if origin is None:
             _, ts = record.timestamp()
             origin = Origin(part.topic, part.partition, offset, max(ts, 0), 0)
-        size = len(key or b"") + len(value or b"") + sum(len(k) + len(v) for k, v in user)
+        size = len(key or b"") + len(value or b"")
+        if user:  # (a generator per message costs more than the rest of the sum)
+            size += sum(len(k) + len(v) for k, v in user)
         part.bytes += size
         self.bytes += size
         self._admit(
@@ -424,6 +432,11 @@ class PartitionSet:
         when the result is stale (the partition was revoked or reset meanwhile)."""
         part = delivery.part
         part.calls -= 1
+        if result.outcome is Outcome.ACK and not delivery.stale:
+            # The common case, once per message at batch rates: nothing to weigh.
+            self.counters.ack += 1
+            self._complete(delivery)
+            return _ACKED
         breaker = self._breaker
         evidence = Evidence(
             probe=probe,
@@ -609,6 +622,13 @@ class PartitionSet:
                 commit.part.last_commit = (commit.offset, commit.metadata)
                 kept.append(commit)
         return kept
+
+    def holding(self) -> bool:
+        """True while any partition holds a message not yet done (tracked or in a backlog)."""
+        return any(
+            part.backlog or (part.tracker is not None and part.tracker.pending > 0)
+            for part in self.parts.values()
+        )
 
     def owned(self, tps: Sequence[TP]) -> list[PartitionState]:
         """The states of those of ``tps`` this member owns."""

@@ -3,7 +3,10 @@
 One member of a group works a topic of a few partitions while the schedule produces records
 (with gaps), rebalances (graceful revoke and re-assign to the same member), restarts (with a
 different metadata budget: pods of a config roll), crashes, truncates logs, takes the
-service down (UNAVAILABLE or hung) and the DLQ. Invariants are checked at every step:
+service down (UNAVAILABLE or hung) and the DLQ. Half the schedules push in batch mode
+(``core.batching``: batches taken from the ready messages up to a count and a byte cap, answers
+with per-message results and statuses, failed calls, UNIMPLEMENTED, wrong-length answers,
+one breaker record per call). Invariants are checked at every step:
 
 - a commit never passes an offset whose record is not done, nor marks one done in metadata;
 - commits never go backwards for an owned partition (except after a detected log reset);
@@ -26,13 +29,22 @@ Replay a failing seed with ``python -m tests.sim --seed N``.
 from __future__ import annotations
 
 import random
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
 
 from consumer_proxy.config import BackoffConfig, CircuitBreakerConfig, DeliveryConfig
+from consumer_proxy.core.batching import (
+    BatchLimits,
+    BatchOutcome,
+    classify_batch,
+    classify_failed_call,
+    take,
+)
 from consumer_proxy.core.codec import decode
-from consumer_proxy.core.decision import Action
+from consumer_proxy.core.decision import Action, Decision
 from consumer_proxy.core.ordering import ORDERINGS, Ordering
 from consumer_proxy.core.outcomes import Classification, Classifier
 from consumer_proxy.core.partitions import Delivery, PartitionSet
@@ -66,6 +78,10 @@ class Stats:
     pauses: int = 0
     resets: int = 0
     held_back: int = 0  # steps at which the ordering gate held messages back
+    batch_schedules: int = 0
+    batch_calls: int = 0
+    batched_messages: int = 0
+    protocol_errors: int = 0
 
 
 @dataclass
@@ -85,8 +101,8 @@ class Member:
 
     def __init__(self, sim: Simulation, budget: int) -> None:
         self.sim = sim
-        self.ready: list[Delivery] = []
-        self.calls: dict[Delivery, Timer] = {}
+        self.ready: deque[Delivery] = deque()
+        self.calls: dict[tuple[Delivery, ...], Timer] = {}  # one entry per call
         self.dlq_writes: dict[Delivery, Timer] = {}
         self.breaker = Breaker(
             "g", CircuitBreakerConfig(failure_threshold=5, reset_timeout_s=2.0), clock=sim.clock
@@ -132,12 +148,20 @@ class Simulation:
         self.stats = Stats()
         self.max_in_flight = self.rng.choice([4, 8, 32, 256])
         self.concurrency = self.rng.choice([1, 3, 8])
+        # Its own generator, so the unary schedules of every seed stay what they were.
+        mode = random.Random(seed * 7919 + 13)
+        self.batch: BatchLimits | None = (
+            BatchLimits(mode.choice([1, 2, 5, 50]), mode.choice([16, 60, 1000]))
+            if mode.random() < 0.5
+            else None
+        )
+        self.stats.batch_schedules = self.batch is not None
         self.tps: list[TP] = [(TOPIC, p) for p in range(partitions)]
         self.logs = {tp: Log() for tp in self.tps}
         self.commits: dict[TP, tuple[int, str]] = {}
         self.last_commit: dict[TP, int] = {}
         self.consumer = Consumer(self.logs, self.commits)
-        self.outage: str | None = None  # None | "unavailable" | "hung"
+        self.outage: str | None = None  # None | "unavailable" | "hung" | "unimplemented"
         self.dlq_down = False
         self.next_ident = 0
         self.step_no = 0
@@ -176,13 +200,15 @@ class Simulation:
     def _lane(self, tp: TP, key: bytes | None) -> tuple[TP, object]:
         return (tp, key if self.ordering == "key" else "*")
 
-    def check_order(self, delivery: Delivery, ident: int) -> None:
-        """Before a push: nothing else of its key in flight, every earlier one of it done."""
+    def check_order(self, delivery: Delivery, ident: int, batch: Sequence[Delivery] = ()) -> None:
+        """Before a push: nothing else of its key in flight (in other calls, or in the same
+        batch), every earlier one of it done."""
         if self.ordering == "none":
             return
         tp = delivery.part.tp
         lane = self._lane(tp, delivery.key)
-        for other in self.member.calls:
+        in_flight = [d for call in self.member.calls for d in call]
+        for other in [*in_flight, *batch]:
             if (
                 not other.stale
                 and other.part.tp == tp
@@ -242,7 +268,10 @@ class Simulation:
             part.leaving = True
         # The revoke grace (longer than the call timeout): in-flight calls finish.
         deadline = self.clock.now + TIMEOUT_S + 0.5
-        while any(d.part in parts for d in member.calls) and self.clock.now < deadline:
+        while (
+            any(d.part in parts for call in member.calls for d in call)
+            and self.clock.now < deadline
+        ):
             due = self.clock.next_due()
             if due is None:
                 break
@@ -314,20 +343,130 @@ class Simulation:
             allowed, probe = member.breaker.try_acquire()
             if not allowed:
                 return
-            delivery = member.ready.pop(0)
+            if self.batch is not None:
+                batch = take(member.ready, self.batch)
+                began = [d for d in batch if member.core.begin(d)]
+                if not began:
+                    if probe:
+                        member.breaker.abandon_probe()
+                    continue
+                self._push_batch(began, probe)
+                continue
+            delivery = member.ready.popleft()
             if not member.core.begin(delivery):
                 if probe:
                     member.breaker.abandon_probe()
                 continue
             self._push(delivery, probe)
 
-    def _push(self, delivery: Delivery, probe: bool) -> None:
+    def _pushed(self, delivery: Delivery, batch: Sequence[Delivery] = ()) -> int:
         ident = int(dict(delivery.headers)["id"])
         truth = self.truth
         if ident in truth.acked and ident not in truth.dup_ok:
             self.fail(f"message {ident} pushed again after it was acked")
-        self.check_order(delivery, ident)
+        self.check_order(delivery, ident, batch)
         truth.attempts[ident] = truth.attempts.get(ident, 0) + 1
+        return ident
+
+    def _push_batch(self, batch: list[Delivery], probe: bool) -> None:
+        """One HandleMessageBatch call: the service answers per message (statuses included),
+        or fails the call, or answers the wrong number of results."""
+        idents = [self._pushed(d, batch) for d in batch]
+        rng = self.rng
+        count = len(batch)
+        latency = max(rng.uniform(0.001, 0.05) for _ in batch)
+        outcome: BatchOutcome
+        if self.outage == "hung":
+            outcome = classify_failed_call(
+                self.classifier, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline", count
+            )
+            latency = TIMEOUT_S
+        elif self.outage == "unimplemented":
+            outcome = classify_failed_call(
+                self.classifier, grpc.StatusCode.UNIMPLEMENTED, "no batch", count
+            )
+            latency = 0.001
+        elif self.outage == "unavailable" and rng.random() < 0.5:
+            outcome = classify_failed_call(
+                self.classifier, grpc.StatusCode.UNAVAILABLE, "down", count
+            )
+            latency = 0.001
+        else:
+            answers = []
+            for ident in idents:
+                code, action = self._behave(ident)
+                answers.append(
+                    handler_pb2.HandleMessageResponse(
+                        status_code=code.value[0] if code != grpc.StatusCode.OK else 0,
+                        action=action,  # type: ignore[arg-type]
+                        reason=code.name,
+                    )
+                )
+            if rng.random() < 0.03:  # a buggy service: one result too few or too many
+                if answers and rng.random() < 0.5:
+                    answers.pop()
+                else:
+                    answers.append(handler_pb2.HandleMessageResponse())
+                self.stats.protocol_errors += 1
+            outcome = classify_batch(
+                self.classifier, handler_pb2.HandleMessageBatchResponse(results=answers), count
+            )
+        member = self.member
+        key = tuple(batch)
+        self.stats.batch_calls += 1
+        self.stats.batched_messages += count
+
+        def done() -> None:
+            if self.member is not member:
+                return  # the process that made the call is gone
+            del member.calls[key]
+            if outcome.breaker is None:
+                if probe:
+                    member.breaker.abandon_probe()
+            else:
+                member.breaker.record(outcome.breaker, probe)
+            for delivery, ident, result in zip(batch, idents, outcome.results, strict=True):
+                self._decided(delivery, ident, member.core.finish(delivery, result, probe))
+
+        member.calls[key] = self.clock.call_later(latency, done)
+
+    def _behave(self, ident: int) -> tuple[grpc.StatusCode, int]:
+        """The service's answer for one message of a batch: (status, action)."""
+        truth = self.truth
+        behaviour = truth.behaviour[ident]
+        if self.outage == "unavailable":
+            return grpc.StatusCode.UNAVAILABLE, 0
+        if behaviour.startswith("timeout:") and truth.attempts[ident] <= int(behaviour[8:]):
+            # The service's own per-message deadline inside the call (a slow message does
+            # not hold its batch): the same status as a unary deadline.
+            return grpc.StatusCode.DEADLINE_EXCEEDED, 0
+        if behaviour == "poison":
+            return grpc.StatusCode.INVALID_ARGUMENT, 0
+        if behaviour == "drop":
+            return grpc.StatusCode.OK, handler_pb2.HandleMessageResponse.DROP
+        if behaviour.startswith("flaky:") and truth.attempts[ident] <= int(behaviour[6:]):
+            return grpc.StatusCode.INTERNAL, 0
+        return grpc.StatusCode.OK, 0
+
+    def _decided(self, delivery: Delivery, ident: int, decision: Decision | None) -> None:
+        truth = self.truth
+        if decision is None:
+            return
+        action = decision.action
+        if action is Action.ACK:
+            truth.acked.add(ident)
+            truth.done.add(ident)
+            self.stats.acked += 1
+        elif action is Action.DROP:
+            truth.done.add(ident)
+        elif action is Action.DEAD_LETTER:
+            if not truth.behaviour[ident].startswith(("poison", "timeout:")):
+                self.fail(f"message {ident} ({truth.behaviour[ident]}) dead-lettered")
+            self._write_dlq(delivery, ident)
+
+    def _push(self, delivery: Delivery, probe: bool) -> None:
+        ident = self._pushed(delivery)
+        truth = self.truth
         behaviour = truth.behaviour[ident]
         latency = self.rng.uniform(0.001, 0.05)
         result: Classification
@@ -354,23 +493,11 @@ class Simulation:
         def done() -> None:
             if self.member is not member:
                 return  # the process that made the call is gone
-            del member.calls[delivery]
+            del member.calls[(delivery,)]
             member.breaker.record(result.service_failure, probe)
-            decision = member.core.finish(delivery, result, probe)
-            if decision is None:
-                return
-            if decision.action is Action.ACK:
-                truth.acked.add(ident)
-                truth.done.add(ident)
-                self.stats.acked += 1
-            elif decision.action is Action.DROP:
-                truth.done.add(ident)
-            elif decision.action is Action.DEAD_LETTER:
-                if not truth.behaviour[ident].startswith(("poison", "timeout:")):
-                    self.fail(f"message {ident} ({truth.behaviour[ident]}) dead-lettered")
-                self._write_dlq(delivery, ident)
+            self._decided(delivery, ident, member.core.finish(delivery, result, probe))
 
-        member.calls[delivery] = self.clock.call_later(latency, done)
+        member.calls[(delivery,)] = self.clock.call_later(latency, done)
 
     def _write_dlq(self, delivery: Delivery, ident: int) -> None:
         member = self.member
@@ -459,7 +586,8 @@ class Simulation:
         elif x < 0.572:
             self.truncate()
         elif x < 0.58:
-            self.outage = None if self.outage else self.rng.choice(["unavailable", "hung"])
+            outages = ["unavailable", "hung"] + (["unimplemented"] if self.batch else [])
+            self.outage = None if self.outage else self.rng.choice(outages)
             self.stats.outages += self.outage is not None
         elif x < 0.585:
             self.dlq_down = not self.dlq_down

@@ -33,6 +33,11 @@ With ``max_concurrency=K`` a call arriving while K calls are in flight is answer
 RESOURCE_EXHAUSTED at once, without consulting the behaviour; such calls are counted in
 ``rejected`` and are not deliveries. A batch call counts as one call.
 
+A batch call plays each message's behaviour concurrently. By default the first non-OK status
+(in request order) fails the whole call; with ``per_message_status=True`` each message's
+status goes into its own result (``status_code``, the details as ``reason``), as the SDK
+answers. ``batch_calls`` lists the size of every batch call received.
+
 The recorded state sits behind a lock, so a test may read it from any thread while the
 service runs; the behaviour function runs on the service's event loop.
 """
@@ -167,6 +172,7 @@ class _State:
     peak_in_flight: int = 0
     rejected: int = 0
     crashes: int = 0
+    batch_calls: list[int] = field(default_factory=list)
 
 
 class _Crash(Exception):
@@ -184,8 +190,11 @@ class TestService:
         *,
         max_concurrency: int | None = None,
         server_credentials: grpc.ServerCredentials | None = None,
+        per_message_status: bool = False,
     ) -> None:
         self.behaviour = behaviour
+        self.per_message_status = per_message_status
+        """Batch answers carry each message's non-OK status in its result."""
         """Read on every call; a test may replace it while the service runs."""
         self.server_credentials = server_credentials
         """TLS (or mTLS) credentials to serve with (kept across restarts); None = plaintext."""
@@ -337,6 +346,12 @@ class TestService:
             return self._state.rejected
 
     @property
+    def batch_calls(self) -> list[int]:
+        """The number of messages in each batch call received, in arrival order."""
+        with self._lock:
+            return list(self._state.batch_calls)
+
+    @property
     def crashes(self) -> int:
         with self._lock:
             return self._state.crashes
@@ -466,6 +481,8 @@ class _Servicer(handler_pb2_grpc.MessageHandlerServicer):
         order) fails the whole call, as a service that answers per call would."""
         if not self._service._admit():
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "max_concurrency reached")
+        with self._service._lock:
+            self._service._state.batch_calls.append(len(request.messages))
         try:
             results = await asyncio.gather(
                 *(self._service._deliver(m, batch=True) for m in request.messages),
@@ -480,6 +497,15 @@ class _Servicer(handler_pb2_grpc.MessageHandlerServicer):
         finally:
             self._service._release()
         behaviours = [r for r in results if isinstance(r, Behaviour)]
+        if self._service.per_message_status:
+            return handler_pb2.HandleMessageBatchResponse(
+                results=[
+                    b.response()
+                    if b.status == grpc.StatusCode.OK
+                    else _Response(status_code=b.status.value[0], reason=b.details)
+                    for b in behaviours
+                ]
+            )
         for behaviour in behaviours:
             if behaviour.status != grpc.StatusCode.OK:
                 await context.abort(behaviour.status, behaviour.details)
@@ -501,9 +527,13 @@ class ThreadedService:
         max_concurrency: int | None = None,
         server_credentials: grpc.ServerCredentials | None = None,
         timeout_s: float = 10.0,
+        per_message_status: bool = False,
     ) -> None:
         self.service = TestService(
-            behaviour, max_concurrency=max_concurrency, server_credentials=server_credentials
+            behaviour,
+            max_concurrency=max_concurrency,
+            server_credentials=server_credentials,
+            per_message_status=per_message_status,
         )
         self._timeout_s = timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None

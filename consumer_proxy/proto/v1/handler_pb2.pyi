@@ -194,21 +194,31 @@ class HandleMessageResponse(_message.Message):
     ACTION_FIELD_NUMBER: _builtins.int
     RETRY_AFTER_MS_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    STATUS_CODE_FIELD_NUMBER: _builtins.int
     action: Global___HandleMessageResponse.Action.ValueType
     retry_after_ms: _builtins.int
     """With RETRY: the earliest time to deliver again, in milliseconds (0 = the proxy's backoff)."""
     reason: _builtins.str
     """With DEAD_LETTER (or RETRY): a human-readable reason, stored in the DLQ record (1 KiB max)."""
+    status_code: _builtins.int
+    """A non-OK gRPC status code (the numeric google.rpc.Code, e.g. 14 = UNAVAILABLE) for this
+    message alone, with `reason` as its details. Meant for HandleMessageBatch results, where
+    one message cannot fail the call: the proxy classifies it by its status table exactly as
+    if a unary call had failed with that status (an UNAVAILABLE result is the same outage
+    signal). It takes precedence over `action`; set `action` too (DEAD_LETTER, RETRY, ACK) for
+    proxies older than this field, which ignore it. 0 (OK) means: use `action`.
+    """
     def __init__(
         self,
         *,
         action: Global___HandleMessageResponse.Action.ValueType = ...,
         retry_after_ms: _builtins.int = ...,
         reason: _builtins.str = ...,
+        status_code: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "reason", b"reason", "retry_after_ms", b"retry_after_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "reason", b"reason", "retry_after_ms", b"retry_after_ms", "status_code", b"status_code"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -241,7 +251,9 @@ class HandleMessageBatchResponse(_message.Message):
     RESULTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___HandleMessageResponse]:
-        """One result per request message, in the same order."""
+        """One result per request message, in the same order. A list of another length is a
+        protocol error: the proxy retries the whole batch (no attempt counted) and logs it.
+        """
 
     def __init__(
         self,

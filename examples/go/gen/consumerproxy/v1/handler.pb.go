@@ -390,7 +390,14 @@ type HandleMessageResponse struct {
 	// With RETRY: the earliest time to deliver again, in milliseconds (0 = the proxy's backoff).
 	RetryAfterMs int64 `protobuf:"varint,2,opt,name=retry_after_ms,json=retryAfterMs,proto3" json:"retry_after_ms,omitempty"`
 	// With DEAD_LETTER (or RETRY): a human-readable reason, stored in the DLQ record (1 KiB max).
-	Reason        string `protobuf:"bytes,3,opt,name=reason,proto3" json:"reason,omitempty"`
+	Reason string `protobuf:"bytes,3,opt,name=reason,proto3" json:"reason,omitempty"`
+	// A non-OK gRPC status code (the numeric google.rpc.Code, e.g. 14 = UNAVAILABLE) for this
+	// message alone, with `reason` as its details. Meant for HandleMessageBatch results, where
+	// one message cannot fail the call: the proxy classifies it by its status table exactly as
+	// if a unary call had failed with that status (an UNAVAILABLE result is the same outage
+	// signal). It takes precedence over `action`; set `action` too (DEAD_LETTER, RETRY, ACK) for
+	// proxies older than this field, which ignore it. 0 (OK) means: use `action`.
+	StatusCode    int32 `protobuf:"varint,4,opt,name=status_code,json=statusCode,proto3" json:"status_code,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -446,6 +453,13 @@ func (x *HandleMessageResponse) GetReason() string {
 	return ""
 }
 
+func (x *HandleMessageResponse) GetStatusCode() int32 {
+	if x != nil {
+		return x.StatusCode
+	}
+	return 0
+}
+
 type HandleMessageBatchRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Messages      []*Message             `protobuf:"bytes,1,rep,name=messages,proto3" json:"messages,omitempty"`
@@ -492,7 +506,8 @@ func (x *HandleMessageBatchRequest) GetMessages() []*Message {
 
 type HandleMessageBatchResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// One result per request message, in the same order.
+	// One result per request message, in the same order. A list of another length is a
+	// protocol error: the proxy retries the whole batch (no attempt counted) and logs it.
 	Results       []*HandleMessageResponse `protobuf:"bytes,1,rep,name=results,proto3" json:"results,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -558,11 +573,13 @@ const file_consumerproxy_v1_handler_proto_rawDesc = "" +
 	"\aattempt\x18\v \x01(\x05R\aattempt\x128\n" +
 	"\x06source\x18\f \x01(\x0e2 .consumerproxy.v1.DeliverySourceR\x06source\"K\n" +
 	"\x14HandleMessageRequest\x123\n" +
-	"\amessage\x18\x01 \x01(\v2\x19.consumerproxy.v1.MessageR\amessage\"\xee\x01\n" +
+	"\amessage\x18\x01 \x01(\v2\x19.consumerproxy.v1.MessageR\amessage\"\x8f\x02\n" +
 	"\x15HandleMessageResponse\x12F\n" +
 	"\x06action\x18\x01 \x01(\x0e2..consumerproxy.v1.HandleMessageResponse.ActionR\x06action\x12$\n" +
 	"\x0eretry_after_ms\x18\x02 \x01(\x03R\fretryAfterMs\x12\x16\n" +
-	"\x06reason\x18\x03 \x01(\tR\x06reason\"O\n" +
+	"\x06reason\x18\x03 \x01(\tR\x06reason\x12\x1f\n" +
+	"\vstatus_code\x18\x04 \x01(\x05R\n" +
+	"statusCode\"O\n" +
 	"\x06Action\x12\x16\n" +
 	"\x12ACTION_UNSPECIFIED\x10\x00\x12\a\n" +
 	"\x03ACK\x10\x01\x12\t\n" +

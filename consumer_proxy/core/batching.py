@@ -1,0 +1,155 @@
+"""Batch push decisions: what goes into the next call, and what a batch answer means.
+
+Pure: no asyncio, no gRPC I/O. The shell (``group.py``) takes a batch from its ready deque
+with :func:`take` when a call slot is free, sends it with ``Dispatcher.push_batch``, which
+maps the answer onto one classification per message with :func:`classify_batch`, and then
+records :attr:`BatchOutcome.call` in the breaker once (one call, one breaker record) before
+finishing every message with its own classification.
+
+The rules:
+
+- A batch takes what is ready, in order, up to ``max_messages`` and ``max_bytes`` (message
+  bytes: key, value, headers). A message larger than ``max_bytes`` goes alone in a batch of
+  one; it never waits behind the cap. Stale messages (revoked, cut) are skipped.
+- A failed call (non-OK status) applies to every message in it as the status table says;
+  UNIMPLEMENTED means the service does not implement ``HandleMessageBatch``: an outage,
+  whatever the group's overrides say (no silent fallback to unary, never a dead letter).
+- An OK answer carries one result per message, in order, each classified like a unary
+  response; a result's ``status_code`` is classified like a unary call's status.
+- A result list of the wrong length is a protocol error: every message is retried, no
+  attempt counted, no breaker record (neither failure nor success).
+- The breaker hears one record per call: a failure when the call failed with a service-level
+  status, or when every result in it is a service-level failure (the service answered
+  nothing else); a success otherwise.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+import grpc
+
+from ..proto.v1 import handler_pb2
+from .outcomes import Classification, Classifier, Outcome, clip_reason
+
+NOT_IMPLEMENTED_REASON = "service does not implement HandleMessageBatch"
+PROTOCOL_ERROR = "BATCH_PROTOCOL_ERROR"
+
+_UNIMPLEMENTED = Classification(
+    Outcome.RETRY,
+    grpc.StatusCode.UNIMPLEMENTED.name,
+    counted=False,
+    service_failure=True,
+    reason=NOT_IMPLEMENTED_REASON,
+)
+
+
+class Sized(Protocol):
+    """What batching reads of a ready message (a ``partitions.Delivery`` fits)."""
+
+    @property
+    def size(self) -> int: ...
+    @property
+    def stale(self) -> bool: ...
+
+
+T = TypeVar("T", bound=Sized)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLimits:
+    """The group's batch caps."""
+
+    max_messages: int
+    max_bytes: int
+
+
+def take(ready: deque[T], limits: BatchLimits) -> list[T]:
+    """Remove and return the next batch from the front of ``ready`` (empty when nothing
+    fresh is ready). Stale messages met on the way are dropped from ``ready``."""
+    batch: list[T] = []
+    total = 0
+    max_messages = limits.max_messages
+    max_bytes = limits.max_bytes
+    while ready and len(batch) < max_messages:
+        item = ready[0]
+        if item.stale:
+            ready.popleft()
+            continue
+        size = item.size
+        if batch and total + size > max_bytes:
+            break  # the cap is reached; an oversized message waits to go alone
+        ready.popleft()
+        batch.append(item)
+        total += size
+        if total >= max_bytes:
+            break
+    return batch
+
+
+@dataclass(frozen=True, slots=True)
+class BatchOutcome:
+    """What one batch call means: one classification per message, in request order, and
+    the one record the breaker (and the limiter, and endpoint ejection) hears of the call."""
+
+    results: Sequence[Classification]
+    call: Classification
+    """The call as a whole: its failed status, or a summary of the results."""
+    breaker: bool | None
+    """True: one breaker failure; False: one success; None: no record (protocol error)."""
+    unimplemented: bool = False
+    """The service answered UNIMPLEMENTED: it does not serve HandleMessageBatch."""
+    protocol_error: str = ""
+    """Why the answer was not usable ('' when it was)."""
+
+
+_OK_CALL = Classification(Outcome.ACK, "OK")
+
+
+def classify_failed_call(
+    classifier: Classifier, code: grpc.StatusCode, details: str | None, count: int
+) -> BatchOutcome:
+    """A batch call that ended with a non-OK status: the same classification for each of
+    its ``count`` messages, one breaker record."""
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return BatchOutcome([_UNIMPLEMENTED] * count, _UNIMPLEMENTED, True, unimplemented=True)
+    result = classifier.from_status(code, details)
+    return BatchOutcome([result] * count, result, result.service_failure)
+
+
+def classify_batch(
+    classifier: Classifier,
+    response: handler_pb2.HandleMessageBatchResponse | None,
+    count: int,
+) -> BatchOutcome:
+    """An OK batch call's answer (None: it did not decode) for ``count`` messages."""
+    if response is None:
+        result = classifier.from_status(
+            grpc.StatusCode.INTERNAL, "the service's batch response could not be decoded"
+        )
+        return BatchOutcome([result] * count, result, result.service_failure)
+    answers = response.results
+    if len(answers) != count:
+        reason = clip_reason(
+            f"HandleMessageBatch answered {len(answers)} results for {count} messages"
+        )
+        retry = Classification(
+            Outcome.RETRY, PROTOCOL_ERROR, counted=False, service_failure=False, reason=reason
+        )
+        return BatchOutcome([retry] * count, retry, None, protocol_error=reason)
+    from_response = classifier.from_response
+    results = [from_response(answer) for answer in answers]
+    failures = 0
+    slow: Classification | None = None
+    for result in results:
+        if result.service_failure:
+            failures += 1
+        if result.slow_down and slow is None:
+            slow = result
+    if count and failures == count:
+        return BatchOutcome(results, results[0], True)
+    # The limiter learns "slow down" from the call when any message asked for it.
+    return BatchOutcome(results, slow or _OK_CALL, False)
