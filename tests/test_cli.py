@@ -23,7 +23,15 @@ import yaml
 from consumer_proxy import __version__, dlq
 from consumer_proxy.cli import main
 from consumer_proxy.config import ProxyConfig
-from tests.support.kafka import consume_all, create_topic, end_offsets, produce, unique_name
+from consumer_proxy.proto.v1 import handler_pb2
+from tests.support.kafka import (
+    Broker,
+    consume_all,
+    create_topic,
+    end_offsets,
+    produce,
+    unique_name,
+)
 from tests.support.proxy import caught_up, make_config, start_proxy
 from tests.support.service import Behaviour, ThreadedService
 from tests.support.waiting import async_wait_until, wait_until
@@ -156,7 +164,7 @@ def test_run_refuses_worker_ports_that_overlap(
 
 
 @pytest.fixture(scope="module")
-def finished_run(kafka, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def finished_run(kafka: Broker, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """A group that has consumed 30 messages, 3 of them dead-lettered, and stopped."""
     topic, group = unique_name("cli"), unique_name("cli")
     create_topic(kafka.bootstrap, topic, partitions=2)
@@ -170,7 +178,7 @@ def finished_run(kafka, tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
         ],
     )
 
-    def behaviour(msg, _n):
+    def behaviour(msg: handler_pb2.Message, _n: int) -> Behaviour:
         if msg.value.startswith(b"poison"):
             return Behaviour(status=grpc.StatusCode.INVALID_ARGUMENT, details="cannot parse")
         return Behaviour()
@@ -254,7 +262,7 @@ def test_dlq_inspect_json_decodes_the_cp_headers(finished_run: dict[str, Any]) -
 
 
 @pytest.mark.kafka
-def test_run_logs_json_lines_and_exits_0_on_sigterm(kafka, tmp_path: Path) -> None:
+def test_run_logs_json_lines_and_exits_0_on_sigterm(kafka: Broker, tmp_path: Path) -> None:
     # Given a config for a live topic and a service
     topic, group = unique_name("cli-run"), unique_name("cli-run")
     create_topic(kafka.bootstrap, topic)

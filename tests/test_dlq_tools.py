@@ -32,12 +32,14 @@ from consumer_proxy.config import KafkaConfig, ProxyConfig
 from consumer_proxy.tools import commands, render
 from consumer_proxy.tools import spark as tool_spark
 from tests.support.kafka import (
+    Broker,
     committed_offsets,
     consume_all,
     create_topic,
     end_offsets,
     produce,
     unique_name,
+    value_of,
 )
 from tests.support.proxy import caught_up, make_config, start_proxy
 from tests.support.service import Behaviour, TestService
@@ -63,7 +65,7 @@ def spark() -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _group_coordinator_ready(kafka) -> None:
+def _group_coordinator_ready(kafka: Broker) -> None:
     # On a fresh broker the first group lookups answer NOT_COORDINATOR while
     # __consumer_offsets is being created; wait that out once rather than in every helper.
     def ready() -> bool:
@@ -135,10 +137,10 @@ def cp_of(message: Any) -> dict[str, str]:
 # -- merge back through the real proxy, then purge --------------------------------------------
 
 
-def test_merged_poison_pills_reach_the_fixed_service_with_original_coordinates(
-    kafka, spark, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+async def test_merged_poison_pills_reach_the_fixed_service_with_original_coordinates(
+    kafka: Broker, spark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    asyncio.run(_merge_round_trip(kafka.bootstrap, tmp_path, capsys))
+    await _merge_round_trip(kafka.bootstrap, tmp_path, capsys)
 
 
 async def _merge_round_trip(
@@ -148,7 +150,7 @@ async def _merge_round_trip(
     topic, group = unique_name("dlqm"), unique_name("dlqm")
     dlq_topic, redrive = f"{group}.dlq", f"{group}.redrive"
     create_topic(bootstrap, topic, partitions=2)
-    records = [
+    records: list[dict[str, Any]] = [
         {
             "key": f"k{i}",
             "value": f"pill {i}" if i % 15 == 0 else f"m{i}",
@@ -172,7 +174,7 @@ async def _merge_round_trip(
             # ... dead-lettered by the proxy
             await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=90)
             dead = await asyncio.to_thread(consume_all, bootstrap, dlq_topic)
-            assert sorted(m.value() for m in dead) == sorted(
+            assert sorted(value_of(m) for m in dead) == sorted(
                 r["value"].encode() for r in records if r["value"].startswith("pill")
             )
             # When the service is fixed and the DLQ is merged while the proxy runs
@@ -227,7 +229,7 @@ async def _merge_round_trip(
     seen = json.loads(out)
     assert (seen["total"], seen["not_merged"]) == (8, 0)
     assert {p["partition"]: p["merged_to"] for p in seen["partitions"]} == ends
-    assert {r["value"] for r in seen["sample"]} == {m.value().decode() for m in dead}
+    assert {r["value"] for r in seen["sample"]} == {value_of(m).decode() for m in dead}
     assert all(r["cp"][dlq.H_STATUS] == "INVALID_ARGUMENT" for r in seen["sample"])
 
     # When the merged range is purged
@@ -253,7 +255,7 @@ COLOURS = ["red", "blue", "green", "light blue"]
 
 
 @pytest.fixture
-def mixed_dlq(kafka, tmp_path: Path) -> dict[str, Any]:
+def mixed_dlq(kafka: Broker, tmp_path: Path) -> dict[str, Any]:
     """A DLQ of 90 records over 3 partitions: statuses, values, attempts and times mixed."""
     group = unique_name("dlqsel")
     create_topic(kafka.bootstrap, f"{group}.dlq", partitions=3)
@@ -278,13 +280,14 @@ def mixed_dlq(kafka, tmp_path: Path) -> dict[str, Any]:
 
 
 def _matches(i: int, record: dict[str, Any], case: str) -> bool:
-    value = record["value"] or b""
+    value: bytes = record["value"] or b""
+    timestamp: int = record["timestamp"]
     return {
         "status": STATUSES[i % 3] == "INVALID_ARGUMENT",
         "statuses": STATUSES[i % 3] in ("DEADLINE_EXCEEDED", "FAILED_PRECONDITION"),
         "where-value": b"blue" in value,
         "where-columns": 1 + i % 5 >= 3 and i % 4 == 1 and record["key"] is not None,
-        "time": BASE_MS + 20 * 60_000 <= record["timestamp"] < BASE_MS + 50 * 60_000,
+        "time": BASE_MS + 20 * 60_000 <= timestamp < BASE_MS + 50 * 60_000,
     }[case]
 
 
@@ -302,7 +305,11 @@ def _matches(i: int, record: dict[str, Any], case: str) -> bool:
     ],
 )  # fmt: skip
 def test_a_dry_run_counts_exactly_the_selected_records_and_writes_nothing(
-    mixed_dlq, spark, capsys: pytest.CaptureFixture[str], case: str, args: list[str]
+    mixed_dlq: dict[str, Any],
+    spark: Any,
+    capsys: pytest.CaptureFixture[str],
+    case: str,
+    args: list[str],
 ) -> None:
     group, path = mixed_dlq["group"], mixed_dlq["config"]
     expected = sum(_matches(i, r, case) for i, r in enumerate(mixed_dlq["records"]))
@@ -320,7 +327,7 @@ def test_a_dry_run_counts_exactly_the_selected_records_and_writes_nothing(
 
 
 def test_merge_writes_exactly_the_selected_records_unchanged(
-    mixed_dlq, spark, capsys: pytest.CaptureFixture[str]
+    mixed_dlq: dict[str, Any], spark: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     bootstrap, group, path = mixed_dlq["bootstrap"], mixed_dlq["group"], mixed_dlq["config"]
     records = mixed_dlq["records"]
@@ -373,7 +380,7 @@ def test_merge_writes_exactly_the_selected_records_unchanged(
 
 
 def test_report_counts_match_a_direct_count_and_the_chart_is_a_png(
-    kafka, spark, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    kafka: Broker, spark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Given a DLQ of 100k records written fast, the proxy's way (cp-* headers)
     bootstrap, group, n = kafka.bootstrap, unique_name("dlqrep"), 100_000
@@ -409,7 +416,7 @@ def test_report_counts_match_a_direct_count_and_the_chart_is_a_png(
     for i, key in enumerate(keys):
         status, why = rng.choice(statuses), reason()
         origin, ts = rng.randrange(6), BASE_MS + rng.randrange(5 * HOUR_MS)
-        headers = [
+        headers: list[tuple[str, str | bytes | None]] = [
             (dlq.H_TOPIC, b"orders"), (dlq.H_PARTITION, str(origin).encode()),
             (dlq.H_OFFSET, str(i).encode()), (dlq.H_ATTEMPT, b"1"),
             (dlq.H_STATUS, status.encode()), (dlq.H_REASON, why.encode()),
@@ -483,7 +490,7 @@ def test_report_counts_match_a_direct_count_and_the_chart_is_a_png(
 
 
 @pytest.fixture(scope="module")
-def small_dlq(kafka, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def small_dlq(kafka: Broker, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """A group with 6 dead letters and an empty redrive topic; a group with no DLQ at all."""
     group, empty = unique_name("dlqbad"), unique_name("dlqnone")
     create_topic(kafka.bootstrap, f"{group}.dlq", partitions=2)
@@ -537,7 +544,11 @@ def small_dlq(kafka, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]
          "purge-no-tty"],
 )  # fmt: skip
 def test_bad_input_is_a_clear_error_with_exit_2_and_writes_nothing(
-    small_dlq, spark, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+    small_dlq: dict[str, Any],
+    spark: Any,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    message: str,
 ) -> None:
     names = {"group": small_dlq["group"], "empty": small_dlq["empty"]}
     bootstrap, group = small_dlq["bootstrap"], small_dlq["group"]
@@ -558,7 +569,9 @@ def test_bad_input_is_a_clear_error_with_exit_2_and_writes_nothing(
     )
 
 
-def test_purge_on_a_terminal_asks_first_and_a_no_deletes_nothing(kafka, tmp_path: Path) -> None:
+def test_purge_on_a_terminal_asks_first_and_a_no_deletes_nothing(
+    kafka: Broker, tmp_path: Path
+) -> None:
     # Given a DLQ of 5 records and purge run on a terminal (a pseudo-terminal here)
     group = unique_name("dlqtty")
     create_topic(kafka.bootstrap, f"{group}.dlq")
@@ -597,7 +610,9 @@ def test_purge_on_a_terminal_asks_first_and_a_no_deletes_nothing(kafka, tmp_path
 
 
 @pytest.mark.parametrize("command", ["report", "merge"])
-def test_without_pyspark_report_and_merge_say_how_to_install_it(small_dlq, command: str) -> None:
+def test_without_pyspark_report_and_merge_say_how_to_install_it(
+    small_dlq: dict[str, Any], command: str
+) -> None:
     # PySpark made unimportable in a fresh interpreter, as when the extra is not installed
     code = (
         "import sys; sys.modules['pyspark'] = None; from consumer_proxy.cli import main; "
@@ -676,7 +691,7 @@ def _held_offsets(bootstrap: str, topic: str) -> list[int]:
 
 
 def test_merge_by_status_then_another_then_purge_never_deletes_an_unmerged_record(
-    kafka, spark, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    kafka: Broker, spark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Given 120 dead letters over 2 partitions, three statuses interleaved
     bootstrap, group = kafka.bootstrap, unique_name("dlqmark")
@@ -695,7 +710,8 @@ def test_merge_by_status_then_another_then_purge_never_deletes_an_unmerged_recor
     def run(*args: str) -> dict[str, Any]:
         code, out, err = cli(capsys, "dlq", *args, "--config", path, "--group", group, "--json")
         assert code == 0, err
-        return json.loads(out)
+        result: dict[str, Any] = json.loads(out)
+        return result
 
     # When the INVALID_ARGUMENT records are merged and the merged records purged
     merged = run("merge", "--status", "INVALID_ARGUMENT", "--yes")
@@ -737,7 +753,7 @@ def test_merge_by_status_then_another_then_purge_never_deletes_an_unmerged_recor
 
 
 def test_merge_rate_caps_the_write_and_to_copies_elsewhere_without_merging(
-    kafka, spark, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    kafka: Broker, spark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Given 600 dead letters over 3 partitions
     bootstrap, group, rate, n = kafka.bootstrap, unique_name("dlqrate"), 150, 600
@@ -793,7 +809,7 @@ def test_merge_rate_caps_the_write_and_to_copies_elsewhere_without_merging(
 
 
 def test_a_bad_where_is_an_error_even_with_nothing_to_merge(
-    kafka, spark, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    kafka: Broker, spark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     group = unique_name("dlqwhere")
     create_topic(kafka.bootstrap, f"{group}.dlq")
@@ -809,7 +825,7 @@ def test_a_bad_where_is_an_error_even_with_nothing_to_merge(
 
 
 def test_inspect_json_keeps_headers_as_an_ordered_list_with_repeated_keys(
-    kafka, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    kafka: Broker, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Given a dead letter whose user headers repeat a key
     group = unique_name("dlqhdr")
@@ -887,7 +903,7 @@ def test_an_unreachable_broker_is_one_line_naming_it_and_exit_1(tmp_path: Path) 
 
 
 def test_a_merge_whose_mark_would_overflow_writes_what_fits_and_loses_nothing(
-    kafka, spark, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    kafka: Broker, spark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Given 20,000 dead letters in one partition, two statuses at random: merging one of
     # them leaves ~5,000 separate stretches, more than the mark's 4,000 characters record

@@ -25,7 +25,12 @@ from pathlib import Path
 import grpc
 import pytest
 
+from consumer_proxy.dlq import DeadLetterWriter
+from consumer_proxy.fetcher import Fetcher
+from consumer_proxy.kafka_log import KafkaLogGate
+from consumer_proxy.proto.v1 import handler_pb2
 from tests.support.kafka import (
+    Broker,
     alter_topic,
     committed_offsets,
     consume_all,
@@ -79,7 +84,7 @@ def _assert_committed_to_end(bootstrap: str, group: str, topic: str) -> None:
 KILLS = 5
 
 
-def test_kill_9_the_proxy_repeatedly_loses_nothing(kafka, tmp_path: Path) -> None:
+def test_kill_9_the_proxy_repeatedly_loses_nothing(kafka: Broker, tmp_path: Path) -> None:
     # Given 4 partitions of 3000 ledger messages and a service taking 5 ms per message
     bootstrap = kafka.bootstrap
     topic, group = unique_name("kill9"), unique_name("kill9")
@@ -104,9 +109,11 @@ def test_kill_9_the_proxy_repeatedly_loses_nothing(kafka, tmp_path: Path) -> Non
             target = _acks(service) + 300
             proxy = ProxyProcess(config, log).start()
             try:
-                wait_until(
-                    lambda t=target, p=proxy: _acks(service) >= t or not p.alive(), timeout=90
-                )
+
+                def delivered_or_died(t: int = target, p: ProxyProcess = proxy) -> bool:
+                    return _acks(service) >= t or not p.alive()
+
+                wait_until(delivered_or_died, timeout=90)
                 assert proxy.alive(), proxy.output()[-3000:]
             finally:
                 proxy.kill()
@@ -129,7 +136,9 @@ def test_kill_9_the_proxy_repeatedly_loses_nothing(kafka, tmp_path: Path) -> Non
     _assert_committed_to_end(bootstrap, group, topic)
 
 
-def test_a_kill_9_after_a_partition_went_idle_redelivers_nothing(kafka, tmp_path: Path) -> None:
+def test_a_kill_9_after_a_partition_went_idle_redelivers_nothing(
+    kafka: Broker, tmp_path: Path
+) -> None:
     # Given 4 partitions of 400 ledger messages, a periodic commit far away (60 s), and a
     # proxy that acks them all and then has nothing more to do
     bootstrap = kafka.bootstrap
@@ -171,10 +180,10 @@ def test_a_kill_9_after_a_partition_went_idle_redelivers_nothing(kafka, tmp_path
 # --------------------------------------------------------------------------- service outages
 
 
-def test_service_instances_dying_and_a_full_outage_lose_nothing_and_dead_letter_nothing(
-    kafka,
+async def test_service_instances_dying_and_a_full_outage_lose_nothing_and_dead_letter_nothing(
+    kafka: Broker,
 ) -> None:
-    asyncio.run(_service_outages(kafka.bootstrap))
+    await _service_outages(kafka.bootstrap)
 
 
 async def _service_outages(bootstrap: str) -> None:
@@ -185,7 +194,7 @@ async def _service_outages(bootstrap: str) -> None:
     ledger = Ledger("service instance crash + full outage")
     await asyncio.to_thread(produce, bootstrap, topic, ledger.records(n, partitions=partitions))
 
-    def behaviour(msg, k):
+    def behaviour(msg: handler_pb2.Message, k: int) -> Behaviour:
         return Behaviour(delay_s=0.01)
 
     async with TestService(behaviour) as a, TestService(behaviour) as b:
@@ -198,7 +207,9 @@ async def _service_outages(bootstrap: str) -> None:
             breaker={"failure_threshold": 5, "reset_timeout_s": 0.5},
         )
         proxy, task = start_proxy(config)
-        acked = lambda: _acks(a) + _acks(b)  # noqa: E731
+
+        def acked() -> int:
+            return _acks(a) + _acks(b)
 
         def opened() -> float:
             text = proxy.metrics.exposition().decode()
@@ -240,17 +251,17 @@ async def _service_outages(bootstrap: str) -> None:
 # --------------------------------------------------------------------------- broker restart
 
 
-def test_a_broker_restart_during_a_run_loses_nothing(tmp_path: Path) -> None:
+async def test_a_broker_restart_during_a_run_loses_nothing(tmp_path: Path) -> None:
     # A broker of its own (same log dir across the restart), not the session broker.
     directory = tmp_path / "kafka"
     try:
-        broker = start_broker(directory, watch_pid=os.getpid())
-        asyncio.run(_broker_restart(broker.bootstrap, directory))
+        broker = await asyncio.to_thread(start_broker, directory, watch_pid=os.getpid())
+        await _broker_restart(broker.bootstrap, directory)
         # The proxy's clients are freed with it (reference cycles): before the broker goes,
         # or they would log connection failures until the session ends.
         gc.collect()
     finally:
-        stop_broker(directory)
+        await asyncio.to_thread(stop_broker, directory)
 
 
 async def _broker_restart(bootstrap: str, directory: Path) -> None:
@@ -265,7 +276,7 @@ async def _broker_restart(bootstrap: str, directory: Path) -> None:
     broker_down = asyncio.Event()
     seen = 0
 
-    def behaviour(msg, k):
+    def behaviour(msg: handler_pb2.Message, k: int) -> Behaviour:
         nonlocal seen
         seen += 1
         return Behaviour(delay_s=0.005, hold=None if seen <= 500 else broker_down)
@@ -311,16 +322,16 @@ async def _broker_restart(bootstrap: str, directory: Path) -> None:
     await asyncio.to_thread(_assert_committed_to_end, bootstrap, group, topic)
 
 
-def test_a_partition_paused_when_it_was_lost_drains_after_it_is_assigned_again(
+async def test_a_partition_paused_when_it_was_lost_drains_after_it_is_assigned_again(
     tmp_path: Path,
 ) -> None:
     directory = tmp_path / "kafka"
     try:
-        broker = start_broker(directory, watch_pid=os.getpid())
-        asyncio.run(_paused_and_lost(broker.bootstrap, directory))
+        broker = await asyncio.to_thread(start_broker, directory, watch_pid=os.getpid())
+        await _paused_and_lost(broker.bootstrap, directory)
         gc.collect()  # free the proxy's clients before the broker goes (see above)
     finally:
-        stop_broker(directory)
+        await asyncio.to_thread(stop_broker, directory)
 
 
 async def _paused_and_lost(bootstrap: str, directory: Path) -> None:
@@ -334,7 +345,7 @@ async def _paused_and_lost(bootstrap: str, directory: Path) -> None:
     released = asyncio.Event()
     seen = 0
 
-    def behaviour(msg, k):
+    def behaviour(msg: handler_pb2.Message, k: int) -> Behaviour:
         nonlocal seen
         seen += 1
         return Behaviour(hold=None if seen <= 40 else released)
@@ -387,14 +398,14 @@ class _Lines(logging.Handler):
         return [r.getMessage() for r in list(self.records) if r.levelno >= level]
 
 
-def test_a_broker_outage_is_logged_as_state_changes_not_a_flood(tmp_path: Path) -> None:
+async def test_a_broker_outage_is_logged_as_state_changes_not_a_flood(tmp_path: Path) -> None:
     directory = tmp_path / "kafka"
     try:
-        broker = start_broker(directory, watch_pid=os.getpid())
-        asyncio.run(_outage_logs(broker.bootstrap, directory))
+        broker = await asyncio.to_thread(start_broker, directory, watch_pid=os.getpid())
+        await _outage_logs(broker.bootstrap, directory)
         gc.collect()  # free the proxy's clients before the broker goes (see above)
     finally:
-        stop_broker(directory)
+        await asyncio.to_thread(stop_broker, directory)
 
 
 async def _outage_logs(bootstrap: str, directory: Path) -> None:
@@ -412,7 +423,8 @@ async def _outage_logs(bootstrap: str, directory: Path) -> None:
             proxy, task = start_proxy(config)
             runner = proxy.runners[0]
             await async_wait_until(lambda: proxy.ready()[0], timeout=60)
-            assert runner.fetcher is not None and runner.writer is not None
+            assert isinstance(runner.fetcher, Fetcher)
+            assert isinstance(runner.writer, DeadLetterWriter)
             gates = [runner.fetcher.log_gate, runner.writer.log_gate]
             # When the broker is down long enough for repeated connection errors per client
             # (how many librdkafka reports, and how many it suppresses itself, varies)
@@ -434,11 +446,15 @@ async def _outage_logs(bootstrap: str, directory: Path) -> None:
             await asyncio.to_thread(start_broker, directory, None, watch_pid=os.getpid())
             # Then each client says once that Kafka is reachable again, and after how long
             for gate in gates:
-                await async_wait_until(
-                    lambda g=gate: any(
+
+                def said_reachable(g: KafkaLogGate = gate) -> bool:
+                    return any(
                         m.startswith(f"{g.client}: Kafka reachable again after ")
                         for m in lines.messages()
-                    ),
+                    )
+
+                await async_wait_until(
+                    said_reachable,
                     timeout=60,
                     message=f"{gate.client} to say Kafka is reachable again",
                 )
@@ -457,8 +473,10 @@ async def _outage_logs(bootstrap: str, directory: Path) -> None:
 # --------------------------------------------------------------------------- DLQ outage
 
 
-def test_an_unwritable_dlq_under_load_holds_commits_and_loses_nothing(kafka) -> None:
-    asyncio.run(_dlq_outage(kafka.bootstrap))
+async def test_an_unwritable_dlq_under_load_holds_commits_and_loses_nothing(
+    kafka: Broker,
+) -> None:
+    await _dlq_outage(kafka.bootstrap)
 
 
 async def _dlq_outage(bootstrap: str) -> None:
@@ -480,7 +498,7 @@ async def _dlq_outage(bootstrap: str) -> None:
     poison = {Ledger.id_of(r["headers"]) for i, r in enumerate(records) if i % poison_every == 7}
     await asyncio.to_thread(produce, bootstrap, topic, records)
 
-    def behaviour(msg, k):
+    def behaviour(msg: handler_pb2.Message, k: int) -> Behaviour:
         if msg.value.startswith(b"poison:"):
             return Behaviour(status=grpc.StatusCode.INVALID_ARGUMENT, details="unparseable")
         return Behaviour(delay_s=0.002)
@@ -496,7 +514,11 @@ async def _dlq_outage(bootstrap: str) -> None:
         proxy, task = start_proxy(config)
         runner = proxy.runners[0]
         # When the DLQ writes keep failing while the load goes on
-        await async_wait_until(lambda: runner.writer and runner.writer.failures >= 10, timeout=60)
+
+        def dlq_failing() -> bool:
+            return isinstance(runner.writer, DeadLetterWriter) and runner.writer.failures >= 10
+
+        await async_wait_until(dlq_failing, timeout=60)
 
         def paused() -> float:
             text = proxy.metrics.exposition().decode()
@@ -507,7 +529,7 @@ async def _dlq_outage(bootstrap: str) -> None:
         # Then no commit passes a pill that is not confirmed in the DLQ (the first pill of
         # each partition sits at its offset 1 or so: index 7 is partition 3's offset 1)
         committed = await asyncio.to_thread(committed_offsets, bootstrap, group, topic)
-        firsts = {}
+        firsts: dict[int, int] = {}
         for i in range(n):
             if i % poison_every == 7:
                 firsts.setdefault(i % partitions, i // partitions)
@@ -518,6 +540,7 @@ async def _dlq_outage(bootstrap: str) -> None:
         await asyncio.to_thread(alter_topic, bootstrap, dlq_topic, {"max.message.bytes": "1048588"})
         # Then every pill is dead-lettered and the commit reaches the end
         await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=120)
+        assert isinstance(runner.writer, DeadLetterWriter)
         failures = runner.writer.failures
         await proxy.shutdown()
         await task
@@ -535,7 +558,7 @@ async def _dlq_outage(bootstrap: str) -> None:
 STORM_EVENTS = 8
 
 
-def test_a_rebalance_storm_of_worker_processes_loses_nothing(kafka, tmp_path: Path) -> None:
+def test_a_rebalance_storm_of_worker_processes_loses_nothing(kafka: Broker, tmp_path: Path) -> None:
     # Given 6 partitions of 4000 ledger messages
     bootstrap = kafka.bootstrap
     topic, group = unique_name("storm"), unique_name("storm")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import grpc
 import pytest
@@ -12,7 +14,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from consumer_proxy.config import HealthConfig
 from consumer_proxy.health import KafkaLink
-from tests.support.kafka import alter_topic, consume_all, create_topic, produce, unique_name
+from consumer_proxy.proto.v1 import handler_pb2
+from tests.support.kafka import (
+    Broker,
+    alter_topic,
+    consume_all,
+    create_topic,
+    produce,
+    unique_name,
+)
 from tests.support.proxy import caught_up, make_config, start_proxy
 from tests.support.scrape import http_get, scrape
 from tests.support.service import Behaviour, TestService
@@ -23,9 +33,11 @@ pytestmark = pytest.mark.kafka
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
+T = TypeVar("T")
 
-def test_health_follows_the_service_down_and_back_up(kafka) -> None:
-    asyncio.run(_service_outage(kafka.bootstrap))
+
+async def test_health_follows_the_service_down_and_back_up(kafka: Broker) -> None:
+    await _service_outage(kafka.bootstrap)
 
 
 async def _service_outage(bootstrap: str) -> None:
@@ -50,7 +62,9 @@ async def _service_outage(bootstrap: str) -> None:
 
             async def status(name: str) -> int:
                 request = health_pb2.HealthCheckRequest(service=name)
-                return (await stub.Check(request, timeout=5)).status
+                # grpc_health ships no py.typed: its messages and stubs are Any to mypy
+                serving: int = (await stub.Check(request, timeout=5)).status
+                return serving
 
             async def probes() -> tuple[int, int, int]:
                 assert proxy.http is not None
@@ -108,12 +122,12 @@ async def _service_outage(bootstrap: str) -> None:
     assert await asyncio.to_thread(consume_all, bootstrap, f"{group}.dlq", 5) == []
 
 
-async def _equals(awaitable, expected) -> bool:
+async def _equals(awaitable: Awaitable[T], expected: T) -> bool:
     return (await awaitable) == expected
 
 
-def test_the_proxy_health_says_not_serving_while_shutting_down(kafka) -> None:
-    asyncio.run(_shutdown(kafka.bootstrap))
+async def test_the_proxy_health_says_not_serving_while_shutting_down(kafka: Broker) -> None:
+    await _shutdown(kafka.bootstrap)
 
 
 async def _shutdown(bootstrap: str) -> None:
@@ -133,8 +147,8 @@ async def _shutdown(bootstrap: str) -> None:
         await task
 
 
-def test_a_dlq_that_refuses_records_makes_readyz_not_ready(kafka) -> None:
-    asyncio.run(_dlq_refuses(kafka.bootstrap))
+async def test_a_dlq_that_refuses_records_makes_readyz_not_ready(kafka: Broker) -> None:
+    await _dlq_refuses(kafka.bootstrap)
 
 
 async def _dlq_refuses(bootstrap: str) -> None:
@@ -144,7 +158,7 @@ async def _dlq_refuses(bootstrap: str) -> None:
     create_topic(bootstrap, topic, partitions=1)
     create_topic(bootstrap, dlq, partitions=1, config={"max.message.bytes": "200"})
 
-    def behaviour(msg, n):
+    def behaviour(msg: handler_pb2.Message, n: int) -> Behaviour:
         if msg.value.startswith(b"poison"):
             return Behaviour(status=grpc.StatusCode.INVALID_ARGUMENT, details="cannot parse")
         return Behaviour()
@@ -195,18 +209,18 @@ async def _dlq_refuses(bootstrap: str) -> None:
     assert len(await asyncio.to_thread(consume_all, bootstrap, dlq)) == 1
 
 
-async def _when(awaitable, accept):
+async def _when(awaitable: Awaitable[T], accept: Callable[[T], bool]) -> T | None:
     value = await awaitable
     return value if accept(value) else None
 
 
-def test_kafka_reachability_comes_from_the_consumers_statistics(kafka) -> None:
+def test_kafka_reachability_comes_from_the_consumers_statistics(kafka: Broker) -> None:
     # Given one consumer on the real broker and one on a port where nothing listens
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{sock.getsockname()[1]}"
-    links = {}
-    consumers = []
+    links: dict[str, KafkaLink] = {}
+    consumers: list[Consumer] = []
     for name, bootstrap in (("live", kafka.bootstrap), ("dead", dead)):
         link = KafkaLink()
         conf = {
