@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Awaitable
 
 import grpc
 import pytest
@@ -172,6 +173,10 @@ async def _restart(bootstrap: str) -> None:
     assert len(service.counts) == 300
 
 
+async def _is(value: Awaitable[int | None], expected: int) -> bool:
+    return await value == expected
+
+
 async def test_a_dlq_outage_holds_the_commit_and_loses_nothing(kafka: Broker) -> None:
     await _dlq_outage(kafka.bootstrap)
 
@@ -204,10 +209,16 @@ async def _dlq_outage(bootstrap: str) -> None:
             return sum(1 for d in service.deliveries if d.outcome == "ACK")
 
         await async_wait_until(lambda: acked() == 99, timeout=30)
-        await asyncio.sleep(0.6)  # three commit intervals
-        # Then nothing is committed past the poison pill
-        committed = await asyncio.to_thread(committed_offsets, bootstrap, group, topic)
-        assert committed[0][0] == 20
+
+        # Then the commit reaches the poison pill and stays there (a commit past it would
+        # never come back to 20: commits never go backwards)
+        async def committed() -> int | None:
+            offsets = await asyncio.to_thread(committed_offsets, bootstrap, group, topic)
+            return offsets[0][0] if 0 in offsets else None
+
+        await async_wait_until(lambda: _is(committed(), 20), timeout=30)
+        last = runner.partitions.parts[(topic, 0)].last_commit
+        assert last is not None and last[0] == 20
         # When the DLQ accepts the record again
         await asyncio.to_thread(
             alter_topic, bootstrap, f"{group}.dlq", {"max.message.bytes": "1048588"}
