@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..dlq import (
+from ..core.records import (
     H_ATTEMPT,
     H_DEAD_LETTERED_AT,
     H_ENDPOINT,

@@ -18,7 +18,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from ..config import GroupConfig, KafkaConfig
-from ..dlq import split_headers
+from ..core.records import split_headers
 from ..errors import ConfigError, KafkaUnavailableError
 from .mark import MergeMark
 from .render import show_value
