@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,7 +47,8 @@ from .flow import AdaptiveLimiter, Breaker, ConcurrencyLimiter, RateLimiter, Sta
 from .health import KafkaLink
 from .metrics import ProxyMetrics
 from .ports import DeadLetterSink, MessageSource, Pusher
-from .proto.v1 import handler_pb2
+from .readyq import ReadyDeque
+from .wire import batch_request, unary_request
 
 log = logging.getLogger(__name__)
 
@@ -67,47 +67,6 @@ STARVED_POLL_S = 0.005
 """... while a partition is paused for its window or the byte budget and little is ready."""
 WAITING_POLL_S = 0.05
 """... while a partition is paused so, and the workers have enough ready for now."""
-
-
-class ReadyDeque:
-    """Batch mode's ready messages: workers wait for any, then take a whole batch.
-
-    Each arriving message wakes one waiting worker (a free call slot sends what is ready at
-    once); while every worker is in a call, messages queue here and the next free worker
-    takes up to a batch of them.
-    """
-
-    __slots__ = ("_waiters", "items")
-
-    def __init__(self) -> None:
-        self.items: deque[Delivery] = deque()
-        self._waiters: deque[asyncio.Future[None]] = deque()
-
-    def put(self, delivery: Delivery) -> None:
-        """A message is ready (``PartitionSet``'s ``emit``)."""
-        self.items.append(delivery)
-        self.wake()
-
-    def wake(self) -> None:
-        """Wake one waiting worker, if any."""
-        waiters = self._waiters
-        while waiters:
-            waiter = waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
-
-    async def wait(self) -> None:
-        """Return once a message is ready."""
-        while not self.items:
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
-            try:
-                await waiter
-            except asyncio.CancelledError:
-                if waiter.done() and not waiter.cancelled():
-                    self.wake()  # the wake-up meant for this worker goes to another
-                raise
 
 
 class GroupRunner:
@@ -461,36 +420,10 @@ class GroupRunner:
                     partitions.abandon(delivery)
                 self.limiter.release(rtt, result)
 
-    def _message(self, delivery: Delivery) -> handler_pb2.Message:
-        origin = delivery.origin
-        key = delivery.key
-        value = delivery.value
-        return handler_pb2.Message(
-            topic=origin.topic,
-            partition=origin.partition,
-            offset=origin.offset,
-            key=key or b"",
-            has_key=key is not None,
-            value=value or b"",
-            has_value=value is not None,
-            headers=[handler_pb2.Header(key=k, value=v) for k, v in delivery.headers],
-            timestamp_ms=origin.timestamp_ms,
-            consumer_group=self.name,
-            source=delivery.source,  # type: ignore[arg-type]
-        )
-
-    def _request(self, delivery: Delivery) -> handler_pb2.HandleMessageRequest:
-        request = delivery.request
-        if request is None:
-            request = handler_pb2.HandleMessageRequest(message=self._message(delivery))
-            delivery.request = request
-        request.message.attempt = delivery.attempt
-        return request  # type: ignore[no-any-return]
-
     async def _deliver(self, delivery: Delivery, probe: bool) -> Classification:
         assert self.dispatcher is not None
         endpoint = self.dispatcher.pick()
-        request = self._request(delivery)
+        request = unary_request(delivery, self.name)
         self._m_in_flight.inc()
         try:
             result = await self.dispatcher.push(request, endpoint)
@@ -567,38 +500,10 @@ class GroupRunner:
                         partitions.abandon(delivery)
                 self.limiter.release(rtt, outcome.call if outcome is not None else None)
 
-    def _batch_request(self, batch: list[Delivery]) -> bytes:
-        """The encoded HandleMessageBatchRequest. Built in place for each push (measured:
-        cheaper than caching each encoded message and concatenating them)."""
-        request = handler_pb2.HandleMessageBatchRequest()
-        add = request.messages.add
-        group = self.name
-        for d in batch:
-            origin = d.origin
-            m = add()
-            m.topic = origin.topic
-            m.partition = origin.partition
-            m.offset = origin.offset
-            key = d.key
-            if key is not None:
-                m.key = key
-                m.has_key = True
-            value = d.value
-            if value is not None:
-                m.value = value
-                m.has_value = True
-            if d.headers:
-                m.headers.extend([handler_pb2.Header(key=k, value=v) for k, v in d.headers])
-            m.timestamp_ms = origin.timestamp_ms
-            m.consumer_group = group
-            m.attempt = d.attempt
-            m.source = d.source  # type: ignore[assignment]
-        return request.SerializeToString()
-
     async def _deliver_batch(self, batch: list[Delivery], probe: bool) -> BatchOutcome:
         assert self.dispatcher is not None
         endpoint = self.dispatcher.pick()
-        payload = self._batch_request(batch)
+        payload = batch_request(batch, self.name)
         count = len(batch)
         self._m_in_flight.inc()  # calls, as in unary mode
         try:

@@ -1,0 +1,49 @@
+"""Batch mode's ready queue: call slots wait for any ready message, then take a batch."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+from .core.partitions import Delivery
+
+
+class ReadyDeque:
+    """Batch mode's ready messages: workers wait for any, then take a whole batch.
+
+    Each arriving message wakes one waiting worker (a free call slot sends what is ready at
+    once); while every worker is in a call, messages queue here and the next free worker
+    takes up to a batch of them.
+    """
+
+    __slots__ = ("_waiters", "items")
+
+    def __init__(self) -> None:
+        self.items: deque[Delivery] = deque()
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    def put(self, delivery: Delivery) -> None:
+        """A message is ready (``PartitionSet``'s ``emit``)."""
+        self.items.append(delivery)
+        self.wake()
+
+    def wake(self) -> None:
+        """Wake one waiting worker, if any."""
+        waiters = self._waiters
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    async def wait(self) -> None:
+        """Return once a message is ready."""
+        while not self.items:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():
+                    self.wake()  # the wake-up meant for this worker goes to another
+                raise
