@@ -202,6 +202,9 @@ def _outcome(found: Classification, code: grpc.StatusCode, error: BaseException 
     )
 
 
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
 class _Aborted(Exception):
     """Raised by the fake context's ``abort``, as grpc.aio raises ``AbortError``."""
 
@@ -252,8 +255,8 @@ class HandlerEnvironment:
 
     async def handle_batch(self, messages: Sequence[Message]) -> list[Outcome]:
         """Call the handler with every message as ``HandleMessageBatch`` does (concurrently);
-        one outcome per message, in order. In a batch a raised error becomes the action its
-        status would have led to (see :mod:`consumer_proxy.handler`)."""
+        one outcome per message, in order. In a batch a raised error becomes that message's
+        status, classified like a unary call's (see :mod:`consumer_proxy.handler`)."""
         errors: dict[tuple[str, int, int], BaseException] = {}
         servicer = _MessageHandlerServicer(_recording(self._handle, errors), None)
         request = handler_pb2.HandleMessageBatchRequest(messages=[m.to_proto() for m in messages])
@@ -261,7 +264,7 @@ class HandlerEnvironment:
         return [
             _outcome(
                 self._classifier.from_response(result),
-                grpc.StatusCode.OK,
+                _CODES.get(result.status_code, grpc.StatusCode.UNKNOWN),
                 errors.get(_coordinates(m)),
             )
             for m, result in zip(messages, response.results, strict=True)

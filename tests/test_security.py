@@ -136,7 +136,13 @@ async def test_the_proxy_delivers_through_sasl_and_no_output_shows_the_password(
             assert proxy.alive(), proxy.output()[-3000:]
             port = int(re.findall(r"serving /metrics.* on 127\.0\.0\.1:(\d+)", proxy.output())[0])
             metrics = await http_get(port, "/metrics")
-            ready = await http_get(port, "/readyz")
+
+            # Ready once the first client statistics showed Kafka reachable (every 5 s)
+            async def ready_now() -> tuple[int, str] | None:
+                answer = await http_get(port, "/readyz")
+                return answer if answer[0] == 200 else None
+
+            ready = await async_wait_until(ready_now, timeout=30)
             status = run_cli("status", "--config", str(config), "--json")
             inspect = run_cli("dlq", "inspect", "--config", str(config), "--group", group)
         finally:

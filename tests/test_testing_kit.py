@@ -167,9 +167,11 @@ async def test_a_batch_answers_in_order_and_raised_errors_become_actions() -> No
     )
 
     assert [o.kind for o in outcomes] == ["ack", "dead_letter", "ack", "retry"]
-    assert outcomes[1].reason == "INVALID_ARGUMENT: unparseable"
+    assert outcomes[1].reason == "unparseable"
+    assert outcomes[1].code == grpc.StatusCode.INVALID_ARGUMENT
     assert isinstance(outcomes[1].error, cp.PoisonPill)
-    outcomes[3].assert_retry(counted=True)  # a batch cannot signal an outage per message
+    outcomes[3].assert_retry(counted=False)  # an outage per message, as in a unary call
+    assert outcomes[3].service_failure
     assert outcomes[0].error is None
 
 
