@@ -173,6 +173,8 @@ def test_the_tools_import_the_core_never_the_proxys_runtime() -> None:
     ).stdout.split()
 
     assert "consumer_proxy.tools.commands" in loaded and "consumer_proxy.core.codec" in loaded
-    runtime = {f"consumer_proxy.{m}" for m in ("proxy", "group", "fetcher", "dispatcher", "flow", "dlq")}
+    runtime = {
+        f"consumer_proxy.{m}" for m in ("proxy", "group", "fetcher", "dispatcher", "flow", "dlq")
+    }
     assert runtime.isdisjoint(loaded)
     assert not any(m.startswith("pyspark") for m in loaded)  # Spark only inside the jobs
