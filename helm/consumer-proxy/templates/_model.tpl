@@ -4,7 +4,7 @@ For the checks in _helpers.tpl: a group's defaults as the proxy fills them in, a
 the librdkafka properties the proxy sets itself (JSON).
 */}}
 {{- define "consumer-proxy.groupDefaults" -}}
-{"circuit_breaker": {"failure_threshold": 20, "reset_timeout_s": 10.0}, "delivery": {"adaptive": {"initial": 20, "max": 500, "min": 1}, "backoff": {"initial_ms": 100, "jitter": 0.2, "max_ms": 30000, "multiplier": 2.0}, "batch": null, "commit_interval_ms": 1000, "concurrency": 100, "fetch_batch": 500, "max_attempts": 5, "max_in_flight": 1000, "max_in_flight_bytes": 67108864, "metadata_budget_bytes": 4000, "ordering": "none", "rate_limit_per_s": null, "revoke_grace_ms": 3000, "status_overrides": {}}, "dlq": {"create": true, "partitions": null, "redrive_partitions": 1, "redrive_topic": null, "replication_factor": null, "topic": null, "write_timeout_ms": 30000}, "service": {"timeout_ms": 5000, "tls": null}}
+{"circuit_breaker": {"failure_threshold": 20, "reset_timeout_s": 10.0}, "delivery": {"adaptive": {"initial": 20, "max": 500, "min": 1}, "backoff": {"initial_ms": 100, "jitter": 0.2, "max_ms": 30000, "multiplier": 2.0}, "batch": null, "commit_interval_ms": 1000, "concurrency": 100, "fetch_batch": 500, "in_memory_attempts": 1, "max_attempts": 5, "max_in_flight": 1000, "max_in_flight_bytes": 67108864, "metadata_budget_bytes": 4000, "ordering": "none", "rate_limit_per_s": null, "retry_topics": [], "revoke_grace_ms": 3000, "status_overrides": {}}, "dlq": {"create": true, "partitions": null, "redrive_partitions": 1, "redrive_topic": null, "replication_factor": null, "topic": null, "write_timeout_ms": 30000}, "service": {"timeout_ms": 5000, "tls": null}}
 {{- end -}}
 
 {{- define "consumer-proxy.proxyOwnedClientProperties" -}}
