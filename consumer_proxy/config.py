@@ -303,6 +303,20 @@ class DeliveryConfig(BaseModel):
         description="With retry_topics: attempts made from memory (with backoff) before a "
         "message moves to the first retry tier.",
     )
+    head_block_ms: int | None = Field(
+        None,
+        ge=100,
+        le=86_400_000,
+        description="With retry_topics: when a partition's committable offset has not moved "
+        "for this long while offsets above it are done, its blocking message moves to the next "
+        "retry tier (its call is abandoned and counts as a failed attempt); absent: off.",
+    )
+    max_unblock_per_minute: int = Field(
+        10,
+        ge=1,
+        le=100_000,
+        description="At most this many head-of-line moves per partition in any minute.",
+    )
 
     @field_validator("concurrency", mode="before")
     @classmethod
@@ -414,6 +428,12 @@ class GroupConfig(BaseModel):
                 ("delivery", "retry_topics"),
                 "retry tiers need ordering none: a message waiting in a tier would let the "
                 f"later messages of its key go first (ordering is {self.delivery.ordering!r})",
+            )
+        if self.delivery.head_block_ms is not None and not self.delivery.retry_topics:
+            raise FieldProblem(
+                ("delivery", "head_block_ms"),
+                "head-of-line unblocking moves a message to a retry tier: it needs "
+                "delivery.retry_topics",
             )
         for topic in self.retry_topics:
             if topic in self.topics:

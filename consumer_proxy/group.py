@@ -38,7 +38,7 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from .config import REVOKE_MARGIN_MS, GroupConfig, KafkaConfig
 from .core.batching import NOT_IMPLEMENTED_REASON, BatchLimits, BatchOutcome, take
-from .core.decision import Action, Decision
+from .core.decision import HEAD_BLOCKED, Action, Decision
 from .core.outcomes import Classification, Classifier
 from .core.partitions import TP, Commit, Delivery, PartitionSet, PartitionState
 from .core.records import retry_headers
@@ -375,6 +375,7 @@ class GroupRunner:
         paused = self.metrics.partitions_paused.labels(self.name)
         timeout_s = FETCH_WAIT_S
         quiet = 0  # polls in a row that found the group holding nothing
+        unblocking = self.group.delivery.head_block_ms is not None
         while not self._stopping.is_set():
             messages = await fetcher.consume(batch, timeout_s)
             self.started.set()  # the consumer is up (joined, or joining, the group)
@@ -391,6 +392,8 @@ class GroupRunner:
                 elif error.code() != KafkaError._PARTITION_EOF:
                     log.warning("group %s: consumer error: %s", self.name, error)
             partitions.skip_unfetchable(fetcher.positions)
+            if unblocking:
+                self._unblock()
             plan = partitions.pause_plan()
             if plan.pause or plan.resume:
                 await fetcher.set_paused(plan.pause, plan.resume)
@@ -416,6 +419,23 @@ class GroupRunner:
                 # rebalance, served inside consume, can change anything. An idle group wakes
                 # once a second instead of five times (the idle cost of many groups).
                 timeout_s = IDLE_FETCH_WAIT_S
+
+    def _unblock(self) -> None:
+        """Move aside the messages that block their partition's commit (head_block_ms)."""
+        for delivery, decision in self.partitions.unblock(asyncio.get_running_loop().time()):
+            tier = str(decision.tier) if decision.action is Action.TIER else "dlq"
+            self.metrics.head_unblocks.labels(self.name, tier).inc()
+            self._m_outcome[decision.action].inc()
+            log.warning(
+                "group %s: %s[%d]@%d %s; moving it to %s",
+                self.name,
+                delivery.origin.topic,
+                delivery.origin.partition,
+                delivery.origin.offset,
+                decision.reason,
+                f"retry tier {tier}" if decision.action is Action.TIER else "the DLQ",
+            )
+            self._start_write(delivery, decision, HEAD_BLOCKED, "")
 
     def _ready_low(self) -> bool:
         """Fewer messages are ready than the workers can take in one round."""

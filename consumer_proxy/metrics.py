@@ -94,6 +94,13 @@ class ProxyMetrics:
             ["group", "tier"],
             registry=r,
         )
+        self.head_unblocks = Counter(
+            "consumer_proxy_head_unblocks",
+            "Messages moved aside as they blocked their partition's commit (head_block_ms), "
+            "by the tier they moved to ('dlq' after the last).",
+            ["group", "tier"],
+            registry=r,
+        )
         self.dlq_writes = Counter(
             "consumer_proxy_dlq_writes",
             "DLQ writes by result (ok, error).",

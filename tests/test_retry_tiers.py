@@ -19,7 +19,7 @@ from consumer_proxy.config import (
     GroupConfig,
     RetryTopicConfig,
 )
-from consumer_proxy.core.decision import Action, Evidence, Policy, decide
+from consumer_proxy.core.decision import Action, Evidence, Policy, decide, unblock
 from consumer_proxy.core.outcomes import Classification, Classifier
 from consumer_proxy.core.partitions import SOURCE_RETRY, Delivery, PartitionSet
 from consumer_proxy.core.records import (
@@ -176,19 +176,26 @@ class TierRecord:
 class Rig:
     """A PartitionSet with tiers of 2 s and 5 s, in_memory_attempts 1, on a virtual clock."""
 
-    def __init__(self) -> None:
+    def __init__(self, **delivery: Any) -> None:
         self.clock = Clock()
         self.clock.now = 1_000_000.0  # epoch seconds: tier due times are wall-clock
         self.ready: list[Delivery] = []
+        self.breaker = Breaker("g", CircuitBreakerConfig(), clock=self.clock)
         self.core = PartitionSet(
             "g",
             DeliveryConfig(
-                max_attempts=5,
-                backoff=BACKOFF,
-                retry_topics=[RetryTopicConfig(delay_ms=2000), RetryTopicConfig(delay_ms=5000)],
+                **{
+                    "max_attempts": 5,
+                    "backoff": BACKOFF,
+                    "retry_topics": [
+                        RetryTopicConfig(delay_ms=2000),
+                        RetryTopicConfig(delay_ms=5000),
+                    ],
+                    **delivery,
+                }
             ),
             "g.redrive",
-            Breaker("g", CircuitBreakerConfig(), clock=self.clock),
+            self.breaker,
             emit=self.ready.append,
             schedule=self.clock.call_later,
             rng=random.Random(1),
@@ -201,6 +208,7 @@ class Rig:
     def push(self, result: Classification) -> Any:
         delivery = self.ready.pop(0)
         assert self.core.begin(delivery)
+        self.breaker.record(result.service_failure, probe=False)
         return delivery, self.core.finish(delivery, result, probe=False)
 
     def committable(self, topic: str) -> int:
@@ -307,6 +315,106 @@ def test_a_revoked_tier_partition_drops_its_waiting_records() -> None:
     assert rig.ready == []
 
 
+# ----------------------------------------------------------------------------- unblocking
+
+
+def test_a_hung_head_moves_to_the_next_tier_after_head_block_ms() -> None:
+    # Given a partition whose first message hangs while the two behind it are acked
+    rig = Rig(head_block_ms=2000)
+    for offset in range(3):
+        rig.core.intake(TierRecord("t", offset))
+    hung = rig.ready.pop(0)
+    assert rig.core.begin(hung)
+    rig.push(ACK)
+    rig.push(ACK)
+    # When the commit has not moved for less than head_block_ms, Then nothing moves
+    assert rig.core.unblock(100.0) == []
+    assert rig.core.unblock(101.9) == []
+    # When it has not moved for head_block_ms, Then the head moves to tier 1 as a failed
+    # attempt, and its late result is ignored
+    [(moved, decision)] = rig.core.unblock(102.0)
+    assert moved is hung and decision.action is Action.TIER and decision.tier == 1
+    assert "blocked the head" in decision.reason and moved.counted_here == 1
+    assert rig.core.finish(hung, ACK, probe=False) is None
+    assert rig.committable("t") == 0  # the tier write is not confirmed yet
+    rig.core.tier_written(hung)
+    assert rig.committable("t") == 3
+    assert rig.core.counters.unblocks == 1
+
+
+def test_nothing_moves_while_nothing_above_the_head_is_done() -> None:
+    rig = Rig(head_block_ms=1000)
+    rig.core.intake(TierRecord("t", 0))
+    rig.core.intake(TierRecord("t", 1))
+    for delivery in list(rig.ready):
+        assert rig.core.begin(delivery)
+    rig.core.unblock(0.0)
+    assert rig.core.unblock(50.0) == []  # a slow partition, not a blocked one
+
+
+def test_a_head_waiting_for_an_in_memory_retry_moves_and_its_timer_is_cancelled() -> None:
+    rig = Rig(
+        head_block_ms=1000,
+        in_memory_attempts=3,
+        backoff=BackoffConfig(initial_ms=60_000, max_ms=60_000),
+    )
+    rig.core.intake(TierRecord("t", 0))
+    rig.core.intake(TierRecord("t", 1))
+    _, retry = rig.push(FAIL)
+    assert retry.action is Action.RETRY
+    rig.push(ACK)
+    rig.core.unblock(0.0)
+    [(moved, decision)] = rig.core.unblock(1.0)
+    assert decision.action is Action.TIER and moved.offset == 0
+    rig.clock.run_until(rig.clock.now + 120)
+    assert rig.ready == []  # the in-memory retry does not come any more
+
+
+def test_a_hung_head_during_an_outage_never_moves() -> None:
+    # Given a hung head and an acked message behind it, then the service stops answering
+    rig = Rig(head_block_ms=1000)
+    rig.core.intake(TierRecord("t", 0))
+    hung = rig.ready.pop(0)
+    assert rig.core.begin(hung)
+    rig.core.intake(TierRecord("t", 1))
+    rig.core.intake(TierRecord("t", 2))
+    late = rig.ready.pop(0)
+    assert rig.core.begin(late)  # the service hangs from here on: nothing answers
+    rig.core.finish(late, ACK, probe=False)  # (an answer the breaker did not count)
+    rig.core.unblock(0.0)
+    assert rig.core.unblock(60.0) == []
+    # When the breaker opens, still nothing moves, even once another call succeeds
+    for _ in range(30):
+        rig.breaker.record(True, probe=False)
+    assert rig.breaker.is_open
+    assert rig.core.unblock(120.0) == []
+
+
+def test_unblocking_is_bounded_per_partition_per_minute() -> None:
+    rig = Rig(head_block_ms=1000, max_unblock_per_minute=1)
+    for offset in range(4):
+        rig.core.intake(TierRecord("t", offset))
+    first, second = rig.ready.pop(0), rig.ready.pop(0)
+    assert rig.core.begin(first) and rig.core.begin(second)
+    rig.push(ACK)
+    rig.push(ACK)
+    rig.core.unblock(0.0)
+    [(moved, _)] = rig.core.unblock(1.0)
+    rig.core.tier_written(moved)
+    # The next head is blocked as well, but one move per minute is the limit
+    rig.core.unblock(1.5)
+    assert rig.core.unblock(30.0) == []
+    [(again, _)] = rig.core.unblock(61.0)
+    assert again is second
+
+
+def test_the_last_tier_or_max_attempts_sends_a_blocking_head_to_the_dlq() -> None:
+    policy = Policy(max_attempts=5, backoff=BACKOFF, tiers_ms=(1000,))
+    assert unblock(0, 0, policy, 3.0).action is Action.TIER
+    assert unblock(1, 1, policy, 3.0).action is Action.DEAD_LETTER
+    assert unblock(4, 0, policy, 3.0).action is Action.DEAD_LETTER
+
+
 # ----------------------------------------------------------------------------- config
 
 
@@ -330,8 +438,17 @@ def test_tier_topics_are_named_after_the_group_in_config_order() -> None:
         {"retry_topics": [{}]},
         {"in_memory_attempts": 0},
         {"retry_topics": [{"delay_ms": 10}], "ordering": "key"},
+        {"head_block_ms": 1000},
+        {"retry_topics": [{"delay_ms": 10}], "head_block_ms": 1},
     ],
-    ids=["zero-delay", "no-delay", "no-memory-attempt", "with-ordering"],
+    ids=[
+        "zero-delay",
+        "no-delay",
+        "no-memory-attempt",
+        "with-ordering",
+        "unblock-without-tiers",
+        "unblock-too-soon",
+    ],
 )
 def test_bad_tier_settings_are_rejected(delivery: dict[str, Any]) -> None:
     with pytest.raises(ValidationError):

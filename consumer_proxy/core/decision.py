@@ -130,3 +130,17 @@ def decide(
         # commit (and its window) for that long.
         delay = min(result.retry_after_ms, policy.backoff.max_ms) / 1000.0
     return Decision(Action.RETRY, delay, is_counted, result.reason)
+
+
+HEAD_BLOCKED = "HEAD_BLOCKED"
+"""The status recorded (``cp-status``) for a message moved aside as it blocked its partition."""
+
+
+def unblock(counted: int, tier: int, policy: Policy, waited_s: float) -> Decision:
+    """The decision for a message that blocks the head of its partition (head-of-line
+    unblocking): its attempt under way counts as failed, and it moves to the next retry tier,
+    or to the DLQ after the last tier or at ``max_attempts``."""
+    reason = f"blocked the head of its partition for {waited_s:.1f}s"
+    if counted + 1 >= policy.max_attempts or tier + 1 > len(policy.tiers_ms):
+        return Decision(Action.DEAD_LETTER, counted=True, reason=f"gave up: {reason}")
+    return Decision(Action.TIER, policy.tiers_ms[tier] / 1000.0, True, reason, tier=tier + 1)

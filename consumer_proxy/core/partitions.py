@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from ..config import DeliveryConfig
 from .codec import AckState, CodecError, decode
-from .decision import Action, Decision, Evidence, Policy, decide
+from .decision import Action, Decision, Evidence, Policy, decide, unblock
 from .ordering import PARTITION_LANE, KeyGate
 from .outcomes import Classification, Outcome
 from .records import (
@@ -105,6 +105,11 @@ class PartitionState:
     gate: KeyGate[Delivery] | None = None  # delivery.ordering key / partition only
     tier: int = 0  # the retry tier this partition's topic is (0: a source or redrive topic)
     waiting: int = 0  # retry tier records fetched and not yet due (the partition pauses)
+    # Head-of-line unblocking (delivery.head_block_ms) only:
+    head: tuple[int, float] = (-1, 0.0)  # (committable offset, since when it has not moved)
+    unblocks: deque[float] = field(default_factory=deque)  # when it moved a head, last minute
+    out: dict[int, Delivery] = field(default_factory=dict)  # pushes under way, by offset
+    retrying: dict[int, tuple[Delivery, Handle]] = field(default_factory=dict)  # in memory
 
     @property
     def tp(self) -> TP:
@@ -133,6 +138,7 @@ class Delivery:
     request: Any = None  # the shell's cached request object
     tier: int = 0  # the retry tier it was read from (0: a source or redrive topic)
     due_at_ms: int = 0  # with Action.TIER: when the tier record is due (epoch ms)
+    moved: bool = False  # moved aside as it blocked its partition: a late result is ignored
 
     @property
     def stale(self) -> bool:
@@ -173,6 +179,7 @@ class Counters:
     retry: int = 0
     dead_letter: int = 0
     tier: int = 0
+    unblocks: int = 0
     over_budget: int = 0
     resets: int = 0
 
@@ -227,6 +234,11 @@ class PartitionSet:
         )
         self._tiers = {topic: n for n, topic in enumerate(retry_topics, start=1)}
         self._clock = clock  # epoch seconds: a tier record's due time is wall-clock
+        self._head_block_s = (
+            delivery.head_block_ms / 1000.0 if delivery.head_block_ms is not None else None
+        )
+        self._max_unblock = delivery.max_unblock_per_minute
+        self._watch = self._head_block_s is not None  # keep pushes under way by offset
         self._redrive = redrive_topic
         self._breaker = breaker
         self._emit = emit
@@ -471,6 +483,8 @@ class PartitionSet:
         if delivery.stale or delivery.part.leaving:
             return False
         delivery.part.calls += 1
+        if self._watch:
+            delivery.part.out[delivery.offset] = delivery
         breaker = self._breaker
         delivery.openings_mark = breaker.openings
         if delivery.successes_mark < 0:
@@ -482,6 +496,11 @@ class PartitionSet:
         when the result is stale (the partition was revoked or reset meanwhile)."""
         part = delivery.part
         part.calls -= 1
+        if self._watch:
+            if delivery.moved:
+                return None  # moved to a tier as it blocked the partition: too late
+            if part.out.get(delivery.offset) is delivery:
+                del part.out[delivery.offset]
         if result.outcome is Outcome.ACK and not delivery.stale:
             # The common case, once per message at batch rates: nothing to weigh.
             self.counters.ack += 1
@@ -535,7 +554,13 @@ class PartitionSet:
 
     def abandon(self, delivery: Delivery) -> None:
         """A push that began never reached the service (cancelled): deliver it again now."""
-        delivery.part.calls -= 1
+        part = delivery.part
+        part.calls -= 1
+        if self._watch:
+            if delivery.moved:
+                return
+            if part.out.get(delivery.offset) is delivery:
+                del part.out[delivery.offset]
         if delivery.stale:
             self._release(delivery)
         else:
@@ -547,6 +572,8 @@ class PartitionSet:
 
         def requeue() -> None:
             part.timers.discard(handle)
+            if self._watch and delivery.offset in part.retrying:
+                del part.retrying[delivery.offset]
             if delivery.stale:
                 self._release(delivery)
             else:
@@ -554,6 +581,73 @@ class PartitionSet:
 
         handle = self._schedule(delay_s, requeue)
         part.timers.add(handle)
+        if self._watch:
+            part.retrying[delivery.offset] = (delivery, handle)
+
+    def unblock(self, now_s: float) -> list[tuple[Delivery, Decision]]:
+        """Head-of-line unblocking (``delivery.head_block_ms``), on the caller's clock: each
+        partition whose committable offset has not moved for ``head_block_ms`` while offsets
+        above it are done, and whose blocking message is being pushed or waits for an
+        in-memory retry, while the service answers other calls (never in an outage), moves
+        that message aside: to the next retry tier (or the DLQ after
+        the last), as a failed attempt; its call's late result is ignored. At most
+        ``max_unblock_per_minute`` per partition. Returns the writes to start, as ``finish``
+        would for a TIER or DEAD_LETTER decision."""
+        block_s = self._head_block_s
+        if block_s is None:
+            return []
+        breaker = self._breaker
+        if breaker.is_open:
+            return []  # an outage: it never moves a message (guarantee 2)
+        moves: list[tuple[Delivery, Decision]] = []
+        for part in self.parts.values():
+            tracker = part.tracker
+            if tracker is None or part.leaving:
+                continue
+            head = tracker.committable()
+            if part.head[0] != head:
+                part.head = (head, now_s)
+                continue
+            waited = now_s - part.head[1]
+            if waited < block_s or tracker.in_flight <= tracker.pending:
+                continue  # not blocked long enough, or nothing done above it
+            delivery = part.out.get(head)
+            retrying = part.retrying.get(head)
+            if delivery is None and retrying is not None:
+                delivery = retrying[0]
+            if delivery is None or delivery.stale or delivery.moved:
+                continue  # fetched, waiting for its due time, or its write is under way
+            if breaker.successes <= delivery.successes_mark or (
+                retrying is None and breaker.openings != delivery.openings_mark
+            ):
+                # The outage rule: only a message stuck while the service answers others
+                # (since its call began, or its previous attempt ended) is moved.
+                continue
+            unblocks = part.unblocks
+            while unblocks and unblocks[0] <= now_s - 60.0:
+                unblocks.popleft()
+            if len(unblocks) >= self._max_unblock:
+                continue
+            unblocks.append(now_s)
+            part.head = (head, now_s)
+            decision = unblock(delivery.counted_here, delivery.tier, self._policy, waited)
+            if retrying is not None and retrying[0] is delivery:
+                retrying[1].cancel()
+                part.timers.discard(retrying[1])
+                del part.retrying[head]
+            else:
+                del part.out[head]
+                delivery.moved = True  # its push's result, when it comes, is ignored
+            self.counters.unblocks += 1
+            delivery.counted_here += 1
+            part.calls += 1  # the write
+            if decision.action is Action.TIER:
+                self.counters.tier += 1
+                delivery.due_at_ms = int((self._clock() + decision.delay_s) * 1000)
+            else:
+                self.counters.dead_letter += 1
+            moves.append((delivery, decision))
+        return moves
 
     def dead_lettered(self, delivery: Delivery) -> None:
         """The DLQ write of ``delivery`` is confirmed: its offset is done."""

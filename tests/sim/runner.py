@@ -95,6 +95,8 @@ class Stats:
     protocol_errors: int = 0
     tier_schedules: int = 0
     tier_writes: int = 0
+    unblocks: int = 0
+    unblocks_in_outage: int = 0
 
 
 @dataclass
@@ -129,6 +131,8 @@ class Member:
             ordering=sim.ordering,
             retry_topics=[RetryTopicConfig(delay_ms=d) for d in sim.tier_delays_ms],
             in_memory_attempts=sim.in_memory_attempts,
+            head_block_ms=sim.head_block_ms,
+            max_unblock_per_minute=sim.max_unblock,
         )
         self.core = PartitionSet(
             "g",
@@ -178,9 +182,13 @@ class Simulation:
         tiers = random.Random(f"tiers:{seed}")
         self.tier_delays_ms: list[int] = []
         self.in_memory_attempts = 1
+        self.head_block_ms: int | None = None
+        self.max_unblock = 10
         if self.ordering == "none" and tiers.random() < 0.5:
             self.tier_delays_ms = tiers.choice([[300], [100, 800], [50, 200, 1000]])
             self.in_memory_attempts = tiers.choice([1, 2])
+            self.head_block_ms = tiers.choice([None, 300, 1500])
+            self.max_unblock = tiers.choice([1, 10])
         self.stats.tier_schedules = bool(self.tier_delays_ms)
         self.tier_tps: list[TP] = [
             (f"g.retry.{n}", p)
@@ -365,6 +373,15 @@ class Simulation:
             core.intake(record)
         positions = {tp: self.consumer.position[tp] for tp in self.consumer.assigned}
         core.skip_unfetchable(positions)
+        for delivery, decision in core.unblock(self.clock.now):
+            self.stats.unblocks += 1
+            ident = int(dict(delivery.headers)["id"])
+            behaviour = self.truth.behaviour[ident]
+            if self.outage is not None and not behaviour.startswith(("flaky:", "timeout:")):
+                # (the outage rule: only while the service answers others, i.e. at most at
+                # the very start of a hang, for a call that began before it)
+                self.stats.unblocks_in_outage += 1
+            self._decided(delivery, ident, decision)
         plan = core.pause_plan()
         self.stats.pauses += len(plan.pause)
         self.consumer.set_paused(plan.pause, plan.resume)
@@ -497,7 +514,9 @@ class Simulation:
         elif action is Action.DROP:
             truth.done.add(ident)
         elif action is Action.DEAD_LETTER:
-            past_tiers = bool(self.tier_delays_ms) and "last retry tier" in decision.reason
+            past_tiers = bool(self.tier_delays_ms) and (
+                "last retry tier" in decision.reason or "blocked the head" in decision.reason
+            )
             flaky = truth.behaviour[ident].startswith("flaky:")
             if not (
                 truth.behaviour[ident].startswith(("poison", "timeout:")) or (past_tiers and flaky)
@@ -509,7 +528,9 @@ class Simulation:
                 self.fail(f"message {ident} moved to tier {decision.tier} ({decision})")
             # A deadline charged while the service answered others is the message's attempt
             # (guarantee 2), also at the start of a hang; nothing else moves a good message.
-            charged_deadline = decision.reason == "deadline"
+            charged_deadline = (
+                decision.reason == "deadline" or "blocked the head" in decision.reason
+            )
             if not truth.behaviour[ident].startswith(("flaky:", "timeout:")) and not (
                 charged_deadline
             ):
