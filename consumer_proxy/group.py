@@ -778,6 +778,8 @@ class GroupRunner:
             raise
         self.partitions.tier_written(delivery)
         self._call_ended.set()
+        if delivery.moved:
+            self._flush.set()  # it held the partition's commit: commit the move soon
         self.metrics.retry_tier_writes.labels(self.name, str(tier), "ok").inc()
         log.debug(
             "group %s: %s[%d]@%d moved to retry tier %d after attempt %d (%s)",

@@ -6,6 +6,7 @@ source commit at the message."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import grpc
@@ -236,3 +237,66 @@ async def test_an_unwritable_retry_topic_holds_the_source_commit_and_loses_nothi
     retried = [d for d in service.deliveries if d.offset == 20]
     assert [(d.source, d.outcome) for d in retried] == [("primary", "INTERNAL"), ("retry", "ACK")]
     assert await asyncio.to_thread(consume_all, bootstrap, f"{group}.dlq", 2.0) == []
+
+
+async def test_a_hung_message_is_moved_aside_and_the_commit_passes_it(kafka: Broker) -> None:
+    # Given one partition whose 6th message hangs on its first delivery (the call stays open
+    # far longer than head_block_ms) while the other 199 are acked
+    bootstrap = kafka.bootstrap
+    topic, group = unique_name("hung"), unique_name("hung")
+    create_topic(bootstrap, topic, partitions=1)
+    await asyncio.to_thread(produce, bootstrap, topic, [f"m{i}" for i in range(200)])
+    release = asyncio.Event()
+    head_block_ms, commit_interval_ms = 1500, 200
+
+    def behaviour(msg: handler_pb2.Message, k: int) -> Behaviour:
+        return Behaviour(hold=release) if msg.offset == 5 and k == 1 else Behaviour()
+
+    async with TestService(behaviour) as service:
+        config = make_config(
+            bootstrap,
+            group,
+            [topic],
+            [service.address],
+            service={"timeout_ms": 60_000},
+            delivery={
+                "retry_topics": [{"delay_ms": 1000}],
+                "head_block_ms": head_block_ms,
+                "commit_interval_ms": commit_interval_ms,
+            },
+        )
+        proxy, task = start_proxy(config)
+
+        async def committed_past_it() -> bool:
+            offsets = await asyncio.to_thread(committed_offsets, bootstrap, group, topic)
+            return 0 in offsets and offsets[0][0] > 5
+
+        # When the handler hangs on it, Then the commit moves past it within head_block_ms
+        # plus a commit interval (and the time to see it: the intake's 0.2 s cadence, the
+        # tier write, this poll), long before the call's 60 s deadline
+        await async_wait_until(committed_past_it, timeout=30, interval=0.1)
+        [hung] = [d for d in service.deliveries if d.offset == 5]
+        waited = time.monotonic() - hung.received_at
+        print(f"commit moved past the hung message {waited * 1000:.0f} ms after it was pushed")
+        assert waited < (head_block_ms + commit_interval_ms) / 1000 + 1.0
+        # and the message is retried later from the tier, and acked
+        await async_wait_until(lambda: service.count(topic, 0, 5) == 2, timeout=30)
+        await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=30)
+        # When the hung call finally answers, Then its late result is ignored
+        release.set()
+        await async_wait_until(lambda: hung_finished(service), timeout=10)
+        runner = proxy.runners[0]
+        assert runner.partitions.counters.unblocks == 1
+        await proxy.shutdown()
+        await task
+    tries = [d for d in service.deliveries if d.offset == 5]
+    assert [(d.source, d.attempt) for d in tries] == [("primary", 1), ("retry", 2)]
+    assert tries[1].received_at - hung.received_at >= (head_block_ms + 1000) / 1000
+    [record] = await asyncio.to_thread(consume_all, bootstrap, f"{group}.retry.1")
+    _, ours = rec.split_headers(record.headers())
+    assert ours[rec.H_STATUS] == "HEAD_BLOCKED" and ours[rec.H_ATTEMPT] == "1"
+    assert await asyncio.to_thread(consume_all, bootstrap, f"{group}.dlq", 2.0) == []
+
+
+def hung_finished(service: TestService) -> bool:
+    return all(d.outcome != "PENDING" for d in service.deliveries)
