@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -15,7 +16,9 @@ from confluent_kafka import KafkaException
 
 from consumer_proxy.core import records as rec
 from consumer_proxy.dlq import DeadLetterWriter
+from consumer_proxy.errors import KafkaUnavailableError
 from consumer_proxy.proto.v1 import handler_pb2
+from consumer_proxy.status import collect_status, render_status
 from tests.support.kafka import (
     Broker,
     alter_topic,
@@ -300,3 +303,68 @@ async def test_a_hung_message_is_moved_aside_and_the_commit_passes_it(kafka: Bro
 
 def hung_finished(service: TestService) -> bool:
     return all(d.outcome != "PENDING" for d in service.deliveries)
+
+
+async def test_status_shows_each_tiers_depth_and_oldest_due_time(kafka: Broker) -> None:
+    # Given a group with two tiers whose first tier holds two records (due at t and t + 1 s)
+    bootstrap = kafka.bootstrap
+    topic, group = unique_name("tstatus"), unique_name("tstatus")
+    create_topic(bootstrap, topic, partitions=1)
+    config = make_config(
+        bootstrap,
+        group,
+        [topic],
+        ["127.0.0.1:1"],
+        delivery={"retry_topics": [{"delay_ms": 5000}, {"delay_ms": 60000}]},
+    )
+    create_topic(bootstrap, f"{group}.retry.1", partitions=2)
+    due = 1_800_000_000_000
+    tier_records = [
+        {
+            "value": f"v{i}",
+            "partition": i,
+            "headers": rec.retry_headers(
+                [],
+                rec.Origin(topic, 0, i, 1, 0),
+                attempt=1,
+                status="INTERNAL",
+                reason="r",
+                endpoint="e",
+                group=group,
+                tier=1,
+                due_at_ms=due + 1000 * (1 - i),
+            ),
+        }
+        for i in range(2)
+    ]
+    await asyncio.to_thread(produce, bootstrap, f"{group}.retry.1", tier_records)
+
+    # When the status is read from Kafka
+    async def read() -> dict[str, Any] | None:
+        try:
+            return await asyncio.to_thread(collect_status, config.kafka, config.groups)
+        except KafkaUnavailableError:  # a fresh broker's group coordinator is still loading
+            return None
+
+    report = await async_wait_until(read, timeout=30, interval=0.5)
+    # Then each tier says its depth and the earliest due time of its next records
+    tiers = report["groups"][0]["retry_tiers"]
+    assert tiers == [
+        {
+            "tier": 1,
+            "topic": f"{group}.retry.1",
+            "delay_ms": 5000,
+            "depth": 2,
+            "oldest_due_at_ms": due,
+        },
+        {
+            "tier": 2,
+            "topic": f"{group}.retry.2",
+            "delay_ms": 60000,
+            "depth": None,
+            "oldest_due_at_ms": None,
+        },
+    ]
+    table = render_status(report)
+    assert f"retry tier 1 {group}.retry.1 (5000 ms): depth 2, oldest due 2027-01-15" in table
+    assert f"retry tier 2 {group}.retry.2 (60000 ms): depth missing" in table
