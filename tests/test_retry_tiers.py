@@ -6,12 +6,14 @@ run under the seeded schedules of tests/sim (tests/test_simulation.py)."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 from pydantic import ValidationError
 
+from consumer_proxy import cli
 from consumer_proxy.config import (
     BackoffConfig,
     CircuitBreakerConfig,
@@ -457,3 +459,25 @@ def test_bad_tier_settings_are_rejected(delivery: dict[str, Any]) -> None:
 
 def test_the_core_source_value_is_the_protos() -> None:
     assert SOURCE_RETRY == handler_pb2.DELIVERY_SOURCE_RETRY
+
+
+def test_validate_names_a_bad_tier_field_and_accepts_good_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given a config whose unblocking has no tiers to move to
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "kafka: {bootstrap_servers: 'localhost:9092'}\n"
+        "groups:\n"
+        "  - name: g\n"
+        "    topics: [t]\n"
+        "    service: {endpoints: ['127.0.0.1:5']}\n"
+        "    delivery: {head_block_ms: 1000, retry_topics: [{delay_ms: -1}]}\n"
+    )
+    # When validated, Then exit 2 and one line naming the field
+    assert cli.main(["validate", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "groups.0(g).delivery.retry_topics.0.delay_ms" in err
+    good = tmp_path / "good.yaml"
+    good.write_text(bad.read_text().replace("-1", "5000"))
+    assert cli.main(["validate", "--config", str(good)]) == 0
