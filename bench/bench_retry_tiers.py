@@ -129,7 +129,7 @@ def run_one(
     after_kill = samples[len(samples) // 2 + 8 :] or samples
     return {
         "lag_mean": sum(samples) / len(samples),
-        "lag_p95": percentile([float(s) for s in samples], 0.95) or 0.0,
+        "lag_p95": percentile([float(s) for s in samples], 95) or 0.0,
         "lag_max": max(samples),
         "lag_mean_before_kill": sum(samples[: len(samples) // 2]) / max(1, len(samples) // 2),
         "lag_mean_after_kill": sum(after_kill) / len(after_kill),
