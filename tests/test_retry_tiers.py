@@ -35,6 +35,7 @@ from consumer_proxy.core.records import (
     split_headers,
 )
 from consumer_proxy.flow import Breaker
+from consumer_proxy.handler import Message
 from consumer_proxy.proto.v1 import handler_pb2
 from tests.sim.world import Clock
 
@@ -481,3 +482,12 @@ def test_validate_names_a_bad_tier_field_and_accepts_good_ones(
     good = tmp_path / "good.yaml"
     good.write_text(bad.read_text().replace("-1", "5000"))
     assert cli.main(["validate", "--config", str(good)]) == 0
+
+
+def test_the_handler_sdk_reads_and_writes_the_retry_source() -> None:
+    wire = handler_pb2.Message(topic="t", source=handler_pb2.DELIVERY_SOURCE_RETRY, attempt=3)
+    message = Message.from_proto(wire)
+    assert (message.source, message.attempt) == ("retry", 3)
+    assert message.to_proto().source == handler_pb2.DELIVERY_SOURCE_RETRY
+    unknown = handler_pb2.Message(topic="t", source=99)  # type: ignore[arg-type]
+    assert Message.from_proto(unknown).source == "primary"
