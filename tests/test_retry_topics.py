@@ -25,6 +25,7 @@ from tests.support.kafka import (
     committed_offsets,
     consume_all,
     create_topic,
+    partitions_of,
     produce,
     unique_name,
 )
@@ -120,8 +121,13 @@ def test_the_source_commit_does_not_wait_for_the_tiers_and_a_kill_9_loses_nothin
     assert ledger.dead_lettered() == set()
     final = [d for d in deliveries if d.outcome == "ACK" and Ledger.id_of(d.headers) in flaky]
     assert {d.source for d in final} == {"retry"}
-    assert {d.attempt for d in final} == {4}
+    # (4, or 3 when the kill came after a tier-2 write and before the tier-1 commit: the
+    # tier-1 record comes again, and by then the service acks it)
+    assert {d.attempt for d in final} <= {3, 4}
     assert {d.topic for d in final} == {topic}
+    # and the proxy created its tier topics as wide as the source
+    for n in (1, 2):
+        assert len(partitions_of(bootstrap, f"{group}.retry.{n}")) == partitions
 
 
 async def test_a_message_that_always_fails_goes_through_every_tier_to_the_dlq(
