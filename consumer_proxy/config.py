@@ -214,6 +214,19 @@ class BatchConfig(BaseModel):
     )
 
 
+class RetryTopicConfig(BaseModel):
+    """One retry tier: a topic where a failed message waits, durably, for its next attempt."""
+
+    model_config = _FROZEN
+    delay_ms: int = Field(
+        ...,
+        ge=1,
+        le=7 * 24 * 3600 * 1000,
+        description="How long a message waits in this tier before its next attempt "
+        "(at least; longer when the handler's retry_after asks for more).",
+    )
+
+
 class DeliveryConfig(BaseModel):
     """How messages are delivered, retried and committed."""
 
@@ -275,6 +288,34 @@ class DeliveryConfig(BaseModel):
         None,
         description="Push several messages per HandleMessageBatch call; present (even {}) "
         "turns batching on. Concurrency then counts calls, max_in_flight still messages.",
+    )
+    retry_topics: list[RetryTopicConfig] = Field(
+        default_factory=list,
+        max_length=20,
+        description="Retry tiers, in order: a message that failed its in-memory attempts is "
+        "written to '<group>.retry.<n>' and retried from there after the tier's delay, so "
+        "its source offset is done at once (empty: retries wait in memory only).",
+    )
+    in_memory_attempts: int = Field(
+        1,
+        ge=1,
+        le=1000,
+        description="With retry_topics: attempts made from memory (with backoff) before a "
+        "message moves to the first retry tier.",
+    )
+    head_block_ms: int | None = Field(
+        None,
+        ge=100,
+        le=86_400_000,
+        description="With retry_topics: when a partition's committable offset has not moved "
+        "for this long while offsets above it are done, its blocking message moves to the next "
+        "retry tier (its call is abandoned and counts as a failed attempt); absent: off.",
+    )
+    max_unblock_per_minute: int = Field(
+        10,
+        ge=1,
+        le=100_000,
+        description="At most this many head-of-line moves per partition in any minute.",
     )
 
     @field_validator("concurrency", mode="before")
@@ -382,6 +423,24 @@ class GroupConfig(BaseModel):
                     f"{topic!r}{'' if given else ' (the default)'} is also a source topic of "
                     f"the group; the {label} must be a topic of its own",
                 )
+        if self.delivery.retry_topics and self.delivery.ordering != "none":
+            raise FieldProblem(
+                ("delivery", "retry_topics"),
+                "retry tiers need ordering none: a message waiting in a tier would let the "
+                f"later messages of its key go first (ordering is {self.delivery.ordering!r})",
+            )
+        if self.delivery.head_block_ms is not None and not self.delivery.retry_topics:
+            raise FieldProblem(
+                ("delivery", "head_block_ms"),
+                "head-of-line unblocking moves a message to a retry tier: it needs "
+                "delivery.retry_topics",
+            )
+        for topic in self.retry_topics:
+            if topic in self.topics:
+                raise FieldProblem(
+                    ("delivery", "retry_topics"),
+                    f"{topic!r} (a retry tier) is also a source topic of the group",
+                )
         if self.dlq_topic == self.redrive_topic:
             raise FieldProblem(
                 ("dlq", "redrive_topic"),
@@ -399,6 +458,11 @@ class GroupConfig(BaseModel):
     def redrive_topic(self) -> str:
         """The redrive topic, defaulting to ``<group>.redrive``."""
         return self.dlq.redrive_topic or f"{self.name}.redrive"
+
+    @property
+    def retry_topics(self) -> list[str]:
+        """The retry tier topics, ``<group>.retry.<n>`` (n = 1, 2, ... in config order)."""
+        return [f"{self.name}.retry.{n}" for n in range(1, len(self.delivery.retry_topics) + 1)]
 
 
 class KafkaConfig(BaseModel):

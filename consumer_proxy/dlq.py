@@ -415,7 +415,7 @@ class DeadLetterWriter:
 
 
 def ensure_topics(kafka: KafkaConfig, group: GroupConfig, timeout_s: float = 30.0) -> list[str]:
-    """Create the group's missing DLQ and redrive topics (blocking; call off the loop).
+    """Create the group's missing DLQ, redrive and retry tier topics (blocking; off the loop).
 
     Returns the names created. Raises TopicSetupError saying what failed and how to fix it.
     """
@@ -432,7 +432,7 @@ def ensure_topics(kafka: KafkaConfig, group: GroupConfig, timeout_s: float = 30.
         raise TopicSetupError(f"cannot reach Kafka at {kafka.bootstrap_servers}: {exc}") from exc
     gate.reachable()
     existing = metadata.topics
-    wanted = [group.dlq_topic, group.redrive_topic]
+    wanted = [group.dlq_topic, group.redrive_topic, *group.retry_topics]
     missing = [t for t in wanted if t not in existing]
     absent_sources = [t for t in group.topics if t not in existing]
     if absent_sources:
@@ -454,6 +454,9 @@ def ensure_topics(kafka: KafkaConfig, group: GroupConfig, timeout_s: float = 30.
         partitions = max(counts, default=1)
     replication = group.dlq.replication_factor or -1
     widths = {group.dlq_topic: partitions, group.redrive_topic: group.dlq.redrive_partitions}
+    # Retry tiers are as wide as the widest source topic (their load is the sources' retries).
+    widest = max((len(existing[t].partitions) for t in group.topics if t in existing), default=1)
+    widths.update(dict.fromkeys(group.retry_topics, widest))
     config = _record_size_config(admin, [t for t in group.topics if t in existing], timeout_s)
     futures = admin.create_topics(
         [

@@ -37,9 +37,10 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from .config import REVOKE_MARGIN_MS, GroupConfig, KafkaConfig
 from .core.batching import NOT_IMPLEMENTED_REASON, BatchLimits, BatchOutcome, take
-from .core.decision import Action
+from .core.decision import HEAD_BLOCKED, Action, Decision
 from .core.outcomes import Classification, Classifier
 from .core.partitions import TP, Commit, Delivery, PartitionSet, PartitionState
+from .core.records import retry_headers
 from .dispatcher import Dispatcher
 from .dlq import DeadLetterWriter, dlq_headers, ensure_topics_unless_stopped, producer_config
 from .fetcher import Fetcher, consumer_config
@@ -130,6 +131,7 @@ class GroupRunner:
             emit=self._ready.put_nowait if d.batch is None else self._batch_ready.put,
             schedule=self._call_later,
             on_idle=self._flush.set,
+            retry_topics=group.retry_topics,
         )
         limit_gauge.set(self.limiter.limit)
         metrics.endpoints_ejected.labels(self.name).set(0)
@@ -178,7 +180,7 @@ class GroupRunner:
             overrides.setdefault(BATCH_FETCH_WAIT, BATCH_FETCH_WAIT_MS)
         conf = consumer_config(self.kafka, self.name, overrides)
         self.kafka_link.attach(conf)
-        topics = [*self.group.topics, self.group.redrive_topic]
+        topics = [*self.group.topics, self.group.redrive_topic, *self.group.retry_topics]
         grace_s = self.group.delivery.revoke_grace_ms / 1000.0
         self.fetcher = Fetcher(
             conf, topics, self, loop, callback_timeout_s=grace_s + REVOKE_MARGIN_MS / 1000.0
@@ -332,6 +334,7 @@ class GroupRunner:
         paused = self.metrics.partitions_paused.labels(self.name)
         timeout_s = FETCH_WAIT_S
         quiet = 0  # polls in a row that found the group holding nothing
+        unblocking = self.group.delivery.head_block_ms is not None
         while not self._stopping.is_set():
             messages = await fetcher.consume(batch, timeout_s)
             self.started.set()  # the consumer is up (joined, or joining, the group)
@@ -348,6 +351,8 @@ class GroupRunner:
                 elif error.code() != KafkaError._PARTITION_EOF:
                     log.warning("group %s: consumer error: %s", self.name, error)
             partitions.skip_unfetchable(fetcher.positions)
+            if unblocking:
+                self._unblock()
             plan = partitions.pause_plan()
             if plan.pause or plan.resume:
                 await fetcher.set_paused(plan.pause, plan.resume)
@@ -373,6 +378,23 @@ class GroupRunner:
                 # rebalance, served inside consume, can change anything. An idle group wakes
                 # once a second instead of five times (the idle cost of many groups).
                 timeout_s = IDLE_FETCH_WAIT_S
+
+    def _unblock(self) -> None:
+        """Move aside the messages that block their partition's commit (head_block_ms)."""
+        for delivery, decision in self.partitions.unblock(asyncio.get_running_loop().time()):
+            tier = str(decision.tier) if decision.action is Action.TIER else "dlq"
+            self.metrics.head_unblocks.labels(self.name, tier).inc()
+            self._m_outcome[decision.action].inc()
+            log.warning(
+                "group %s: %s[%d]@%d %s; moving it to %s",
+                self.name,
+                delivery.origin.topic,
+                delivery.origin.partition,
+                delivery.origin.offset,
+                decision.reason,
+                f"retry tier {tier}" if decision.action is Action.TIER else "the DLQ",
+            )
+            self._start_write(delivery, decision, HEAD_BLOCKED, "")
 
     def _ready_low(self) -> bool:
         """Fewer messages are ready than the workers can take in one round."""
@@ -407,6 +429,8 @@ class GroupRunner:
                 probe = await self.breaker.acquire()
                 began = partitions.begin(delivery)
                 if began:
+                    if delivery.tier:
+                        self._tier_delivered(delivery)
                     self._pushing.add(me)
                     started = loop.time()
                     result = await self._deliver(delivery, probe)
@@ -419,6 +443,9 @@ class GroupRunner:
                 if began and result is None:
                     partitions.abandon(delivery)
                 self.limiter.release(rtt, result)
+
+    def _tier_delivered(self, delivery: Delivery) -> None:
+        self.metrics.retry_tier_deliveries.labels(self.name, str(delivery.tier)).inc()
 
     async def _deliver(self, delivery: Delivery, probe: bool) -> Classification:
         assert self.dispatcher is not None
@@ -442,16 +469,21 @@ class GroupRunner:
         decision = self.partitions.finish(delivery, result, probe)
         if decision is not None:
             self._m_outcome[decision.action].inc()
-            if decision.action is Action.DEAD_LETTER:
-                task = self._spawn(
-                    self._write_dead_letter(
-                        delivery, result.status, decision.reason, endpoint.target
-                    ),
-                    "dlq",
-                )
-                self._dlq_tasks[task] = delivery.part
-                task.add_done_callback(self._dlq_tasks.pop)
+            if decision.action is Action.DEAD_LETTER or decision.action is Action.TIER:
+                self._start_write(delivery, decision, result.status, endpoint.target)
         return result
+
+    def _start_write(
+        self, delivery: Delivery, decision: Decision, status: str, endpoint: str
+    ) -> None:
+        """The DLQ or retry tier write of a message; its offset is done once confirmed."""
+        if decision.action is Action.TIER:
+            coro = self._write_tier(delivery, decision, status, endpoint)
+        else:
+            coro = self._write_dead_letter(delivery, status, decision.reason, endpoint)
+        task = self._spawn(coro, "dlq" if decision.action is Action.DEAD_LETTER else "tier")
+        self._dlq_tasks[task] = delivery.part
+        task.add_done_callback(self._dlq_tasks.pop)
 
     # -- batch delivery ------------------------------------------------------------------
 
@@ -482,6 +514,9 @@ class GroupRunner:
                 if ready.items:
                     ready.wake()  # more is ready than this call takes: another slot goes
                 began = [d for d in batch if partitions.begin(d)]
+                for d in began:
+                    if d.tier:
+                        self._tier_delivered(d)
                 if began:
                     self._pushing.add(me)
                     if self.rate is not None:
@@ -534,15 +569,8 @@ class GroupRunner:
                 acks += 1
                 continue
             others.append(action)
-            if action is Action.DEAD_LETTER:
-                task = self._spawn(
-                    self._write_dead_letter(
-                        delivery, result.status, decision.reason, endpoint.target
-                    ),
-                    "dlq",
-                )
-                self._dlq_tasks[task] = delivery.part
-                task.add_done_callback(self._dlq_tasks.pop)
+            if action is Action.DEAD_LETTER or action is Action.TIER:
+                self._start_write(delivery, decision, result.status, endpoint.target)
         if acks:
             self._m_outcome[Action.ACK].inc(acks)
         for action in others:
@@ -620,6 +648,53 @@ class GroupRunner:
             delivery.origin.offset,
             status,
             reason[:200],
+        )
+
+    async def _write_tier(
+        self, delivery: Delivery, decision: Decision, status: str, endpoint: str
+    ) -> None:
+        """Write a message to its next retry tier (acks=all, retried until confirmed, as a
+        DLQ write: a failed write holds the source commit at the message)."""
+        assert self.writer is not None
+        tier = decision.tier
+        headers = retry_headers(
+            delivery.headers,
+            delivery.origin,
+            attempt=delivery.attempt,
+            status=status,
+            reason=decision.reason,
+            endpoint=endpoint,
+            group=self.name,
+            tier=tier,
+            due_at_ms=delivery.due_at_ms,
+        )
+        errors = self.metrics.retry_tier_writes.labels(self.name, str(tier), "error")
+        try:
+            await self.writer.write(
+                self.group.retry_topics[tier - 1],
+                delivery.key,
+                delivery.value,
+                headers,
+                on_failure=lambda _exc: errors.inc(),
+            )
+        except BaseException:
+            self.partitions.tier_abandoned(delivery)
+            self._call_ended.set()
+            raise
+        self.partitions.tier_written(delivery)
+        self._call_ended.set()
+        if delivery.moved:
+            self._flush.set()  # it held the partition's commit: commit the move soon
+        self.metrics.retry_tier_writes.labels(self.name, str(tier), "ok").inc()
+        log.debug(
+            "group %s: %s[%d]@%d moved to retry tier %d after attempt %d (%s)",
+            self.name,
+            delivery.origin.topic,
+            delivery.origin.partition,
+            delivery.origin.offset,
+            tier,
+            delivery.attempt,
+            status,
         )
 
     def _breaker_changed(self, old: str, new: str) -> None:

@@ -103,8 +103,19 @@ SERVICE_NAME: Final = "consumerproxy.v1.MessageHandler"
 MAX_REASON_BYTES: Final = 1024
 """Reasons and error details are cut to this many UTF-8 bytes (the DLQ keeps at most 1 KiB)."""
 
-Source: TypeAlias = Literal["primary", "redrive"]
-"""Where a delivery comes from: the group's topics, or merged back from its DLQ."""
+Source: TypeAlias = Literal["primary", "redrive", "retry"]
+"""Where a delivery comes from: the group's topics, merged back from its DLQ, or one of its
+retry tiers (``delivery.retry_topics``)."""
+
+_SOURCE_OF_PROTO: dict[int, Source] = {
+    handler_pb2.DELIVERY_SOURCE_REDRIVE: "redrive",
+    handler_pb2.DELIVERY_SOURCE_RETRY: "retry",
+}
+_PROTO_OF_SOURCE = {
+    "primary": handler_pb2.DELIVERY_SOURCE_PRIMARY,
+    "redrive": handler_pb2.DELIVERY_SOURCE_REDRIVE,
+    "retry": handler_pb2.DELIVERY_SOURCE_RETRY,
+}
 
 _Pb = handler_pb2.HandleMessageResponse
 
@@ -118,7 +129,8 @@ class Message:
     """One Kafka record as the proxy delivers it (mirrors ``consumerproxy.v1.Message``).
 
     ``topic``, ``partition`` and ``offset`` are always the record's original coordinates, also
-    when it is redelivered from the DLQ (``source == "redrive"``). ``key`` and ``value`` are
+    when it is redelivered from the DLQ (``source == "redrive"``) or from a retry tier
+    (``source == "retry"``). ``key`` and ``value`` are
     ``None`` for a null key / a tombstone, distinct from empty bytes. ``headers`` keeps the
     record's order and repeated keys. ``attempt`` is 1 on first delivery and counts retries,
     carrying on across DLQ redrive.
@@ -139,9 +151,8 @@ class Message:
     def from_proto(cls, message: handler_pb2.Message) -> Message:
         """Build a :class:`Message` from the wire message.
 
-        An unspecified delivery source is read as ``"primary"``.
+        An unspecified (or unknown) delivery source is read as ``"primary"``.
         """
-        redrive = message.source == handler_pb2.DELIVERY_SOURCE_REDRIVE
         return cls(
             topic=message.topic,
             partition=message.partition,
@@ -152,7 +163,7 @@ class Message:
             timestamp_ms=message.timestamp_ms,
             consumer_group=message.consumer_group,
             attempt=message.attempt,
-            source="redrive" if redrive else "primary",
+            source=_SOURCE_OF_PROTO.get(message.source, "primary"),
         )
 
     def to_proto(self) -> handler_pb2.Message:
@@ -169,11 +180,7 @@ class Message:
             timestamp_ms=self.timestamp_ms,
             consumer_group=self.consumer_group,
             attempt=self.attempt,
-            source=(
-                handler_pb2.DELIVERY_SOURCE_REDRIVE
-                if self.source == "redrive"
-                else handler_pb2.DELIVERY_SOURCE_PRIMARY
-            ),
+            source=_PROTO_OF_SOURCE[self.source],
         )
 
     def header(self, name: str) -> bytes | None:

@@ -82,6 +82,25 @@ class ProxyMetrics:
             ["group"],
             registry=r,
         )
+        self.retry_tier_writes = Counter(
+            "consumer_proxy_retry_tier_writes",
+            "Messages written to a retry tier topic (result ok or error: a failed attempt).",
+            ["group", "tier", "result"],
+            registry=r,
+        )
+        self.retry_tier_deliveries = Counter(
+            "consumer_proxy_retry_tier_deliveries",
+            "Messages read back from a retry tier topic and pushed when due.",
+            ["group", "tier"],
+            registry=r,
+        )
+        self.head_unblocks = Counter(
+            "consumer_proxy_head_unblocks",
+            "Messages moved aside as they blocked their partition's commit (head_block_ms), "
+            "by the tier they moved to ('dlq' after the last).",
+            ["group", "tier"],
+            registry=r,
+        )
         self.dlq_writes = Counter(
             "consumer_proxy_dlq_writes",
             "DLQ writes by result (ok, error).",

@@ -1,18 +1,23 @@
 """``consumer-proxy status``: the state of each group read straight from Kafka.
 
 No running proxy is needed: committed offsets and their ack-state metadata come from the group
-coordinator, end offsets and DLQ depth from the partition leaders. Nothing is written.
+coordinator, end offsets and DLQ depth from the partition leaders; each retry tier's depth
+(records the group has not committed) and the earliest due time among its partitions' next
+records, read with an assigned consumer that never commits. Nothing is written.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from .config import GroupConfig, KafkaConfig
 from .core.codec import CodecError, decode
+from .core.records import due_at_from_headers, split_headers
 from .errors import KafkaUnavailableError
 
 
@@ -57,7 +62,7 @@ def collect_status(kafka: KafkaConfig, groups: Sequence[GroupConfig]) -> dict[st
 def _group_status(consumer: Consumer, group: GroupConfig) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     missing: list[str] = []
-    for topic in [*group.topics, group.redrive_topic]:
+    for topic in [*group.topics, group.redrive_topic, *group.retry_topics]:
         parts = _partitions(consumer, topic)
         if not parts:
             missing.append(topic)
@@ -99,8 +104,61 @@ def _group_status(consumer: Consumer, group: GroupConfig) -> dict[str, Any]:
         "total_lag": sum(r["lag"] for r in rows),
         "dlq_topic": group.dlq_topic,
         "dlq_depth": dlq_depth if dlq_parts else None,
+        "retry_tiers": [_tier_status(consumer, group, n) for n in range(len(group.retry_topics))],
         "missing_topics": missing,
     }
+
+
+HEAD_READ_TIMEOUT_S = 10.0
+
+
+def _tier_status(consumer: Consumer, group: GroupConfig, index: int) -> dict[str, Any]:
+    """One retry tier: its depth, and the earliest ``cp-due-at`` among the records each of its
+    partitions delivers next (its waiting records are in due order per partition, unless a
+    handler's retry_after asked for more than the tier's delay)."""
+    topic = group.retry_topics[index]
+    entry: dict[str, Any] = {
+        "tier": index + 1,
+        "topic": topic,
+        "delay_ms": group.delivery.retry_topics[index].delay_ms,
+        "depth": None,
+        "oldest_due_at_ms": None,
+    }
+    parts = _partitions(consumer, topic)
+    if not parts:
+        return entry
+    heads: list[TopicPartition] = []
+    depth = 0
+    for tp in consumer.committed([TopicPartition(topic, p) for p in parts], timeout=10):
+        low, high = consumer.get_watermark_offsets(tp, timeout=10)
+        start = max(low, tp.offset if tp.offset is not None and tp.offset >= 0 else low)
+        if high > start:
+            depth += high - start
+            heads.append(TopicPartition(topic, tp.partition, start))
+    entry["depth"] = depth
+    if heads:
+        consumer.assign(heads)
+        try:
+            seen: set[int] = set()
+            oldest: int | None = None
+            deadline = time.monotonic() + HEAD_READ_TIMEOUT_S
+            while len(seen) < len(heads) and time.monotonic() < deadline:
+                msg = consumer.poll(0.5)
+                if msg is None or msg.error() is not None or msg.partition() in seen:
+                    continue
+                seen.add(msg.partition() or 0)
+                due = due_at_from_headers(split_headers(msg.headers())[1])
+                oldest = due if oldest is None else min(oldest, due)
+            entry["oldest_due_at_ms"] = oldest
+        finally:
+            consumer.unassign()
+    return entry
+
+
+def _when(epoch_ms: int | None) -> str:
+    if epoch_ms is None:
+        return "-"
+    return datetime.fromtimestamp(epoch_ms / 1000, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")[:-4] + "Z"
 
 
 def render_status(report: dict[str, Any]) -> str:
@@ -112,6 +170,12 @@ def render_status(report: dict[str, Any]) -> str:
             f"group {group['group']}: lag {group['total_lag']}, "
             f"DLQ {group['dlq_topic']} depth {depth}"
         )
+        for tier in group.get("retry_tiers", []):
+            depth = "missing" if tier["depth"] is None else str(tier["depth"])
+            lines.append(
+                f"  retry tier {tier['tier']} {tier['topic']} ({tier['delay_ms']} ms): depth "
+                f"{depth}, oldest due {_when(tier['oldest_due_at_ms'])}"
+            )
         if group["missing_topics"]:
             lines.append(f"  missing topics: {', '.join(group['missing_topics'])}")
         lines.append(

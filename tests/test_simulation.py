@@ -42,6 +42,9 @@ def test_thousands_of_random_schedules_keep_every_invariant() -> None:
     assert 300 < total.batch_schedules < 700
     assert total.batched_messages > 1.2 * total.batch_calls > 0
     assert total.protocol_errors > 50
+    # ... and retry tiers (half the seeds of ordering none) that move messages
+    assert 100 < total.tier_schedules < 250 and total.tier_writes > 500
+    assert total.unblocks > 20  # head-of-line unblocking moved stuck heads
 
 
 def test_a_paused_partition_reassigned_to_the_same_member_drains() -> None:

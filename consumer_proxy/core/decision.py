@@ -29,6 +29,8 @@ class Action(enum.Enum):
     DROP = "drop"
     RETRY = "retry"
     DEAD_LETTER = "dead_letter"
+    TIER = "tier"
+    """Move to a retry tier: write to ``<group>.retry.<tier>``, done once confirmed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +51,10 @@ class Policy:
 
     max_attempts: int
     backoff: BackoffConfig
+    tiers_ms: tuple[int, ...] = ()
+    """The retry tiers' delays (``delivery.retry_topics``); empty: retries in memory only."""
+    in_memory_attempts: int = 1
+    """With tiers: counted attempts made from memory before a message moves to tier 1."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +65,8 @@ class Decision:
     delay_s: float = 0.0
     counted: bool = False
     reason: str = ""
+    tier: int = 0
+    """With ``Action.TIER``: the tier (1-based) the message moves to, ``delay_s`` later."""
 
 
 _ACK = Decision(Action.ACK)
@@ -81,8 +89,16 @@ def decide(
     evidence: Evidence,
     policy: Policy,
     rng: random.Random,
+    tier: int = 0,
 ) -> Decision:
-    """The decision after a push, given the failures already counted / not counted."""
+    """The decision after a push, given the failures already counted / not counted.
+
+    ``tier`` is the retry tier the message was read from (0: a source or redrive topic).
+    With retry tiers, a counted failure moves the message to the next tier once its
+    in-memory attempts are spent (at once when it came from a tier), and to the DLQ after
+    the last tier or at ``max_attempts``, whichever comes first. An uncounted (outage)
+    failure never moves it: it waits in memory, as without tiers.
+    """
     outcome = result.outcome
     if outcome is Outcome.ACK:
         return _ACK
@@ -94,6 +110,16 @@ def decide(
         if counted + 1 >= policy.max_attempts:
             reason = f"gave up after {counted + 1} attempts: {result.reason}"
             return Decision(Action.DEAD_LETTER, counted=True, reason=reason)
+        tiers = policy.tiers_ms
+        if tiers and (tier > 0 or counted + 1 >= policy.in_memory_attempts):
+            nxt = tier + 1
+            if nxt > len(tiers):
+                reason = f"gave up after the last retry tier ({counted + 1} attempts): "
+                return Decision(Action.DEAD_LETTER, counted=True, reason=reason + result.reason)
+            # The tier's delay, or longer when the service asks: a tier holds no window, so
+            # retry_after is not capped by backoff.max_ms here.
+            delay_ms = max(tiers[nxt - 1], result.retry_after_ms or 0)
+            return Decision(Action.TIER, delay_ms / 1000.0, True, result.reason, tier=nxt)
         delay = backoff_s(counted + 1, policy.backoff, rng)
         is_counted = True
     else:
@@ -104,3 +130,17 @@ def decide(
         # commit (and its window) for that long.
         delay = min(result.retry_after_ms, policy.backoff.max_ms) / 1000.0
     return Decision(Action.RETRY, delay, is_counted, result.reason)
+
+
+HEAD_BLOCKED = "HEAD_BLOCKED"
+"""The status recorded (``cp-status``) for a message moved aside as it blocked its partition."""
+
+
+def unblock(counted: int, tier: int, policy: Policy, waited_s: float) -> Decision:
+    """The decision for a message that blocks the head of its partition (head-of-line
+    unblocking): its attempt under way counts as failed, and it moves to the next retry tier,
+    or to the DLQ after the last tier or at ``max_attempts``."""
+    reason = f"blocked the head of its partition for {waited_s:.1f}s"
+    if counted + 1 >= policy.max_attempts or tier + 1 > len(policy.tiers_ms):
+        return Decision(Action.DEAD_LETTER, counted=True, reason=f"gave up: {reason}")
+    return Decision(Action.TIER, policy.tiers_ms[tier] / 1000.0, True, reason, tier=tier + 1)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -25,10 +26,16 @@ from typing import Any, Protocol
 
 from ..config import DeliveryConfig
 from .codec import AckState, CodecError, decode
-from .decision import Action, Decision, Evidence, Policy, decide
+from .decision import Action, Decision, Evidence, Policy, decide, unblock
 from .ordering import PARTITION_LANE, KeyGate
 from .outcomes import Classification, Outcome
-from .records import Origin, UserHeaders, origin_from_headers, split_headers
+from .records import (
+    Origin,
+    UserHeaders,
+    due_at_from_headers,
+    origin_from_headers,
+    split_headers,
+)
 from .tracker import PartitionTracker
 
 log = logging.getLogger(__name__)
@@ -36,6 +43,7 @@ log = logging.getLogger(__name__)
 TP = tuple[str, int]
 SOURCE_PRIMARY = 1  # handler.proto DeliverySource values (the core does not import protos)
 SOURCE_REDRIVE = 2
+SOURCE_RETRY = 3
 _ACKED = Decision(Action.ACK)
 _NO_HEADERS: dict[str, str] = {}  # read only
 
@@ -95,6 +103,13 @@ class PartitionState:
     bytes: int = 0
     timers: set[Handle] = field(default_factory=set)
     gate: KeyGate[Delivery] | None = None  # delivery.ordering key / partition only
+    tier: int = 0  # the retry tier this partition's topic is (0: a source or redrive topic)
+    waiting: int = 0  # retry tier records fetched and not yet due (the partition pauses)
+    # Head-of-line unblocking (delivery.head_block_ms) only:
+    head: tuple[int, float] = (-1, 0.0)  # (committable offset, since when it has not moved)
+    unblocks: deque[float] = field(default_factory=deque)  # when it moved a head, last minute
+    out: dict[int, Delivery] = field(default_factory=dict)  # pushes under way, by offset
+    retrying: dict[int, tuple[Delivery, Handle]] = field(default_factory=dict)  # in memory
 
     @property
     def tp(self) -> TP:
@@ -121,6 +136,9 @@ class Delivery:
     successes_mark: int = -1  # breaker successes when the previous attempt ended
     openings_mark: int = 0  # breaker openings when this call started
     request: Any = None  # the shell's cached request object
+    tier: int = 0  # the retry tier it was read from (0: a source or redrive topic)
+    due_at_ms: int = 0  # with Action.TIER: when the tier record is due (epoch ms)
+    moved: bool = False  # moved aside as it blocked its partition: a late result is ignored
 
     @property
     def stale(self) -> bool:
@@ -160,6 +178,8 @@ class Counters:
     drop: int = 0
     retry: int = 0
     dead_letter: int = 0
+    tier: int = 0
+    unblocks: int = 0
     over_budget: int = 0
     resets: int = 0
 
@@ -192,6 +212,8 @@ class PartitionSet:
         schedule: Scheduler,
         on_idle: Callable[[], None] | None = None,
         rng: random.Random | None = None,
+        retry_topics: Sequence[str] = (),
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.group = group
         self.parts: dict[TP, PartitionState] = {}
@@ -204,7 +226,19 @@ class PartitionSet:
         self._max_in_flight = delivery.max_in_flight
         self._max_bytes = delivery.max_in_flight_bytes
         self._budget = delivery.metadata_budget_bytes
-        self._policy = Policy(delivery.max_attempts, delivery.backoff)
+        self._policy = Policy(
+            delivery.max_attempts,
+            delivery.backoff,
+            tuple(t.delay_ms for t in delivery.retry_topics),
+            delivery.in_memory_attempts,
+        )
+        self._tiers = {topic: n for n, topic in enumerate(retry_topics, start=1)}
+        self._clock = clock  # epoch seconds: a tier record's due time is wall-clock
+        self._head_block_s = (
+            delivery.head_block_ms / 1000.0 if delivery.head_block_ms is not None else None
+        )
+        self._max_unblock = delivery.max_unblock_per_minute
+        self._watch = self._head_block_s is not None  # keep pushes under way by offset
         self._redrive = redrive_topic
         self._breaker = breaker
         self._emit = emit
@@ -247,6 +281,7 @@ class PartitionSet:
             part.received_end = committed
         if self._lane is not None:
             part.gate = KeyGate()
+        part.tier = self._tiers.get(topic, 0)
         old = self.parts.get(part.tp)
         if old is not None:
             self.forget(old)
@@ -383,10 +418,10 @@ class PartitionSet:
         source = SOURCE_PRIMARY
         origin = None
         attempt = 1
-        if part.topic == self._redrive:
+        if part.tier or part.topic == self._redrive:
             origin = origin_from_headers(ours)
             if origin is not None:
-                source = SOURCE_REDRIVE
+                source = SOURCE_RETRY if part.tier else SOURCE_REDRIVE
                 attempt = origin.attempt + 1
         if origin is None:
             _, ts = record.timestamp()
@@ -396,9 +431,36 @@ class PartitionSet:
             size += sum(len(k) + len(v) for k, v in user)
         part.bytes += size
         self.bytes += size
-        self._admit(
-            Delivery(part, part.epoch, offset, key, value, user, origin, size, source, attempt)
+        delivery = Delivery(
+            part, part.epoch, offset, key, value, user, origin, size, source, attempt
         )
+        if part.tier and source == SOURCE_RETRY:
+            # The attempts already made count towards max_attempts across the tiers.
+            delivery.tier = part.tier
+            delivery.counted_here = origin.attempt
+            wait_s = due_at_from_headers(ours) / 1000.0 - self._clock()
+            if wait_s > 0:
+                self._hold_until_due(delivery, wait_s)
+                return
+        self._admit(delivery)
+
+    def _hold_until_due(self, delivery: Delivery, wait_s: float) -> None:
+        """A retry tier record not yet due waits (inside the window) on a timer; its
+        partition pauses meanwhile (``pause_plan``), so nothing is fetched behind it."""
+        part = delivery.part
+        part.waiting += 1
+        handle: Handle | None = None
+
+        def due() -> None:
+            part.timers.discard(handle)
+            part.waiting -= 1
+            if delivery.stale:
+                self._release(delivery)
+            else:
+                self._admit(delivery)
+
+        handle = self._schedule(wait_s, due)
+        part.timers.add(handle)
 
     def _admit_ordered(self, delivery: Delivery) -> None:
         gate = delivery.part.gate
@@ -421,6 +483,8 @@ class PartitionSet:
         if delivery.stale or delivery.part.leaving:
             return False
         delivery.part.calls += 1
+        if self._watch:
+            delivery.part.out[delivery.offset] = delivery
         breaker = self._breaker
         delivery.openings_mark = breaker.openings
         if delivery.successes_mark < 0:
@@ -432,6 +496,11 @@ class PartitionSet:
         when the result is stale (the partition was revoked or reset meanwhile)."""
         part = delivery.part
         part.calls -= 1
+        if self._watch:
+            if delivery.moved:
+                return None  # moved to a tier as it blocked the partition: too late
+            if part.out.get(delivery.offset) is delivery:
+                del part.out[delivery.offset]
         if result.outcome is Outcome.ACK and not delivery.stale:
             # The common case, once per message at batch rates: nothing to weigh.
             self.counters.ack += 1
@@ -448,7 +517,13 @@ class PartitionSet:
             self._release(delivery)
             return None
         decision = decide(
-            delivery.counted_here, delivery.uncounted, result, evidence, self._policy, self._rng
+            delivery.counted_here,
+            delivery.uncounted,
+            result,
+            evidence,
+            self._policy,
+            self._rng,
+            delivery.tier,
         )
         action = decision.action
         counters = self.counters
@@ -461,6 +536,12 @@ class PartitionSet:
         elif action is Action.DEAD_LETTER:
             counters.dead_letter += 1
             part.calls += 1  # the DLQ write: the partition's revoke waits for it too
+        elif action is Action.TIER:
+            # Done only once the tier write is confirmed (``tier_written``), as a DLQ write.
+            counters.tier += 1
+            delivery.counted_here += 1
+            delivery.due_at_ms = int((self._clock() + decision.delay_s) * 1000)
+            part.calls += 1
         else:
             counters.retry += 1
             if decision.counted:
@@ -473,7 +554,13 @@ class PartitionSet:
 
     def abandon(self, delivery: Delivery) -> None:
         """A push that began never reached the service (cancelled): deliver it again now."""
-        delivery.part.calls -= 1
+        part = delivery.part
+        part.calls -= 1
+        if self._watch:
+            if delivery.moved:
+                return
+            if part.out.get(delivery.offset) is delivery:
+                del part.out[delivery.offset]
         if delivery.stale:
             self._release(delivery)
         else:
@@ -485,6 +572,8 @@ class PartitionSet:
 
         def requeue() -> None:
             part.timers.discard(handle)
+            if self._watch and delivery.offset in part.retrying:
+                del part.retrying[delivery.offset]
             if delivery.stale:
                 self._release(delivery)
             else:
@@ -492,6 +581,73 @@ class PartitionSet:
 
         handle = self._schedule(delay_s, requeue)
         part.timers.add(handle)
+        if self._watch:
+            part.retrying[delivery.offset] = (delivery, handle)
+
+    def unblock(self, now_s: float) -> list[tuple[Delivery, Decision]]:
+        """Head-of-line unblocking (``delivery.head_block_ms``), on the caller's clock: each
+        partition whose committable offset has not moved for ``head_block_ms`` while offsets
+        above it are done, and whose blocking message is being pushed or waits for an
+        in-memory retry, while the service answers other calls (never in an outage), moves
+        that message aside: to the next retry tier (or the DLQ after
+        the last), as a failed attempt; its call's late result is ignored. At most
+        ``max_unblock_per_minute`` per partition. Returns the writes to start, as ``finish``
+        would for a TIER or DEAD_LETTER decision."""
+        block_s = self._head_block_s
+        if block_s is None:
+            return []
+        breaker = self._breaker
+        if breaker.is_open:
+            return []  # an outage: it never moves a message (guarantee 2)
+        moves: list[tuple[Delivery, Decision]] = []
+        for part in self.parts.values():
+            tracker = part.tracker
+            if tracker is None or part.leaving:
+                continue
+            head = tracker.committable()
+            if part.head[0] != head:
+                part.head = (head, now_s)
+                continue
+            waited = now_s - part.head[1]
+            if waited < block_s or tracker.in_flight <= tracker.pending:
+                continue  # not blocked long enough, or nothing done above it
+            delivery = part.out.get(head)
+            retrying = part.retrying.get(head)
+            if delivery is None and retrying is not None:
+                delivery = retrying[0]
+            if delivery is None or delivery.stale or delivery.moved:
+                continue  # fetched, waiting for its due time, or its write is under way
+            if breaker.successes <= delivery.successes_mark or (
+                retrying is None and breaker.openings != delivery.openings_mark
+            ):
+                # The outage rule: only a message stuck while the service answers others
+                # (since its call began, or its previous attempt ended) is moved.
+                continue
+            unblocks = part.unblocks
+            while unblocks and unblocks[0] <= now_s - 60.0:
+                unblocks.popleft()
+            if len(unblocks) >= self._max_unblock:
+                continue
+            unblocks.append(now_s)
+            part.head = (head, now_s)
+            decision = unblock(delivery.counted_here, delivery.tier, self._policy, waited)
+            if retrying is not None and retrying[0] is delivery:
+                retrying[1].cancel()
+                part.timers.discard(retrying[1])
+                del part.retrying[head]
+            else:
+                del part.out[head]
+                delivery.moved = True  # its push's result, when it comes, is ignored
+            self.counters.unblocks += 1
+            delivery.counted_here += 1
+            part.calls += 1  # the write
+            if decision.action is Action.TIER:
+                self.counters.tier += 1
+                delivery.due_at_ms = int((self._clock() + decision.delay_s) * 1000)
+            else:
+                self.counters.dead_letter += 1
+            moves.append((delivery, decision))
+        return moves
 
     def dead_lettered(self, delivery: Delivery) -> None:
         """The DLQ write of ``delivery`` is confirmed: its offset is done."""
@@ -500,6 +656,15 @@ class PartitionSet:
             self._release(delivery)
         else:
             self._complete(delivery)
+
+    def tier_written(self, delivery: Delivery) -> None:
+        """The retry tier write of ``delivery`` is confirmed: its offset here is done."""
+        self.dead_lettered(delivery)
+
+    def tier_abandoned(self, delivery: Delivery) -> None:
+        """The retry tier write was cancelled (revoked, shutdown): not done here, so the next
+        owner delivers the message again."""
+        self.dead_letter_abandoned(delivery)
 
     def dead_letter_abandoned(self, delivery: Delivery) -> None:
         """The DLQ write was cancelled (revoked, shutdown): the next owner dead-letters it.
@@ -574,6 +739,7 @@ class PartitionSet:
                 or bool(part.backlog)
                 or (tracker is not None and self._full(part))
                 or (part.meta_over_budget and tracker is not None and not tracker.restoring)
+                or part.waiting > 0
             )
             if want is not part.paused:
                 (pause if want else resume).append(part.tp)

@@ -24,6 +24,8 @@ H_REASON = "cp-reason"
 H_ENDPOINT = "cp-endpoint"
 H_GROUP = "cp-group"
 H_DEAD_LETTERED_AT = "cp-dead-lettered-at"
+H_RETRY_TIER = "cp-retry-tier"  # only on records of a retry tier topic
+H_DUE_AT = "cp-due-at"  # epoch ms: when a retry tier's record is due
 H_ORDERING = "cp-ordering"  # only on records of a group with delivery.ordering key/partition
 
 UserHeaders = list[tuple[str, bytes]]
@@ -107,3 +109,41 @@ def dlq_headers(
     if ordering and ordering != "none":
         ours[H_ORDERING] = ordering
     return [*user_headers, *((k, v.encode("utf-8")) for k, v in ours.items())]
+
+
+def retry_headers(
+    user_headers: UserHeaders,
+    origin: Origin,
+    *,
+    attempt: int,
+    status: str,
+    reason: str,
+    endpoint: str,
+    group: str,
+    tier: int,
+    due_at_ms: int,
+    now_ms: int | None = None,
+) -> Headers:
+    """A retry tier record's headers: the DLQ record's, plus ``cp-retry-tier`` and
+    ``cp-due-at`` (epoch ms). ``cp-attempt`` is the attempts made so far."""
+    headers = dlq_headers(
+        user_headers,
+        origin,
+        attempt=attempt,
+        status=status,
+        reason=reason,
+        endpoint=endpoint,
+        group=group,
+        now_ms=now_ms,
+    )
+    headers.append((H_RETRY_TIER, str(tier).encode()))
+    headers.append((H_DUE_AT, str(due_at_ms).encode()))
+    return headers
+
+
+def due_at_from_headers(ours: dict[str, str]) -> int:
+    """The epoch ms a retry tier record is due (0, due now, when absent or unreadable)."""
+    try:
+        return int(ours.get(H_DUE_AT, "0") or 0)
+    except ValueError:
+        return 0

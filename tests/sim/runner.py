@@ -13,7 +13,12 @@ one breaker record per call). Invariants are checked at every step:
 - nothing acked is delivered again unless a crash (or a state over the metadata budget at a
   graceful hand-over) allowed it;
 - no message is dead-lettered because of an outage (only poison ones, and ones that time out
-  several times while the service answers others);
+  several times while the service answers others, or, with retry tiers, that failed past the
+  last tier); no message moves to a retry tier because of an outage (only counted failures:
+  its own, or a deadline charged while the service answered others);
+- with retry tiers (half the seeds of ordering none; tier writes fail while the DLQ is down):
+  a source offset is done only once its tier record is written (the commit invariant above,
+  since the message counts as done only then), and every tier record is done in the end;
 - in-flight offsets and bytes stay within their bounds;
 - with ``delivery.ordering`` key or partition (a third of the seeds each): no two messages of
   one key (lane) are in flight at once, and a message is pushed only when every earlier
@@ -35,7 +40,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from consumer_proxy.config import BackoffConfig, CircuitBreakerConfig, DeliveryConfig
+from consumer_proxy.config import (
+    BackoffConfig,
+    CircuitBreakerConfig,
+    DeliveryConfig,
+    RetryTopicConfig,
+)
 from consumer_proxy.core.batching import (
     BatchLimits,
     BatchOutcome,
@@ -48,6 +58,7 @@ from consumer_proxy.core.decision import Action, Decision
 from consumer_proxy.core.ordering import ORDERINGS, Ordering
 from consumer_proxy.core.outcomes import Classification, Classifier
 from consumer_proxy.core.partitions import Delivery, PartitionSet
+from consumer_proxy.core.records import CP_PREFIX, retry_headers
 from consumer_proxy.flow import Breaker
 from consumer_proxy.proto.v1 import handler_pb2
 from tests.sim.world import TP, Clock, Consumer, Log, Msg, Timer
@@ -82,6 +93,10 @@ class Stats:
     batch_calls: int = 0
     batched_messages: int = 0
     protocol_errors: int = 0
+    tier_schedules: int = 0
+    tier_writes: int = 0
+    unblocks: int = 0
+    unblocks_in_outage: int = 0
 
 
 @dataclass
@@ -114,6 +129,10 @@ class Member:
             metadata_budget_bytes=budget,
             backoff=BackoffConfig(initial_ms=10, max_ms=500),
             ordering=sim.ordering,
+            retry_topics=[RetryTopicConfig(delay_ms=d) for d in sim.tier_delays_ms],
+            in_memory_attempts=sim.in_memory_attempts,
+            head_block_ms=sim.head_block_ms,
+            max_unblock_per_minute=sim.max_unblock,
         )
         self.core = PartitionSet(
             "g",
@@ -123,6 +142,8 @@ class Member:
             emit=self.ready.append,
             schedule=sim.clock.call_later,
             rng=random.Random(sim.rng.random()),
+            retry_topics=[f"g.retry.{n}" for n in range(1, len(sim.tier_delays_ms) + 1)],
+            clock=sim.clock,
         )
 
 
@@ -157,7 +178,26 @@ class Simulation:
         )
         self.stats.batch_schedules = self.batch is not None
         self.tps: list[TP] = [(TOPIC, p) for p in range(partitions)]
-        self.logs = {tp: Log() for tp in self.tps}
+        # Retry tiers from their own generator too (ordering none only: config rejects both).
+        tiers = random.Random(f"tiers:{seed}")
+        self.tier_delays_ms: list[int] = []
+        self.in_memory_attempts = 1
+        self.head_block_ms: int | None = None
+        self.max_unblock = 10
+        if self.ordering == "none" and tiers.random() < 0.5:
+            self.tier_delays_ms = tiers.choice([[300], [100, 800], [50, 200, 1000]])
+            self.in_memory_attempts = tiers.choice([1, 2])
+            self.head_block_ms = tiers.choice([None, 300, 1500])
+            self.max_unblock = tiers.choice([1, 10])
+        self.stats.tier_schedules = bool(self.tier_delays_ms)
+        self.tier_tps: list[TP] = [
+            (f"g.retry.{n}", p)
+            for n in range(1, len(self.tier_delays_ms) + 1)
+            for p in range(partitions)
+        ]
+        self.all_tps = [*self.tps, *self.tier_tps]
+        self.root: dict[int, int] = {}  # a tier record's ident -> the produced message's
+        self.logs = {tp: Log() for tp in self.all_tps}
         self.commits: dict[TP, tuple[int, str]] = {}
         self.last_commit: dict[TP, int] = {}
         self.consumer = Consumer(self.logs, self.commits)
@@ -166,7 +206,7 @@ class Simulation:
         self.next_ident = 0
         self.step_no = 0
         self.member = Member(self, self.rng.choice([64, 4000]))
-        self._assign(self.tps)
+        self._assign(self.all_tps)
 
     # -- checks ------------------------------------------------------------------------
 
@@ -333,6 +373,15 @@ class Simulation:
             core.intake(record)
         positions = {tp: self.consumer.position[tp] for tp in self.consumer.assigned}
         core.skip_unfetchable(positions)
+        for delivery, decision in core.unblock(self.clock.now):
+            self.stats.unblocks += 1
+            ident = int(dict(delivery.headers)["id"])
+            behaviour = self.truth.behaviour[ident]
+            if self.outage is not None and not behaviour.startswith(("flaky:", "timeout:")):
+                # (the outage rule: only while the service answers others, i.e. at most at
+                # the very start of a hang, for a call that began before it)
+                self.stats.unblocks_in_outage += 1
+            self._decided(delivery, ident, decision)
         plan = core.pause_plan()
         self.stats.pauses += len(plan.pause)
         self.consumer.set_paused(plan.pause, plan.resume)
@@ -365,8 +414,13 @@ class Simulation:
         if ident in truth.acked and ident not in truth.dup_ok:
             self.fail(f"message {ident} pushed again after it was acked")
         self.check_order(delivery, ident, batch)
-        truth.attempts[ident] = truth.attempts.get(ident, 0) + 1
+        root = self.root.get(ident, ident)
+        truth.attempts[root] = truth.attempts.get(root, 0) + 1
         return ident
+
+    def _tries(self, ident: int) -> int:
+        """Attempts of the produced message (across its tier records)."""
+        return self.truth.attempts[self.root.get(ident, ident)]
 
     def _push_batch(self, batch: list[Delivery], probe: bool) -> None:
         """One HandleMessageBatch call: the service answers per message (statuses included),
@@ -436,7 +490,7 @@ class Simulation:
         behaviour = truth.behaviour[ident]
         if self.outage == "unavailable":
             return grpc.StatusCode.UNAVAILABLE, 0
-        if behaviour.startswith("timeout:") and truth.attempts[ident] <= int(behaviour[8:]):
+        if behaviour.startswith("timeout:") and self._tries(ident) <= int(behaviour[8:]):
             # The service's own per-message deadline inside the call (a slow message does
             # not hold its batch): the same status as a unary deadline.
             return grpc.StatusCode.DEADLINE_EXCEEDED, 0
@@ -444,7 +498,7 @@ class Simulation:
             return grpc.StatusCode.INVALID_ARGUMENT, 0
         if behaviour == "drop":
             return grpc.StatusCode.OK, handler_pb2.HandleMessageResponse.DROP
-        if behaviour.startswith("flaky:") and truth.attempts[ident] <= int(behaviour[6:]):
+        if behaviour.startswith("flaky:") and self._tries(ident) <= int(behaviour[6:]):
             return grpc.StatusCode.INTERNAL, 0
         return grpc.StatusCode.OK, 0
 
@@ -460,9 +514,28 @@ class Simulation:
         elif action is Action.DROP:
             truth.done.add(ident)
         elif action is Action.DEAD_LETTER:
-            if not truth.behaviour[ident].startswith(("poison", "timeout:")):
+            past_tiers = bool(self.tier_delays_ms) and (
+                "last retry tier" in decision.reason or "blocked the head" in decision.reason
+            )
+            flaky = truth.behaviour[ident].startswith("flaky:")
+            if not (
+                truth.behaviour[ident].startswith(("poison", "timeout:")) or (past_tiers and flaky)
+            ):
                 self.fail(f"message {ident} ({truth.behaviour[ident]}) dead-lettered")
             self._write_dlq(delivery, ident)
+        elif action is Action.TIER:
+            if not self.tier_delays_ms or not decision.counted:
+                self.fail(f"message {ident} moved to tier {decision.tier} ({decision})")
+            # A deadline charged while the service answered others is the message's attempt
+            # (guarantee 2), also at the start of a hang; nothing else moves a good message.
+            charged_deadline = (
+                decision.reason == "deadline" or "blocked the head" in decision.reason
+            )
+            if not truth.behaviour[ident].startswith(("flaky:", "timeout:")) and not (
+                charged_deadline
+            ):
+                self.fail(f"message {ident} ({truth.behaviour[ident]}) moved to a retry tier")
+            self._write_tier(delivery, ident, decision.tier)
 
     def _push(self, delivery: Delivery, probe: bool) -> None:
         ident = self._pushed(delivery)
@@ -474,7 +547,7 @@ class Simulation:
             result = self.classifier.from_status(grpc.StatusCode.UNAVAILABLE, "down")
             latency = 0.001
         elif self.outage == "hung" or (
-            behaviour.startswith("timeout:") and truth.attempts[ident] <= int(behaviour[8:])
+            behaviour.startswith("timeout:") and self._tries(ident) <= int(behaviour[8:])
         ):
             result = self.classifier.from_status(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline")
             latency = TIMEOUT_S
@@ -484,7 +557,7 @@ class Simulation:
             result = self.classifier.from_response(
                 handler_pb2.HandleMessageResponse(action=handler_pb2.HandleMessageResponse.DROP)
             )
-        elif behaviour.startswith("flaky:") and truth.attempts[ident] <= int(behaviour[6:]):
+        elif behaviour.startswith("flaky:") and self._tries(ident) <= int(behaviour[6:]):
             result = self.classifier.from_status(grpc.StatusCode.INTERNAL, "flaky")
         else:
             result = self.classifier.from_response(handler_pb2.HandleMessageResponse())
@@ -516,6 +589,45 @@ class Simulation:
 
         member.dlq_writes[delivery] = self.clock.call_later(self.rng.uniform(0.001, 0.02), attempt)
 
+    def _write_tier(self, delivery: Delivery, ident: int, tier: int) -> None:
+        """The tier write: like a DLQ write (it fails while the DLQ is down), then the record
+        is in the tier's log under a new ident and only then is the source message done."""
+        member = self.member
+
+        def attempt() -> None:
+            if self.member is not member or delivery not in member.dlq_writes:
+                return
+            if self.dlq_down:
+                member.dlq_writes[delivery] = self.clock.call_later(0.2, attempt)
+                return
+            del member.dlq_writes[delivery]
+            headers = retry_headers(
+                [],
+                delivery.origin,
+                attempt=delivery.attempt,
+                status="INTERNAL",
+                reason="sim",
+                endpoint="sim",
+                group="g",
+                tier=tier,
+                due_at_ms=delivery.due_at_ms,
+            )
+            extra = tuple(
+                (k, v) for k, v in headers if k.startswith(CP_PREFIX) and isinstance(v, bytes)
+            )
+            new = self.next_ident
+            self.next_ident += 1
+            self.root[new] = self.root.get(ident, ident)
+            self.truth.behaviour[new] = self.truth.behaviour[ident]
+            behaviour = self.truth.behaviour[ident]
+            msg = Msg(new, behaviour, key=delivery.key, value=delivery.value, extra=extra)
+            self.logs[(f"g.retry.{tier}", delivery.origin.partition)].append(msg)
+            self.truth.done.add(ident)
+            self.stats.tier_writes += 1
+            member.core.tier_written(delivery)
+
+        member.dlq_writes[delivery] = self.clock.call_later(self.rng.uniform(0.001, 0.02), attempt)
+
     def commit(self) -> None:
         core = self.member.core
         plan, _ = core.commit_plan()
@@ -527,7 +639,7 @@ class Simulation:
     def rebalance(self) -> None:
         owned = sorted(self.consumer.assigned)
         if not owned:
-            self._assign(self.tps)
+            self._assign(self.all_tps)
             return
         tps = self.rng.sample(owned, self.rng.randint(1, len(owned)))
         self._revoke(tps)
@@ -546,7 +658,7 @@ class Simulation:
             timer.cancel()
         self.consumer = Consumer(self.logs, self.commits)  # a new process: no pause flags
         self.member = Member(self, self.rng.choice([64, 4000]))
-        self._assign(self.tps)
+        self._assign(self.all_tps)
 
     def truncate(self) -> None:
         tp = self.rng.choice(self.tps)
@@ -601,18 +713,18 @@ class Simulation:
         self.outage = None
         self.dlq_down = False
         if not self.consumer.assigned:
-            self._assign(self.tps)
+            self._assign(self.all_tps)
         deadline = self.clock.now + DRAIN_LIMIT_S
         while self.clock.now < deadline:
             self.fetch()
             self.dispatch()
             self.commit()
-            if all(self.commits.get(tp, (0, ""))[0] >= self.logs[tp].end for tp in self.tps):
+            if all(self.commits.get(tp, (0, ""))[0] >= self.logs[tp].end for tp in self.all_tps):
                 break
             self.clock.run_until(self.clock.now + 0.05)
             self.check_bounds()
         else:
-            lag = {tp: (self.commits.get(tp, (0, ""))[0], self.logs[tp].end) for tp in self.tps}
+            lag = {tp: (self.commits.get(tp, (0, ""))[0], self.logs[tp].end) for tp in self.all_tps}
             self.fail(f"partitions did not drain in {DRAIN_LIMIT_S:.0f}s: (committed, end) {lag}")
         for tp, log in self.logs.items():
             for o, msg in log.records.items():

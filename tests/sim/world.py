@@ -81,6 +81,7 @@ class Msg:
     behaviour: str  # ok | flaky:N | poison | timeout:N (N deadlines, then ok) | drop
     key: bytes | None = None
     value: bytes | None = b"v"
+    extra: tuple[tuple[str, bytes], ...] = ()  # more headers (a retry tier record's cp-*)
 
 
 class Record:
@@ -115,7 +116,7 @@ class Record:
         return self._msg.value
 
     def headers(self) -> Any:
-        return [("id", str(self._msg.ident).encode())]
+        return [("id", str(self._msg.ident).encode()), *self._msg.extra]
 
     def timestamp(self) -> tuple[int, int]:
         return (1, 0)

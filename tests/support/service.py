@@ -89,6 +89,7 @@ _SOURCES = {
     handler_pb2.DELIVERY_SOURCE_UNSPECIFIED: "unspecified",
     handler_pb2.DELIVERY_SOURCE_PRIMARY: "primary",
     handler_pb2.DELIVERY_SOURCE_REDRIVE: "redrive",
+    handler_pb2.DELIVERY_SOURCE_RETRY: "retry",
 }
 
 T = TypeVar("T")
@@ -149,7 +150,7 @@ class Delivery:
     value: bytes | None
     headers: tuple[tuple[str, bytes], ...]
     attempt: int
-    source: str  # "primary", "redrive" or "unspecified"
+    source: str  # "primary", "redrive", "retry" or "unspecified"
     consumer_group: str
     timestamp_ms: int
     n: int  # the count passed to the behaviour: 1 on the first delivery of this offset

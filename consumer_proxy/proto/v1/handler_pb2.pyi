@@ -46,6 +46,10 @@ class _DeliverySourceEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Delive
     """Read from the group's source topics."""
     DELIVERY_SOURCE_REDRIVE: _DeliverySource.ValueType  # 2
     """Merged back from the group's DLQ (dlq merge); coordinates are still the original ones."""
+    DELIVERY_SOURCE_RETRY: _DeliverySource.ValueType  # 3
+    """Retried from one of the group's retry tier topics (delivery.retry_topics); coordinates
+    are still the original ones and attempt carries on.
+    """
 
 class DeliverySource(_DeliverySource, metaclass=_DeliverySourceEnumTypeWrapper):
     """Where this delivery comes from."""
@@ -55,6 +59,10 @@ DELIVERY_SOURCE_PRIMARY: DeliverySource.ValueType  # 1
 """Read from the group's source topics."""
 DELIVERY_SOURCE_REDRIVE: DeliverySource.ValueType  # 2
 """Merged back from the group's DLQ (dlq merge); coordinates are still the original ones."""
+DELIVERY_SOURCE_RETRY: DeliverySource.ValueType  # 3
+"""Retried from one of the group's retry tier topics (delivery.retry_topics); coordinates
+are still the original ones and attempt carries on.
+"""
 Global___DeliverySource: _TypeAlias = DeliverySource  # noqa: Y015
 
 @_typing.final

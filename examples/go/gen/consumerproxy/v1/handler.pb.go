@@ -47,6 +47,9 @@ const (
 	DeliverySource_DELIVERY_SOURCE_PRIMARY DeliverySource = 1
 	// Merged back from the group's DLQ (dlq merge); coordinates are still the original ones.
 	DeliverySource_DELIVERY_SOURCE_REDRIVE DeliverySource = 2
+	// Retried from one of the group's retry tier topics (delivery.retry_topics); coordinates
+	// are still the original ones and attempt carries on.
+	DeliverySource_DELIVERY_SOURCE_RETRY DeliverySource = 3
 )
 
 // Enum value maps for DeliverySource.
@@ -55,11 +58,13 @@ var (
 		0: "DELIVERY_SOURCE_UNSPECIFIED",
 		1: "DELIVERY_SOURCE_PRIMARY",
 		2: "DELIVERY_SOURCE_REDRIVE",
+		3: "DELIVERY_SOURCE_RETRY",
 	}
 	DeliverySource_value = map[string]int32{
 		"DELIVERY_SOURCE_UNSPECIFIED": 0,
 		"DELIVERY_SOURCE_PRIMARY":     1,
 		"DELIVERY_SOURCE_REDRIVE":     2,
+		"DELIVERY_SOURCE_RETRY":       3,
 	}
 )
 
@@ -589,11 +594,12 @@ const file_consumerproxy_v1_handler_proto_rawDesc = "" +
 	"\x19HandleMessageBatchRequest\x125\n" +
 	"\bmessages\x18\x01 \x03(\v2\x19.consumerproxy.v1.MessageR\bmessages\"_\n" +
 	"\x1aHandleMessageBatchResponse\x12A\n" +
-	"\aresults\x18\x01 \x03(\v2'.consumerproxy.v1.HandleMessageResponseR\aresults*k\n" +
+	"\aresults\x18\x01 \x03(\v2'.consumerproxy.v1.HandleMessageResponseR\aresults*\x86\x01\n" +
 	"\x0eDeliverySource\x12\x1f\n" +
 	"\x1bDELIVERY_SOURCE_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17DELIVERY_SOURCE_PRIMARY\x10\x01\x12\x1b\n" +
-	"\x17DELIVERY_SOURCE_REDRIVE\x10\x022\xe3\x01\n" +
+	"\x17DELIVERY_SOURCE_REDRIVE\x10\x02\x12\x19\n" +
+	"\x15DELIVERY_SOURCE_RETRY\x10\x032\xe3\x01\n" +
 	"\x0eMessageHandler\x12`\n" +
 	"\rHandleMessage\x12&.consumerproxy.v1.HandleMessageRequest\x1a'.consumerproxy.v1.HandleMessageResponse\x12o\n" +
 	"\x12HandleMessageBatch\x12+.consumerproxy.v1.HandleMessageBatchRequest\x1a,.consumerproxy.v1.HandleMessageBatchResponseBr\n" +
