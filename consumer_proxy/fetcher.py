@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from .config import KafkaConfig
 from .kafka_log import KafkaLogGate
@@ -23,7 +23,6 @@ from .kafka_log import KafkaLogGate
 log = logging.getLogger(__name__)
 
 TP = tuple[str, int]
-_TRUNCATION = KafkaError._LOG_TRUNCATION
 POSITIONS_INTERVAL_S = 0.2  # reading positions costs ~6 us per partition: not on every batch
 
 
@@ -187,8 +186,6 @@ class Fetcher:
             # handing it over (transaction markers, aborted records), which nobody will fetch.
             # An older reading stays true until the assignment changes (that forces a new one).
             now = time.monotonic()
-            if any(m.error() is not None and m.error().code() == _TRUNCATION for m in messages):
-                self._positions_due = 0.0  # the shell reads the position of a truncation now
             if now >= self._positions_due:
                 self._positions_due = now + POSITIONS_INTERVAL_S
                 self.positions = {
@@ -232,6 +229,22 @@ class Fetcher:
             return result
 
         result: list[TopicPartition] = await self._run(commit)
+        return result
+
+    async def position(self, tp: TP) -> int | None:
+        """The consumer's current position on ``tp`` (None when not assigned or unknown);
+        read after a log truncation, which moves it back."""
+
+        def read() -> int | None:
+            assert self._consumer is not None
+            try:
+                (found,) = self._consumer.position([TopicPartition(*tp)])
+            except KafkaException:
+                return None
+            offset = found.offset
+            return offset if offset is not None and offset >= 0 else None
+
+        result: int | None = await self._run(read)
         return result
 
     async def watermarks(self, partitions: Sequence[TP]) -> dict[TP, int]:

@@ -347,7 +347,7 @@ class GroupRunner:
                 elif error.code() == KafkaError._LOG_TRUNCATION:
                     log.warning("group %s: %s", self.name, error.str())
                     tp = (message.topic() or "", message.partition() or 0)
-                    partitions.truncated(tp, fetcher.positions.get(tp))
+                    partitions.truncated(tp, await fetcher.position(tp))
                 elif error.code() != KafkaError._PARTITION_EOF:
                     log.warning("group %s: consumer error: %s", self.name, error)
             partitions.skip_unfetchable(fetcher.positions)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..config import DeliveryConfig
-from .codec import AckState, CodecError, decode
+from .codec import CodecError, decode
 from .decision import Action, Decision, Evidence, Policy, decide, unblock
 from .ordering import PARTITION_LANE, KeyGate
 from .outcomes import Classification, Outcome
@@ -87,8 +87,6 @@ class PartitionState:
 
     topic: str
     partition: int
-    committed: int | None
-    restored: AckState | None = None
     tracker: PartitionTracker | None = None
     backlog: deque[Record] = field(default_factory=deque)
     paused: bool | None = None  # None: unknown (librdkafka keeps a pause across re-assign)
@@ -274,7 +272,7 @@ class PartitionSet:
                     exc,
                     committed,
                 )
-        part = PartitionState(topic, partition, committed, restored)
+        part = PartitionState(topic, partition)
         if committed is not None:
             part.tracker = PartitionTracker(committed, self._max_in_flight, restored)
             part.last_commit = (committed, metadata or "")
@@ -356,7 +354,6 @@ class PartitionSet:
         part.cuts.append((part.epoch, offset))
         part.received_end = offset
         part.backlog = deque(r for r in part.backlog if (r.offset() or 0) < offset)
-        part.restored = None
         assert part.tracker is not None
         part.tracker.truncate(offset)
         if part.gate is not None:
@@ -381,7 +378,6 @@ class PartitionSet:
             self._reset(part, position)
         else:
             part.tracker.truncate(max(part.received_end, 0))
-            part.restored = None
 
     def skip_unfetchable(self, positions: dict[TP, int]) -> None:
         """Let the commit pass what the consumer skipped (transaction markers, aborted records).
