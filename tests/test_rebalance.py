@@ -129,7 +129,8 @@ async def test_a_partition_paused_by_load_and_reassigned_to_the_same_member_drai
     # that hang until the gate opens, and a backlog far larger than the windows
     topic, group = unique_name("repause"), unique_name("repause")
     create_topic(bootstrap, topic, partitions=4)
-    await asyncio.to_thread(produce, bootstrap, topic, [f"m{i}" for i in range(1500)])
+    records = [{"value": f"m{i}", "partition": i % 4} for i in range(1500)]  # every one holds
+    await asyncio.to_thread(produce, bootstrap, topic, records)
     gate = threading.Event()
     behaviour = lambda m, n: Behaviour(delay_s=0.002 if gate.is_set() else 30)  # noqa: E731
     with ThreadedService(behaviour) as service:
