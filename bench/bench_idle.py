@@ -49,6 +49,20 @@ def proc_status(pid: int) -> tuple[float, int]:
     return rss, threads
 
 
+def thread_cpu_ns(pid: int) -> dict[str, int]:
+    """CPU nanoseconds so far of ``pid``'s threads, summed by thread name (librdkafka names its
+    threads ``rdk:main``, ``rdk:broker1``...; Python's show as ``python``)."""
+    by_name: dict[str, int] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            ns = int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended meanwhile
+        by_name[name] = by_name.get(name, 0) + ns
+    return by_name
+
+
 def floor_main(bootstrap: str, topics: list[str], ready_file: str) -> None:
     """G bare consumers (a polling thread each) and G idempotent producers."""
     from confluent_kafka import Consumer, Producer, TopicPartition
@@ -171,9 +185,14 @@ def main() -> int:
             time.sleep(5.0)  # joins and first commits settle
             pids = [proxy.pid, floor.pid] + ([baseline[0].pid] if baseline else [])
             cpu0 = [cpu_seconds(pid) for pid in pids]
+            split0 = [thread_cpu_ns(pid) for pid in pids[:2]]
             t0 = time.monotonic()
             time.sleep(seconds)
             elapsed = time.monotonic() - t0
+            split = [
+                {k: (v - before.get(k, 0)) / 1e6 / elapsed for k, v in thread_cpu_ns(pid).items()}
+                for pid, before in zip(pids[:2], split0, strict=True)
+            ]
             cpu = [
                 100.0 * (cpu_seconds(pid) - c) / elapsed for pid, c in zip(pids, cpu0, strict=True)
             ]
@@ -197,6 +216,10 @@ def main() -> int:
     result.figure("floor.cpu_percent_of_a_core", round(floor_cpu, 2), "%")
     result.figure("proxy.rss_mib", round(proxy_rss, 1), "MiB")
     result.figure("floor.rss_mib", round(floor_rss, 1), "MiB")
+    for who, found in zip(("proxy", "floor"), split, strict=True):
+        # Where the CPU goes, by thread name: the diagnostic for the next idle-cost hunt.
+        for name, ms in sorted(found.items(), key=lambda kv: -kv[1])[:4]:
+            result.figure(f"{who}.cpu_ms_per_s.{name}", round(ms, 2), "ms/s")
     result.figure("proxy.threads", proxy_threads)
     result.figure("floor.threads", floor_threads)
     result.ratio(

@@ -64,6 +64,8 @@ __all__ = [
     "DeadLetterWriter",
     "Headers",
     "Origin",
+    "SharedProducer",
+    "SharedProducers",
     "UserHeaders",
     "dlq_headers",
     "ensure_topics",
@@ -149,6 +151,11 @@ class ProducerLike(Protocol):
 ProducerFactory = Callable[[dict[str, Any]], ProducerLike]
 
 
+DLQ_POLL_S = 1.0
+"""The DLQ producer's poll timeout: a delivery report ends the wait at once, so this only
+bounds how long a stopping poller takes to notice (every wake-up is idle CPU otherwise)."""
+
+
 class _Session:
     """One producer and the thread that polls it (a fatal error replaces both)."""
 
@@ -161,7 +168,7 @@ class _Session:
 
     def _poll(self) -> None:
         while not self.stop.is_set():
-            self.producer.poll(0.1)
+            self.producer.poll(DLQ_POLL_S)
 
     def discard(self) -> None:
         """Fail what is queued (each report lets its write retry elsewhere), then stop polling.
@@ -175,50 +182,40 @@ class _Session:
         self.stop.set()
 
 
-class DeadLetterWriter:
-    """Writes DLQ records and resolves when the broker has confirmed each one.
+class SharedProducer:
+    """The DLQ producer of a process: one client and one polling thread for every group.
 
-    While a record is refused (written, failed, not yet confirmed) the writer says so:
-    ``refusal()`` for the health verdict, ``consumer_proxy_dlq_write_errors_total{reason}``
-    and ``consumer_proxy_dlq_held_messages`` when metrics are given, and one log line when
-    the DLQ starts and one when it stops refusing. A fatal producer error (e.g. a missing
-    IdempotentWrite ACL, a sequence error) replaces the producer: librdkafka never recovers
-    one by itself.
+    Groups write through their own ``DeadLetterWriter`` (their refusals, retries, metrics and
+    log lines stay theirs); what they share is the client, so an idle group costs no producer
+    threads, connections or buffers of its own (issue 13: 40 idle groups held 40 producers).
+    A fatal producer error (e.g. a missing IdempotentWrite ACL, a sequence error) replaces the
+    client for every writer, once however many writes fail on it and at most once per
+    ``recreate_every_s``: librdkafka never recovers one by itself. The last writer to close
+    flushes and stops it.
     """
 
     def __init__(
         self,
         conf: dict[str, Any],
         loop: asyncio.AbstractEventLoop,
-        retry_initial_s: float = 0.5,
-        retry_max_s: float = 10.0,
         *,
-        group: str = "",
-        metrics: ProxyMetrics | None = None,
+        recreate_every_s: float = 10.0,
         producer_factory: ProducerFactory | None = None,
         clock: Callable[[], float] = time.monotonic,
+        label: str = "DLQ producer",
     ) -> None:
         self._loop = loop
-        self._retry_initial_s = retry_initial_s
-        self._retry_max_s = retry_max_s
-        self._group = group
-        self._metrics = metrics
+        self._recreate_every_s = recreate_every_s
         self._clock = clock
-        self.log_gate = KafkaLogGate(
-            log, f"group {group} DLQ producer" if group else "DLQ producer"
-        )
+        self.log_gate = KafkaLogGate(log, label)
         self._conf = self.log_gate.attach(dict(conf))
         self._factory: ProducerFactory = producer_factory or self._real_producer
         self._error_cb = self._conf["error_cb"]
-        self._session = self._new_session()
+        self.session = self._new_session()
         self._last_recreated: float | None = None
         self.recreated = 0
         """Producers replaced after a fatal error."""
-        self.failures = 0
-        self._refused: dict[object, tuple[str, str, str]] = {}  # write -> topic, reason, detail
-        self._refused_since: float | None = None
-        self._said_reasons: set[str] = set()
-        self._failures_while_refused = 0
+        self.users = 0
         self._closed = False
 
     def _real_producer(self, conf: dict[str, Any]) -> ProducerLike:
@@ -233,35 +230,123 @@ class DeadLetterWriter:
             self._error_cb(err)
             if err.fatal() and holder:
                 with contextlib.suppress(RuntimeError):  # the loop is closed
-                    self._loop.call_soon_threadsafe(self._recreate, holder[0], err.str())
+                    self._loop.call_soon_threadsafe(self.recreate, holder[0], err.str())
 
         conf["error_cb"] = on_error
         session = _Session(self._factory(conf))
         holder.append(session)
         return session
 
-    def _recreate(self, session: _Session, why: str) -> None:
-        """Replace a producer that hit a fatal error (on the loop).
-
-        Once per producer however many writes fail on it, and at most once per
-        ``retry_max_s``: a fatal error that persists (an ACL still missing) must not churn
-        producers; the writes keep retrying meanwhile.
-        """
-        if session is not self._session or self._closed:
+    def recreate(self, session: _Session, why: str) -> None:
+        """Replace a producer that hit a fatal error (on the loop); see the class."""
+        if session is not self.session or self._closed:
             return
         now = self._clock()
-        if self._last_recreated is not None and now - self._last_recreated < self._retry_max_s:
+        if self._last_recreated is not None and now - self._last_recreated < self._recreate_every_s:
             return
         self._last_recreated = now
         self.log_gate.say(
             logging.WARNING,
             f"the DLQ producer hit a fatal error ({why}); replacing it with a new one",
         )
-        self._session = self._new_session()
+        self.session = self._new_session()
         self.recreated += 1
         # Its queued records fail (their writes retry on the new producer); a daemon thread,
         # not the default executor, so that a stopping process never waits for it.
         threading.Thread(target=session.discard, name="dlq-discard", daemon=True).start()
+
+    @property
+    def closed(self) -> bool:
+        """Its last writer closed it: a new writer needs a new producer."""
+        return self._closed
+
+    async def release(self, timeout_s: float = 10.0) -> None:
+        """A writer is done with it; the last one flushes what is queued and stops the poller."""
+        self.users -= 1
+        if self.users > 0 or self._closed:
+            return
+        self._closed = True
+        session = self.session
+        await asyncio.to_thread(session.producer.flush, timeout_s)
+        session.stop.set()
+        await asyncio.to_thread(session.poller.join, DLQ_POLL_S + 5)
+
+
+class SharedProducers:
+    """The process's DLQ producers, one per distinct producer configuration (groups with
+    another ``dlq.write_timeout_ms`` get one of their own: librdkafka sets the message timeout
+    per client)."""
+
+    def __init__(self) -> None:
+        self._by_conf: dict[tuple[tuple[str, str], ...], SharedProducer] = {}
+
+    def get(self, conf: dict[str, Any], loop: asyncio.AbstractEventLoop) -> SharedProducer:
+        """The producer for ``conf``, created on first use; a closed one is replaced."""
+        key = tuple(sorted((k, repr(v)) for k, v in conf.items()))
+        found = self._by_conf.get(key)
+        if found is None or found.closed:
+            found = self._by_conf[key] = SharedProducer(conf, loop)
+        return found
+
+    def active(self) -> int:
+        """How many producers are in use."""
+        return sum(1 for p in self._by_conf.values() if p.users > 0)
+
+
+class DeadLetterWriter:
+    """Writes DLQ records and resolves when the broker has confirmed each one.
+
+    While a record is refused (written, failed, not yet confirmed) the writer says so:
+    ``refusal()`` for the health verdict, ``consumer_proxy_dlq_write_errors_total{reason}``
+    and ``consumer_proxy_dlq_held_messages`` when metrics are given, and one log line when
+    the DLQ starts and one when it stops refusing. The producer is ``producer`` (the
+    process's shared one) or a private one built from ``conf``.
+    """
+
+    def __init__(
+        self,
+        conf: dict[str, Any],
+        loop: asyncio.AbstractEventLoop,
+        retry_initial_s: float = 0.5,
+        retry_max_s: float = 10.0,
+        *,
+        group: str = "",
+        metrics: ProxyMetrics | None = None,
+        producer_factory: ProducerFactory | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        producer: SharedProducer | None = None,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
+        self._loop = loop
+        self._on_change = on_change  # refusing started or ended (health re-reads the verdict)
+        self._retry_initial_s = retry_initial_s
+        self._retry_max_s = retry_max_s
+        self._group = group
+        self._metrics = metrics
+        self._clock = clock
+        if producer is None:
+            producer = SharedProducer(
+                conf,
+                loop,
+                recreate_every_s=retry_max_s,
+                producer_factory=producer_factory,
+                clock=clock,
+                label=f"group {group} DLQ producer" if group else "DLQ producer",
+            )
+        producer.users += 1
+        self.producer = producer
+        self.log_gate = producer.log_gate
+        self.failures = 0
+        self._refused: dict[object, tuple[str, str, str]] = {}  # write -> topic, reason, detail
+        self._refused_since: float | None = None
+        self._said_reasons: set[str] = set()
+        self._failures_while_refused = 0
+        self._closed = False
+
+    @property
+    def recreated(self) -> int:
+        """Producers replaced after a fatal error."""
+        return self.producer.recreated
 
     # -- state ---------------------------------------------------------------------------
 
@@ -288,6 +373,8 @@ class DeadLetterWriter:
         self._refused[token] = (topic, error.reason, str(error))
         if first:
             self._refused_since = self._clock()
+            if self._on_change is not None:
+                self._on_change()
         if error.reason not in self._said_reasons:
             self._said_reasons.add(error.reason)
             log.warning(
@@ -316,6 +403,8 @@ class DeadLetterWriter:
             self._refused_since = None
             self._said_reasons.clear()
             self._failures_while_refused = 0
+            if self._on_change is not None:
+                self._on_change()
         self._publish()
 
     def _publish(self) -> None:
@@ -327,7 +416,7 @@ class DeadLetterWriter:
     async def _produce_once(
         self, topic: str, key: bytes | None, value: bytes | None, headers: Headers
     ) -> None:
-        session = self._session
+        session = self.producer.session
         future: asyncio.Future[None] = self._loop.create_future()
 
         def report(err: KafkaError | None, _msg: Any) -> None:
@@ -355,13 +444,13 @@ class DeadLetterWriter:
             error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
             reason = failure_reason(error)
             if reason == "fatal":
-                self._recreate(session, str(exc))
+                self.producer.recreate(session, str(exc))
             raise DeadLetterWriteError(str(exc), reason=reason) from exc
         try:
             await future
         except DeadLetterWriteError as exc:
             if exc.reason == "fatal":
-                self._recreate(session, str(exc))
+                self.producer.recreate(session, str(exc))
             raise
         self.log_gate.reachable()
 
@@ -406,12 +495,11 @@ class DeadLetterWriter:
             self._settled(token)
 
     async def close(self, timeout_s: float = 10.0) -> None:
-        """Flush what is queued, then stop the poller."""
+        """Done writing; the producer's last writer flushes what is queued and stops it."""
+        if self._closed:
+            return
         self._closed = True
-        session = self._session
-        await asyncio.to_thread(session.producer.flush, timeout_s)
-        session.stop.set()
-        await asyncio.to_thread(session.poller.join, 5)
+        await self.producer.release(timeout_s)
 
 
 def ensure_topics(kafka: KafkaConfig, group: GroupConfig, timeout_s: float = 30.0) -> list[str]:

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
+import queue
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
@@ -24,6 +27,10 @@ log = logging.getLogger(__name__)
 
 TP = tuple[str, int]
 POSITIONS_INTERVAL_S = 0.2  # reading positions costs ~6 us per partition: not on every batch
+CONSUME_CHUNK_S = 2.0
+"""The longest single wait inside ``consume()``: a longer wait is served in chunks of this on
+the consumer thread, and ends after the chunk in which another call was queued (a commit, a
+pause, ``close``) or a rebalance callback ran, so no call waits longer than this for its turn."""
 
 
 class RebalanceListener(Protocol):
@@ -66,6 +73,56 @@ def consumer_config(
     return conf
 
 
+class _CallThread:
+    """One thread that runs the calls submitted to it, in order, for the event loop.
+
+    What ``run_in_executor`` on a one-thread pool does, for less: every call of an idle group
+    is such a hop, and the pool's futures were a tenth of an idle proxy's CPU. The thread is a
+    daemon, so a stopping process never waits for a call blocked in the client.
+    """
+
+    def __init__(self, name: str, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future[Any]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
+        """Queue ``fn``; the future resolves on the loop with its result or exception."""
+        future: asyncio.Future[Any] = self._loop.create_future()
+        self._queue.put((fn, future))
+        return future
+
+    def waiting(self) -> bool:
+        """Whether a call is queued behind the one running."""
+        return not self._queue.empty()
+
+    def stop(self) -> None:
+        """End the thread after the calls already queued."""
+        self._queue.put(None)
+
+    def _serve(self) -> None:
+        while (item := self._queue.get()) is not None:
+            fn, future = item
+            try:
+                result, error = fn(), None
+            except BaseException as exc:  # noqa: BLE001 (handed over to the awaiting task)
+                result, error = None, exc
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                self._loop.call_soon_threadsafe(_settle, future, result, error)
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.cancelled():  # the awaiting task was cancelled (shutdown): nothing to hand over
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
 class Fetcher:
     """Async facade over one consumer; all calls are serialised on one thread."""
 
@@ -82,9 +139,7 @@ class Fetcher:
         self._listener = listener
         self._loop = loop
         self._callback_timeout_s = callback_timeout_s
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"kafka-{conf['group.id']}"
-        )
+        self._calls = _CallThread(f"kafka-{conf['group.id']}", loop)
         self._consumer: Consumer | None = None
         self.log_gate = KafkaLogGate(log, f"group {conf['group.id']} consumer")
         """librdkafka's lines and errors for this consumer, told as state changes."""
@@ -94,9 +149,13 @@ class Fetcher:
         """Each assigned partition's position after a recent ``consume()`` batch (re-read at
         least every POSITIONS_INTERVAL_S, and at the end of any batch with a rebalance)."""
         self._positions_due = 0.0
+        self._rebalanced = False  # a rebalance callback ran during the current consume
 
     async def _run(self, fn: Callable[[], Any]) -> Any:
-        return await self._loop.run_in_executor(self._executor, fn)
+        return await self._calls.submit(fn)
+
+    def _others_waiting(self) -> bool:
+        return self._calls.waiting()
 
     async def start(self) -> None:
         """Create the consumer and subscribe (the group join happens in the first consume)."""
@@ -124,6 +183,7 @@ class Fetcher:
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._positions_due = 0.0  # positions of a previous assignment must not outlive it
+        self._rebalanced = True
         if not partitions:
             return
         # librdkafka keeps an application's pause on a partition across revoke or loss and
@@ -153,6 +213,7 @@ class Fetcher:
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._positions_due = 0.0
+        self._rebalanced = True
         if not partitions:
             return
         offsets = self._call_listener(self._listener.partitions_revoked(partitions))
@@ -164,13 +225,19 @@ class Fetcher:
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._positions_due = 0.0
+        self._rebalanced = True
         if partitions:
             self._call_listener(self._listener.partitions_lost(partitions))
 
     # -- calls ---------------------------------------------------------------------------
 
     async def consume(self, max_messages: int, timeout_s: float) -> list[Any]:
-        """Up to ``max_messages`` messages (rebalance callbacks run in here)."""
+        """Up to ``max_messages`` messages (rebalance callbacks run in here).
+
+        Waits up to ``timeout_s`` for the first; a wait longer than ``CONSUME_CHUNK_S`` ends
+        early when another call is queued or a rebalance callback ran (an idle group's intake
+        wakes seldom, and nothing else waits for it).
+        """
 
         def consume() -> list[Any]:
             consumer = self._consumer
@@ -178,7 +245,15 @@ class Fetcher:
             # librdkafka's consume(n, timeout) waits for n messages or the whole timeout, which
             # adds up to `timeout` of latency at low traffic. Wait for the first message only,
             # then take what is already there.
-            messages: list[Any] = consumer.consume(1, timeout_s)
+            self._rebalanced = False
+            deadline = time.monotonic() + timeout_s
+            chunk = min(timeout_s, CONSUME_CHUNK_S)
+            messages: list[Any] = consumer.consume(1, chunk)
+            while not messages and not self._rebalanced and not self._others_waiting():
+                left = deadline - time.monotonic()
+                if left < CONSUME_CHUNK_S / 2:  # the rest of a wait is not worth a call
+                    break
+                messages = consumer.consume(1, min(left, CONSUME_CHUNK_S))
             if messages and max_messages > 1:
                 messages += consumer.consume(max_messages - 1, 0)
             # Read on this thread right after a batch: a position then counts only messages
@@ -280,4 +355,4 @@ class Fetcher:
         try:
             await self._run(close)
         finally:
-            self._executor.shutdown(wait=False)
+            self._calls.stop()

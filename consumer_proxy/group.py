@@ -42,7 +42,13 @@ from .core.outcomes import Classification, Classifier
 from .core.partitions import TP, Commit, Delivery, PartitionSet, PartitionState
 from .core.records import retry_headers
 from .dispatcher import Dispatcher
-from .dlq import DeadLetterWriter, dlq_headers, ensure_topics_unless_stopped, producer_config
+from .dlq import (
+    DeadLetterWriter,
+    SharedProducers,
+    dlq_headers,
+    ensure_topics_unless_stopped,
+    producer_config,
+)
 from .fetcher import Fetcher, consumer_config
 from .flow import AdaptiveLimiter, Breaker, ConcurrencyLimiter, RateLimiter, StaticLimiter
 from .health import KafkaLink
@@ -60,8 +66,9 @@ BATCH_FETCH_WAIT_MS = 20
 """Batch groups' default long-poll of a fetch request (librdkafka's default: 500 ms)."""
 FETCH_WAIT_S = 0.2
 """How long one consume waits for a first message."""
-IDLE_FETCH_WAIT_S = 1.0
-"""... while the group holds no message at all."""
+IDLE_FETCH_WAIT_S = 6.0
+"""... while the group holds no message at all (served in 2 s chunks on the consumer thread,
+which end early for a commit, a rebalance or shutdown: see ``Fetcher.consume``)."""
 QUIET_TICKS = 10
 """A group that held nothing for two commit intervals ticks every this many intervals."""
 STARVED_POLL_S = 0.005
@@ -80,8 +87,10 @@ class GroupRunner:
         metrics: ProxyMetrics,
         consumer_overrides: dict[str, Any] | None = None,
         shutdown_grace_s: float = 25.0,
+        producers: SharedProducers | None = None,
     ) -> None:
         self.kafka = kafka
+        self._producers = producers  # the process's DLQ producers; None: a private one
         self._grace_s = shutdown_grace_s
         self.group = group
         self.name = group.name
@@ -164,11 +173,16 @@ class GroupRunner:
             on_ejected=self.metrics.endpoints_ejected.labels(self.name).set,
         )
         self.dispatcher.start()
+        producer_conf = producer_config(self.kafka, self.group.dlq.write_timeout_ms)
         self.writer = DeadLetterWriter(
-            producer_config(self.kafka, self.group.dlq.write_timeout_ms),
+            producer_conf,
             loop,
             group=self.name,
             metrics=self.metrics,
+            on_change=self._health_changed,
+            producer=(
+                self._producers.get(producer_conf, loop) if self._producers is not None else None
+            ),
         )
         overrides = dict(self._consumer_overrides)
         if self._batch_limits is not None and BATCH_FETCH_WAIT not in self.kafka.client:
@@ -180,6 +194,12 @@ class GroupRunner:
             overrides.setdefault(BATCH_FETCH_WAIT, BATCH_FETCH_WAIT_MS)
         conf = consumer_config(self.kafka, self.name, overrides)
         self.kafka_link.attach(conf)
+
+        def link_changed() -> None:  # the consumer thread
+            with contextlib.suppress(RuntimeError):  # the loop is closed
+                loop.call_soon_threadsafe(self._health_changed)
+
+        self.kafka_link.on_change = link_changed
         topics = [*self.group.topics, self.group.redrive_topic, *self.group.retry_topics]
         grace_s = self.group.delivery.revoke_grace_ms / 1000.0
         self.fetcher = Fetcher(
@@ -204,6 +224,10 @@ class GroupRunner:
             await self._shutdown()
         if self._failure is not None:
             raise self._failure
+
+    def _health_changed(self) -> None:
+        if self.on_health_change is not None:
+            self.on_health_change()
 
     def stop(self) -> None:
         """Ask the runner to shut down (idempotent)."""
@@ -337,7 +361,9 @@ class GroupRunner:
         unblocking = self.group.delivery.head_block_ms is not None
         while not self._stopping.is_set():
             messages = await fetcher.consume(batch, timeout_s)
-            self.started.set()  # the consumer is up (joined, or joining, the group)
+            if not self.started.is_set():
+                self.started.set()  # the consumer is up (joined, or joining, the group)
+                self._health_changed()
             for message in messages:
                 error = message.error()
                 if error is None:
@@ -375,8 +401,8 @@ class GroupRunner:
             else:
                 # Nothing held or paused for two polls (the idle commit has had its turn on
                 # the consumer thread): only a new message, which ends the wait at once, or a
-                # rebalance, served inside consume, can change anything. An idle group wakes
-                # once a second instead of five times (the idle cost of many groups).
+                # rebalance, served inside consume, can change anything. An idle group's intake
+                # wakes every 6 s instead of five times a second (the idle cost of many groups).
                 timeout_s = IDLE_FETCH_WAIT_S
 
     def _unblock(self) -> None:
@@ -593,14 +619,12 @@ class GroupRunner:
                     self.name,
                     self.service_problem,
                 )
-                if self.on_health_change is not None:
-                    self.on_health_change()
+                self._health_changed()
         elif self.service_problem and outcome.breaker is False:
             self.service_problem = ""
             self._m_batch_unsupported.set(0)
             log.warning("group %s: %s answers HandleMessageBatch again", self.name, target)
-            if self.on_health_change is not None:
-                self.on_health_change()
+            self._health_changed()
         if outcome.protocol_error:
             self._m_batch_protocol_errors.inc()
             log.warning(
@@ -707,8 +731,7 @@ class GroupRunner:
                 self.name,
                 self._last_failure[:500] or "unknown",
             )
-        if self.on_health_change is not None:
-            self.on_health_change()
+        self._health_changed()
 
     # -- commit --------------------------------------------------------------------------
 
@@ -733,7 +756,9 @@ class GroupRunner:
             now = loop.time()
             holding = self.partitions.holding()
             if now >= next_tick:
-                await self._update_lag()
+                if quiet < 2 or committed or holding:
+                    # A quiet group's lag cannot change: new records wake it (it holds them).
+                    await self._update_lag()
                 quiet = 0 if committed or holding else quiet + 1
                 # A group that holds nothing has nothing to commit until messages come (the
                 # intake then flushes): it ticks every QUIET_TICKS intervals (the idle cost).

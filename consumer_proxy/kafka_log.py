@@ -37,7 +37,11 @@ CONNECTION_ERRORS = frozenset(
     {KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._RESOLVE}
 )
 """librdkafka error codes (``error_cb``) that report a failed broker connection."""
-STATS_INTERVAL_MS = 1000
+STATS_INTERVAL_MS = 5000
+"""How often a client's statistics arrive (they carry the "reachable again" signal): building
+and parsing them is most of what an idle client costs in Python."""
+_DECODER = json.JSONDecoder()
+_last_parsed: tuple[str, dict[str, str] | None] = ("", None)
 _MAX_KEYS = 256  # distinct lines remembered for repeat suppression
 _DIGITS = re.compile(r"\d+")
 
@@ -125,11 +129,8 @@ class KafkaLogGate:
 
     def on_stats(self, raw: str) -> None:
         """librdkafka statistics: a broker connection that is UP means Kafka is reachable."""
-        try:
-            brokers = json.loads(raw).get("brokers") or {}
-        except (ValueError, AttributeError):
-            return
-        if any(str(b.get("state")) == "UP" for b in brokers.values()):
+        states = broker_states(raw)
+        if states and any(state == "UP" for state in states.values()):
             self.reachable()
 
     # -- state ---------------------------------------------------------------------------
@@ -215,3 +216,33 @@ def _strip_facility(text: str) -> str:
     # ... failed" -> "host:9092/bootstrap: Connect to ... failed"
     _, sep, rest = text.partition("]: ")
     return rest if sep else text
+
+
+def broker_states(raw: str) -> dict[str, str] | None:
+    """{broker name: connection state} from a librdkafka statistics JSON; None if unreadable.
+
+    Decodes only the ``brokers`` object (the topics and partitions after it are most of the
+    text), and once per statistics string: a consumer's gate and its health link both read the
+    same one on the same thread.
+    """
+    global _last_parsed
+    last_raw, last_states = _last_parsed
+    if raw is last_raw:
+        return last_states
+    states: dict[str, str] | None = None
+    try:
+        start = raw.find('"brokers":')
+        if start >= 0:
+            brokers, _end = _DECODER.raw_decode(raw, raw.index("{", start))
+            if isinstance(brokers, dict):
+                states = {
+                    str(name): str(b.get("state")) if isinstance(b, dict) else "?"
+                    for name, b in brokers.items()
+                }
+        else:
+            found = json.loads(raw).get("brokers")
+            states = {} if found is None else None
+    except (ValueError, AttributeError):
+        states = None
+    _last_parsed = (raw, states)
+    return states

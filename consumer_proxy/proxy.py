@@ -10,6 +10,7 @@ import asyncio
 from typing import Any
 
 from .config import ProxyConfig
+from .dlq import SharedProducers
 from .group import GroupRunner
 from .health import ProxyHealth
 from .metrics import HttpEndpoint, ProxyMetrics
@@ -26,8 +27,18 @@ class Proxy:
     ) -> None:
         self.config = config
         self.metrics = metrics or ProxyMetrics()
+        # One DLQ producer for every group (per distinct producer configuration): an idle
+        # group then holds no producer client, threads or connections of its own.
+        self.producers = SharedProducers()
         self.runners = [
-            GroupRunner(config.kafka, g, self.metrics, consumer_overrides, config.shutdown_grace_s)
+            GroupRunner(
+                config.kafka,
+                g,
+                self.metrics,
+                consumer_overrides,
+                config.shutdown_grace_s,
+                producers=self.producers,
+            )
             for g in config.groups
         ]
         self._stop = asyncio.Event()

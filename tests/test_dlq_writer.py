@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
-from consumer_proxy.dlq import DeadLetterWriter, failure_reason
+from consumer_proxy.dlq import DeadLetterWriter, SharedProducer, SharedProducers, failure_reason
 from consumer_proxy.metrics import ProxyMetrics
 from tests.support.scrape import parse
 from tests.support.waiting import async_wait_until
@@ -281,5 +281,71 @@ def test_a_fatal_error_that_persists_does_not_churn_producers() -> None:
                 await task
         finally:
             await writer.close()
+
+    asyncio.run(scenario())
+
+
+def test_writers_sharing_a_producer_keep_their_own_refusals_and_the_last_close_stops_it() -> None:
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        # Given one producer whose first client hits a fatal error, shared by two groups
+        factory = Factory(FATAL, None)
+        shared = SharedProducer({}, loop, recreate_every_s=0.05, producer_factory=factory)
+        changes: list[str] = []
+        billing = DeadLetterWriter(
+            {},
+            loop,
+            0.01,
+            0.05,
+            group="billing",
+            producer=shared,
+            on_change=lambda: changes.append("billing"),
+        )
+        orders = DeadLetterWriter({}, loop, 0.01, 0.05, group="orders", producer=shared)
+        assert shared.users == 2
+        # When only billing writes, and its first attempt fails on the fatal client
+        failed = await asyncio.wait_for(billing.write("billing.dlq", b"k", b"v", []), 10)
+        # Then the client is replaced once for both, the refusal was billing's alone (told
+        # when it began and when it ended), and orders writes through the new client
+        assert failed == 1 and shared.recreated == 1 and len(factory.made) == 2
+        assert billing.failures == 1 and orders.failures == 0
+        assert changes == ["billing", "billing"]
+        assert await asyncio.wait_for(orders.write("orders.dlq", b"k", b"v", []), 10) == 0
+        assert factory.made[1].produced == 2
+        # When one writer closes the client keeps serving; the last close stops its poller
+        await billing.close()
+        assert shared.session.poller.is_alive()
+        await orders.close()
+        assert shared.users == 0
+        await async_wait_until(lambda: not shared.session.poller.is_alive(), timeout=10)
+
+    asyncio.run(scenario())
+
+
+def test_the_process_keeps_one_producer_per_distinct_configuration() -> None:
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        producers = SharedProducers()
+        a = producers.get({"bootstrap.servers": "unused:9092", "message.timeout.ms": 1}, loop)
+        b = producers.get({"message.timeout.ms": 1, "bootstrap.servers": "unused:9092"}, loop)
+        c = producers.get({"bootstrap.servers": "unused:9092", "message.timeout.ms": 2}, loop)
+        assert a is b and a is not c
+        writers = [DeadLetterWriter({}, loop, producer=p) for p in (a, b, c)]
+        assert producers.active() == 2
+        for writer in writers:
+            await writer.close()
+        assert producers.active() == 0
+        # A producer whose writers all closed is not handed out again
+        assert (
+            producers.get({"bootstrap.servers": "unused:9092", "message.timeout.ms": 1}, loop)
+            is not a
+        )
+        await DeadLetterWriter(
+            {},
+            loop,
+            producer=producers.get(
+                {"bootstrap.servers": "unused:9092", "message.timeout.ms": 1}, loop
+            ),
+        ).close()
 
     asyncio.run(scenario())

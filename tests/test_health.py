@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -262,3 +263,19 @@ def test_a_users_statistics_interval_wins_and_zero_turns_the_check_off() -> None
     assert callable(conf["stats_cb"])
     link.on_stats("not json")  # ignored, never raised on the consumer thread
     assert link.reachable is None
+
+
+def test_the_link_tells_a_change_of_reachability_once() -> None:
+    # Given a link whose changes are watched (the runner wakes the health publisher with it)
+    link = KafkaLink()
+    changes: list[bool | None] = []
+    link.on_change = lambda: changes.append(link.reachable)
+
+    def stats(state: str) -> str:
+        return json.dumps({"brokers": {"b:9092/1": {"name": "b:9092/1", "state": state}}})
+
+    # When statistics arrive: up, up again, down, down again, up
+    for state in ("UP", "UP", "DOWN", "DOWN", "UP"):
+        link.on_stats(stats(state))
+    # Then each change is told once, and repeated statistics tell nothing
+    assert changes == [True, False, True]

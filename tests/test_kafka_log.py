@@ -10,7 +10,7 @@ import logging
 
 from confluent_kafka import KafkaError
 
-from consumer_proxy.kafka_log import KafkaLogGate
+from consumer_proxy.kafka_log import STATS_INTERVAL_MS, KafkaLogGate, broker_states
 
 FAIL = (
     "FAIL [rdkafka#consumer-1] [thrd:127.0.0.1:9092/bootstrap]: 127.0.0.1:9092/bootstrap: "
@@ -123,7 +123,7 @@ def test_attach_routes_errors_and_chains_an_existing_statistics_callback() -> No
     gate, _clock, lines = _gate()
     seen: list[str] = []
     conf = gate.attach({"stats_cb": seen.append})
-    assert conf["statistics.interval.ms"] == 1000
+    assert conf["statistics.interval.ms"] == STATS_INTERVAL_MS
     conf["error_cb"](KafkaError(KafkaError._TRANSPORT, "refused"))
     conf["stats_cb"](_stats("UP"))
     assert seen == [_stats("UP")]
@@ -150,3 +150,21 @@ def test_a_stale_failure_right_after_the_recovery_does_not_reopen_the_outage() -
         "Kafka reachable again ",
         "Kafka unreachable sinc",
     ]
+
+
+def test_broker_states_reads_only_the_brokers_of_the_statistics() -> None:
+    raw = json.dumps(
+        {
+            "name": "rdkafka#consumer-1",
+            "brokers": {
+                "b:9092/1": {"name": "b:9092/1", "state": "UP"},
+                "b:9093/2": {"state": "DOWN"},
+            },
+            "topics": {"t": {"partitions": {"0": {"state": "UP-LOOKING"}}}},
+        }
+    )
+    assert broker_states(raw) == {"b:9092/1": "UP", "b:9093/2": "DOWN"}
+    assert broker_states(raw) == {"b:9092/1": "UP", "b:9093/2": "DOWN"}  # read once, kept
+    assert broker_states('{"name": "x"}') == {}  # no brokers yet: none is up
+    assert broker_states("not json") is None
+    assert broker_states('{"brokers": [1, 2]}') is None

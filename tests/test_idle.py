@@ -1,0 +1,133 @@
+"""The idle cost of many groups (issue 13): what a process shares, and what wakes an idle group.
+
+Real broker, real gRPC service. The figures (CPU, memory, threads of 40 idle groups against
+40 bare consumers) are measured by ``bench/bench_idle.py``, not here; these tests pin the
+behaviour the figures rest on: one DLQ producer serves every group and still reports each
+group's refusals as its own, and a consumer's long idle wait gives way to any other call at
+once, so shutdown and commits never wait for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+import time
+from collections.abc import Sequence
+
+import grpc
+import pytest
+from confluent_kafka import TopicPartition
+
+from consumer_proxy.config import KafkaConfig, ProxyConfig
+from consumer_proxy.dlq import DeadLetterWriter
+from consumer_proxy.fetcher import CONSUME_CHUNK_S, Fetcher, consumer_config
+from consumer_proxy.proto.v1 import handler_pb2
+from tests.support.kafka import Broker, consume_all, create_topic, produce, unique_name
+from tests.support.proxy import FAST_CONSUMER, caught_up, config_dict, start_proxy
+from tests.support.service import Behaviour, TestService
+from tests.support.waiting import async_wait_until
+
+pytestmark = pytest.mark.kafka
+
+
+def _dlq_pollers() -> int:
+    return sum(1 for t in threading.enumerate() if t.name == "dlq-poller")
+
+
+async def test_the_groups_of_a_process_share_one_dlq_producer_and_dead_letter_their_own(
+    kafka: Broker,
+) -> None:
+    bootstrap = kafka.bootstrap
+    # Given three groups in one process, each with a poison pill in its topic
+    names = [unique_name("shared") for _ in range(3)]
+    for name in names:
+        create_topic(bootstrap, name, partitions=2)
+        await asyncio.to_thread(produce, bootstrap, name, ["a", f"poison {name}", "b"])
+
+    def behaviour(msg: handler_pb2.Message, n: int) -> Behaviour:
+        if msg.value.startswith(b"poison"):
+            return Behaviour(status=grpc.StatusCode.FAILED_PRECONDITION, details="cannot parse")
+        return Behaviour()
+
+    pollers_before = _dlq_pollers()
+    async with TestService(behaviour) as service:
+        raw = config_dict(bootstrap, names[0], [names[0]], [service.address])
+        template = raw["groups"][0]
+        raw["groups"] = [{**template, "name": name, "topics": [name]} for name in names]
+        proxy, task = start_proxy(ProxyConfig(**raw))
+        # When every group has dead-lettered its pill
+        for name in names:
+            await async_wait_until(functools.partial(caught_up, bootstrap, name, name), timeout=90)
+        # Then one producer (and one polling thread) served all of them
+        writers = [r.writer for r in proxy.runners]
+        assert all(isinstance(w, DeadLetterWriter) for w in writers)
+        producers = {id(w.producer) for w in writers if isinstance(w, DeadLetterWriter)}
+        assert len(producers) == 1 and proxy.producers.active() == 1
+        assert _dlq_pollers() - pollers_before == 1
+        await proxy.shutdown()
+        await task
+    # and each group's DLQ holds exactly its own pill, and the producer stopped with the last
+    for name in names:
+        dead = await asyncio.to_thread(consume_all, bootstrap, f"{name}.dlq")
+        assert [m.value() for m in dead] == [f"poison {name}".encode()]
+    assert proxy.producers.active() == 0
+    await async_wait_until(lambda: _dlq_pollers() == pollers_before, timeout=15)
+
+
+class _Assignments:
+    """A rebalance listener that only records what it is told (the runner's part is not
+    under test here)."""
+
+    def __init__(self) -> None:
+        self.assigned: list[TopicPartition] = []
+
+    async def partitions_assigned(self, committed: Sequence[TopicPartition]) -> None:
+        self.assigned += committed
+
+    async def partitions_revoked(
+        self, partitions: Sequence[TopicPartition]
+    ) -> list[TopicPartition]:
+        return []
+
+    async def partitions_lost(self, partitions: Sequence[TopicPartition]) -> None:
+        return None
+
+
+async def test_a_long_idle_wait_gives_way_to_a_queued_call_and_ends_on_a_new_record(
+    kafka: Broker,
+) -> None:
+    bootstrap = kafka.bootstrap
+    topic = unique_name("idlewait")
+    create_topic(bootstrap, topic, partitions=1)
+    conf = consumer_config(KafkaConfig(bootstrap_servers=bootstrap), unique_name("idlewait"))
+    conf.update(FAST_CONSUMER)
+    listener = _Assignments()
+    fetcher = Fetcher(conf, [topic], listener, asyncio.get_running_loop())
+    await fetcher.start()
+    try:
+        # Given a consumer that owns its (empty) partition
+        deadline = time.monotonic() + 60
+        while not listener.assigned and time.monotonic() < deadline:
+            assert await fetcher.consume(1, 1.0) == []
+        assert listener.assigned
+        long_wait = 120.0
+        # When a call is queued behind a two-minute wait for records
+        waiting = asyncio.ensure_future(fetcher.consume(1, long_wait))
+        await asyncio.sleep(0)  # the consume task runs first: its wait is queued first
+        started = time.monotonic()
+        await fetcher.set_paused([], [(topic, 0)])  # a resume: any call queued behind it
+        # Then the call gets its turn after at most one chunk of the wait, not two minutes
+        assert await waiting == []
+        assert time.monotonic() - started < long_wait / 4, "the queued call waited for the wait"
+        # When a record arrives during another long wait
+        waiting = asyncio.ensure_future(fetcher.consume(1, long_wait))
+        started = time.monotonic()
+        await asyncio.to_thread(produce, bootstrap, topic, ["late"])
+        # Then the wait ends with it
+        messages = await waiting
+        assert [m.value() for m in messages] == [b"late"]
+        assert time.monotonic() - started < long_wait / 4
+        assert long_wait / 4 > CONSUME_CHUNK_S  # the bounds above are chunks, not timings
+    finally:
+        await fetcher.close()
