@@ -268,6 +268,49 @@ def bare_run(handler: BatchHandler, n: int, size: int, concurrency: int) -> dict
     return result
 
 
+# --------------------------------------------------------------------------- consume only
+
+
+def _consume_only_main(bootstrap: str, topic: str, n: int, out: Connection) -> None:
+    from confluent_kafka import Consumer
+
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": unique_name("bench-consume-only"),
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+        }
+    )
+    consumer.subscribe([topic])
+    seen, started = 0, 0.0
+    cpu0 = time.process_time()
+    while seen < n:
+        messages = consumer.consume(1000, 1.0)
+        if messages and not started:
+            started, cpu0 = time.monotonic(), time.process_time()
+        seen += sum(1 for m in messages if m.error() is None and m.value() is not None)
+    ended = time.monotonic()
+    cpu = time.process_time() - cpu0
+    consumer.close()
+    out.send({"rate": rate(n, ended - started), "cpu_us_per_msg": 1e6 * cpu / n})
+
+
+def consume_only_run(bootstrap: str, topic: str, n: int) -> dict[str, float]:
+    """A bare confluent-kafka loop reading the same records and doing nothing with them: what
+    any Python consumer, a proxy included, can at most move on this machine."""
+    parent, child = _SPAWN.Pipe()
+    proc = _SPAWN.Process(target=_consume_only_main, args=(bootstrap, topic, n, child))
+    proc.start()
+    try:
+        if not parent.poll(600):
+            raise TimeoutError("the consume-only loop did not finish within 600s")
+        result: dict[str, float] = parent.recv()
+    finally:
+        proc.join(30)
+    return result
+
+
 # --------------------------------------------------------------------------- proxy runs
 
 
@@ -385,7 +428,7 @@ def main() -> int:
             t0 = time.monotonic()
             produce_bulk(bootstrap, topic, n, partitions=4, value=value_of)
             print(f"produced {n} x {VALUE_BYTES} B to {topic} in {time.monotonic() - t0:.1f}s")
-            bares, proxies = [], []
+            bares, proxies, reads = [], [], []
             with BatchHandler(BatchHandlerSpec()) as handler:
                 for round_ in range(rounds):
                     print(f"throughput round {round_ + 1}/{rounds}", flush=True)
@@ -402,8 +445,15 @@ def main() -> int:
                         f"batches: {sizes_line(prox['sizes'])}",
                         flush=True,
                     )
+                    read = consume_only_run(bootstrap, topic, n)
+                    print(
+                        f"  consume only (no push, no tracking): {read['rate']:,.0f} msg/s, "
+                        f"CPU {read['cpu_us_per_msg']:.1f} us/msg",
+                        flush=True,
+                    )
                     bares.append(bare)
                     proxies.append(prox)
+                    reads.append(read)
             med = statistics.median
             result.figure("throughput.bare_msgs_per_s", med(b["rate"] for b in bares), "msg/s")
             proxy_rate = med(p["committed_rate"] for p in proxies)
@@ -422,6 +472,19 @@ def main() -> int:
             result.figures["throughput.ratio_per_round"] = [round(r, 3) for r in per_round]
             result.ratio("throughput.proxy_committed_over_50k", proxy_rate / 50_000, 1.0)
             result.ratio("throughput.proxy_over_bare", med(per_round), 0.8)
+            # The bare loop has no Kafka in it: a loop that only reads the records bounds what
+            # any Python consumer can reach against it, and the proxy against that.
+            result.figure(
+                "throughput.consume_only_msgs_per_s", med(r["rate"] for r in reads), "msg/s"
+            )
+            result.ratio(
+                "throughput.consume_only_over_bare",
+                med(r["rate"] / b["rate"] for r, b in zip(reads, bares, strict=True)),
+            )
+            result.ratio(
+                "throughput.proxy_over_consume_only",
+                med(p["committed_rate"] / r["rate"] for p, r in zip(proxies, reads, strict=True)),
+            )
             result.ratio(
                 "pc.four_partitions_noop_over_parallel_consumer",
                 proxy_rate / PC_FOUR_PARTITIONS_NOOP,
