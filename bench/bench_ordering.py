@@ -22,7 +22,9 @@ trip adds to it, for every mode alike. ``key_cycle_over_none_cycle`` near 1 says
 no latency of its own; the proxy's CPU per message in each mode is printed too. Each round also
 runs none with concurrency = keys (``none_c<keys>``): the same number of calls in flight as key
 mode, without the gate, so ``key_over_none_same_in_flight`` is the gate's own cost and the rest
-of the gap to the ceiling is what fewer calls in flight cost on this machine.
+of the gap to the ceiling is what fewer calls in flight cost on this machine. A last key-mode
+run has batching on (``batch: {max_messages: 100}``, 4 calls; the handler works a batch's
+messages concurrently, one 20 ms per call), over the same ceiling.
 """
 
 from __future__ import annotations
@@ -53,15 +55,18 @@ def run(
     n: int,
     keys: int,
     concurrency: int = 200,
+    batch: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     topic = create_topic(bootstrap, unique_name(f"bench-order-{ordering}"), partitions=1)
     produce_bulk(bootstrap, topic, n, key=lambda i: b"k%d" % (i % keys))
-    delivery = {
+    delivery: dict[str, Any] = {
         "ordering": ordering,
         "concurrency": concurrency,
         "max_in_flight": 10_000,
         "commit_interval_ms": 200,
     }
+    if batch is not None:
+        delivery["batch"] = batch
     return proxy_backlog_run(bootstrap, handler, topic, n, delivery, timeout_s=300)
 
 
@@ -129,6 +134,12 @@ def main() -> int:
         result.figure("partition.msgs_per_s_committed", part["committed_rate"])
         few = run(bootstrap, handler, "key", max(1000, args.partition_messages * 6), 10)
         result.figure("key_10_keys.msgs_per_s_steady", few["steady_rate"])
+        # Key mode with batching on: a batch holds one message per key, the handler works a
+        # batch's messages concurrently (one 20 ms per call), 4 calls of up to 100.
+        batched = run(bootstrap, handler, "key", args.messages, args.keys, 4, {"max_messages": 100})
+        result.figure("key_batch.msgs_per_s_steady", batched["steady_rate"])
+        result.figure("key_batch.proxy_cpu_us_per_msg", batched["client_cpu_us_per_msg"])
+        result.figure("key_batch.duplicates", batched["duplicates"])
     none_rate, key_rate = statistics.median(nones), statistics.median(keyed)
     result.figure("none.msgs_per_s_steady (median)", none_rate)
     result.figure("key.msgs_per_s_steady (median)", key_rate)
@@ -140,6 +151,9 @@ def main() -> int:
     result.ratio("none_over_partition", none_rate / part["steady_rate"])
     result.ratio("key_over_partition", key_rate / part["steady_rate"])
     result.ratio("key_10_keys_over_its_ceiling", few["steady_rate"] / min(none_rate, 10 / 0.02))
+    result.ratio(
+        "key_batch_over_ceiling", batched["steady_rate"] / min(none_rate, key_ceiling_by_keys)
+    )
     result.note(
         "steady rates (10%..90% of first arrivals at the handler); ratios of none and key are "
         "medians of per-round ratios, the rounds interleaved"

@@ -144,6 +144,7 @@ class _Recorder:
 
     def reset(self) -> None:
         self.calls = 0
+        self.deliveries = 0  # messages received, a batch counting each of its messages
         self.seen: set[tuple[str, int, int]] = set()
         self.first_seen: list[float] = []  # time.monotonic() of each distinct message's arrival
         # time.time() at arrival minus the record's Kafka timestamp, first deliveries only
@@ -165,6 +166,7 @@ class _Servicer(handler_pb2_grpc.MessageHandlerServicer):
         msg = request.message
         books = self._books
         books.calls += 1
+        books.deliveries += 1
         key = (msg.topic, msg.partition, msg.offset)
         slow = msg.value.startswith(SLOW_MARKER)
         if key not in books.seen:
@@ -182,9 +184,24 @@ class _Servicer(handler_pb2_grpc.MessageHandlerServicer):
     async def HandleMessageBatch(
         self, request: handler_pb2.HandleMessageBatchRequest, context: Any
     ) -> handler_pb2.HandleMessageBatchResponse:
-        # The benches push one message per call; a batch config would measure nothing here.
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "the bench handler has no batch mode")
-        raise AssertionError("unreachable: context.abort raises")
+        """Records every message like a unary call and works on them concurrently: the call
+        takes one ``delay_ms`` (the longest of its messages' delays) and acks them all."""
+        books = self._books
+        books.calls += 1
+        books.deliveries += len(request.messages)
+        delay = 0.0
+        for msg in request.messages:
+            key = (msg.topic, msg.partition, msg.offset)
+            if key not in books.seen:
+                books.seen.add(key)
+                books.first_seen.append(time.monotonic())
+                books.partitions[msg.partition] = books.partitions.get(msg.partition, 0) + 1
+            delay = max(delay, self._slow_s if msg.value.startswith(SLOW_MARKER) else self._delay_s)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        return handler_pb2.HandleMessageBatchResponse(
+            results=[self._empty for _ in request.messages]
+        )
 
 
 def _handler_main(spec: HandlerSpec, conn: Connection) -> None:
@@ -217,6 +234,7 @@ async def _serve(spec: HandlerSpec, conn: Connection) -> None:
                 conn.send(
                     {
                         "calls": books.calls,
+                        "deliveries": books.deliveries,
                         "distinct": len(books.seen),
                         "first_seen": books.first_seen,
                         "latency_fast_ms": books.latency_fast_ms,
@@ -766,7 +784,7 @@ def proxy_backlog_run(
         "steady_rate": steady_rate(stats["first_seen"]) or 0.0,
         "committed_rate": rate(n, committed_at - first),
         "startup_s": first - proxy.started_at,
-        "duplicates": float(stats["calls"] - stats["distinct"]),
+        "duplicates": float(stats["deliveries"] - stats["distinct"]),
         "client_cpu_us_per_msg": 1e6 * (cpu_last - cpu_first) / n,
         "handler_cpu_us_per_msg": 1e6 * (handler_cpu_last - handler_cpu_first) / n,
         "profiled_messages": float(n - profiled_from) if profile else 0.0,
