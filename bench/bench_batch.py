@@ -46,6 +46,7 @@ from bench.common import (
     broker,
     committed_sum,
     create_topic,
+    in_child,
     percentile,
     produce_at_rate,
     produce_bulk,
@@ -256,16 +257,7 @@ async def _bare_loop(address: str, n: int, size: int, concurrency: int) -> dict[
 
 
 def bare_run(handler: BatchHandler, n: int, size: int, concurrency: int) -> dict[str, float]:
-    parent, child = _SPAWN.Pipe()
-    proc = _SPAWN.Process(target=_bare_main, args=(handler.address, n, size, concurrency, child))
-    proc.start()
-    try:
-        if not parent.poll(600):
-            raise TimeoutError("the bare loop did not finish within 600s")
-        result: dict[str, float] = parent.recv()
-    finally:
-        proc.join(30)
-    return result
+    return in_child(_bare_main, (handler.address, n, size, concurrency), "the bare loop")
 
 
 # --------------------------------------------------------------------------- consume only
@@ -299,16 +291,7 @@ def _consume_only_main(bootstrap: str, topic: str, n: int, out: Connection) -> N
 def consume_only_run(bootstrap: str, topic: str, n: int) -> dict[str, float]:
     """A bare confluent-kafka loop reading the same records and doing nothing with them: what
     any Python consumer, a proxy included, can at most move on this machine."""
-    parent, child = _SPAWN.Pipe()
-    proc = _SPAWN.Process(target=_consume_only_main, args=(bootstrap, topic, n, child))
-    proc.start()
-    try:
-        if not parent.poll(600):
-            raise TimeoutError("the consume-only loop did not finish within 600s")
-        result: dict[str, float] = parent.recv()
-    finally:
-        proc.join(30)
-    return result
+    return in_child(_consume_only_main, (bootstrap, topic, n), "the consume-only loop")
 
 
 # --------------------------------------------------------------------------- proxy runs

@@ -321,8 +321,25 @@ class HandlerServer:
 # --------------------------------------------------------------------------- bare grpc.aio loop
 
 
+def in_child(target: Callable[..., None], args: tuple[Any, ...], what: str) -> dict[str, float]:
+    """Run ``target(*args, conn)`` in a process of its own and return what it sends on
+    ``conn`` (a dict of figures); ``what`` names it in the timeout error."""
+    parent, child = _SPAWN.Pipe()
+    proc = _SPAWN.Process(target=target, args=(*args, child))
+    proc.start()
+    try:
+        if not parent.poll(600):
+            raise TimeoutError(f"{what} did not finish within 600s")
+        result: dict[str, float] = parent.recv()
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    return result
+
+
 def _bare_main(
-    address: str, topic: str, n: int, concurrency: int, out: Connection, profile_out: str | None
+    address: str, topic: str, n: int, concurrency: int, profile_out: str | None, out: Connection
 ) -> None:
     out.send(asyncio.run(_bare_loop(address, topic, n, concurrency, profile_out)))
 
@@ -384,19 +401,8 @@ def run_bare_loop(
     """Call the handler ``n`` times with ``concurrency`` calls in flight, from a process of its
     own; returns its monotonic ``started`` / ``ended`` (first call to last answer) and
     ``cpu_s``. ``profile_out``: a cProfile dump of the timed part."""
-    parent, child = _SPAWN.Pipe()
     out = None if profile_out is None else str(profile_out)
-    proc = _SPAWN.Process(target=_bare_main, args=(address, topic, n, concurrency, child, out))
-    proc.start()
-    try:
-        if not parent.poll(600):
-            raise TimeoutError("the bare loop did not finish within 600s")
-        result: dict[str, float] = parent.recv()
-    finally:
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
-    return result
+    return in_child(_bare_main, (address, topic, n, concurrency, out), "the bare loop")
 
 
 # --------------------------------------------------------------------------- producing

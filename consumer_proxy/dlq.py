@@ -260,6 +260,12 @@ class SharedProducer:
         """Its last writer closed it: a new writer needs a new producer."""
         return self._closed
 
+    def acquire(self) -> None:
+        """A writer starts using it (each ``acquire`` is paired with one ``release``)."""
+        if self._closed:
+            raise RuntimeError("the DLQ producer is closed: get a new one")
+        self.users += 1
+
     async def release(self, timeout_s: float = 10.0) -> None:
         """A writer is done with it; the last one flushes what is queued and stops the poller."""
         self.users -= 1
@@ -333,7 +339,7 @@ class DeadLetterWriter:
                 clock=clock,
                 label=f"group {group} DLQ producer" if group else "DLQ producer",
             )
-        producer.users += 1
+        producer.acquire()
         self.producer = producer
         self.log_gate = producer.log_gate
         self.failures = 0

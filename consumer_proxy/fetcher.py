@@ -154,9 +154,6 @@ class Fetcher:
     async def _run(self, fn: Callable[[], Any]) -> Any:
         return await self._calls.submit(fn)
 
-    def _others_waiting(self) -> bool:
-        return self._calls.waiting()
-
     async def start(self) -> None:
         """Create the consumer and subscribe (the group join happens in the first consume)."""
 
@@ -249,7 +246,7 @@ class Fetcher:
             deadline = time.monotonic() + timeout_s
             chunk = min(timeout_s, CONSUME_CHUNK_S)
             messages: list[Any] = consumer.consume(1, chunk)
-            while not messages and not self._rebalanced and not self._others_waiting():
+            while not messages and not self._rebalanced and not self._calls.waiting():
                 left = deadline - time.monotonic()
                 if left < CONSUME_CHUNK_S / 2:  # the rest of a wait is not worth a call
                     break

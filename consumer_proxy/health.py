@@ -28,13 +28,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from .flow import Breaker
-from .kafka_log import broker_states
+from .kafka_log import STATS_INTERVAL_MS, broker_states
 
 log = logging.getLogger(__name__)
 
 OVERALL = ""
 """The grpc.health.v1 service name of the proxy as a whole."""
-STATS_INTERVAL_MS = 5000
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import threading
 import time
 from collections.abc import Sequence
 
@@ -31,10 +30,6 @@ from tests.support.waiting import async_wait_until
 pytestmark = pytest.mark.kafka
 
 
-def _dlq_pollers() -> int:
-    return sum(1 for t in threading.enumerate() if t.name == "dlq-poller")
-
-
 async def test_the_groups_of_a_process_share_one_dlq_producer_and_dead_letter_their_own(
     kafka: Broker,
 ) -> None:
@@ -50,7 +45,6 @@ async def test_the_groups_of_a_process_share_one_dlq_producer_and_dead_letter_th
             return Behaviour(status=grpc.StatusCode.FAILED_PRECONDITION, details="cannot parse")
         return Behaviour()
 
-    pollers_before = _dlq_pollers()
     async with TestService(behaviour) as service:
         raw = config_dict(bootstrap, names[0], [names[0]], [service.address])
         template = raw["groups"][0]
@@ -59,20 +53,21 @@ async def test_the_groups_of_a_process_share_one_dlq_producer_and_dead_letter_th
         # When every group has dead-lettered its pill
         for name in names:
             await async_wait_until(functools.partial(caught_up, bootstrap, name, name), timeout=90)
-        # Then one producer (and one polling thread) served all of them
+        # Then one producer (and its one polling thread) served all of them
         writers = [r.writer for r in proxy.runners]
         assert all(isinstance(w, DeadLetterWriter) for w in writers)
-        producers = {id(w.producer) for w in writers if isinstance(w, DeadLetterWriter)}
-        assert len(producers) == 1 and proxy.producers.active() == 1
-        assert _dlq_pollers() - pollers_before == 1
+        shared = {w.producer for w in writers if isinstance(w, DeadLetterWriter)}
+        assert len(shared) == 1 and proxy.producers.active() == 1
+        (producer,) = shared
+        assert producer.users == 3 and producer.session.poller.is_alive()
         await proxy.shutdown()
         await task
     # and each group's DLQ holds exactly its own pill, and the producer stopped with the last
     for name in names:
         dead = await asyncio.to_thread(consume_all, bootstrap, f"{name}.dlq")
         assert [m.value() for m in dead] == [f"poison {name}".encode()]
-    assert proxy.producers.active() == 0
-    await async_wait_until(lambda: _dlq_pollers() == pollers_before, timeout=15)
+    assert proxy.producers.active() == 0 and producer.closed
+    assert not producer.session.poller.is_alive()  # joined by the last writer's close
 
 
 class _Assignments:
