@@ -112,10 +112,20 @@ def main() -> int:
         "--baseline-root",
         help="also run the proxy from this checkout (e.g. /work/main) side by side: before/after",
     )
+    parser.add_argument(
+        "--kafka-client",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a librdkafka setting for the proxy's kafka.client (A/B of one setting; repeatable)",
+    )
     args = parser.parse_args()
     groups = 5 if args.quick else args.groups
+    client: dict[str, str] = dict(item.split("=", 1) for item in args.kafka_client)
     seconds = 10.0 if args.quick else args.seconds
-    result = Result("bench_idle", params={"groups": groups, "partitions": PARTITIONS})
+    result = Result(
+        "bench_idle", params={"groups": groups, "partitions": PARTITIONS, "kafka_client": client}
+    )
     with (
         broker(args.bootstrap) as bootstrap,
         HandlerServer(HandlerSpec()) as handler,
@@ -129,7 +139,7 @@ def main() -> int:
         def start_proxy(root: Path, tag: str) -> tuple[subprocess.Popen[bytes], Path]:
             names = [unique_name(f"idle-{tag}") for _ in topics]
             config = {
-                "kafka": {"bootstrap_servers": bootstrap},
+                "kafka": {"bootstrap_servers": bootstrap, "client": client},
                 "metrics": {"enabled": False},
                 "groups": [
                     {"name": name, "topics": [topic], "service": {"endpoints": [handler.address]}}

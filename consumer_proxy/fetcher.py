@@ -150,6 +150,9 @@ class Fetcher:
         least every POSITIONS_INTERVAL_S, and at the end of any batch with a rebalance)."""
         self._positions_due = 0.0
         self._rebalanced = False  # a rebalance callback ran during the current consume
+        self.on_reached: Callable[[], None] = lambda: None
+        """Called on the consumer thread when a call that needs a broker succeeded (a
+        rebalance callback, a commit): Kafka is reachable, whatever the statistics said last."""
 
     async def _run(self, fn: Callable[[], Any]) -> Any:
         return await self._calls.submit(fn)
@@ -178,9 +181,14 @@ class Fetcher:
         )
         return future.result(timeout=self._callback_timeout_s)
 
+    def _reached(self) -> None:
+        self.log_gate.reachable()
+        self.on_reached()
+
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._positions_due = 0.0  # positions of a previous assignment must not outlive it
         self._rebalanced = True
+        self._reached()  # the group coordinator answered
         if not partitions:
             return
         # librdkafka keeps an application's pause on a partition across revoke or loss and
@@ -298,6 +306,7 @@ class Fetcher:
             if not chosen:
                 return []
             result: list[TopicPartition] = self._consumer.commit(offsets=chosen, asynchronous=False)
+            self._reached()
             return result
 
         result: list[TopicPartition] = await self._run(commit)

@@ -205,6 +205,7 @@ class GroupRunner:
         self.fetcher = Fetcher(
             conf, topics, self, loop, callback_timeout_s=grace_s + REVOKE_MARGIN_MS / 1000.0
         )
+        self.fetcher.on_reached = self.kafka_link.confirm
         try:
             await self.fetcher.start()
             for i in range(self._workers):

@@ -8,11 +8,14 @@ reason, and clears by itself once the record is written). The overall service ``
 only when every group is; the per-group service name is the group name. /readyz answers from
 the same verdicts, so the gRPC and the HTTP probes never disagree.
 
-Kafka reachability comes from librdkafka's statistics (``statistics.interval.ms``, five
-seconds by default here): the consumer emits them from its own thread, so they show the state
-of the connections the group really uses, without extra requests to the brokers. (Every
-second, building and parsing the statistics JSON was most of an idle group's CPU.) Setting
-``statistics.interval.ms: 0`` under ``kafka.client`` turns them off, and with them this check.
+Kafka reachability is the group consumer's own view, without extra requests to the brokers:
+a rebalance callback or a commit that succeeded says "reachable" at once (that is how a new
+group becomes ready), librdkafka's "all broker connections are down" error says the opposite
+at once, and librdkafka's statistics (``statistics.interval.ms``, 15 s by default for a
+consumer) confirm either way, from the connections the group really uses. (Building and
+parsing the statistics JSON was most of an idle group's CPU at 1 s, a sixth of it at 5 s.)
+Setting ``statistics.interval.ms: 0`` under ``kafka.client`` turns them off, and with them
+this check.
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import grpc
+from confluent_kafka import KafkaError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from .flow import Breaker
-from .kafka_log import STATS_INTERVAL_MS, broker_states
+from .kafka_log import CONSUMER_STATS_INTERVAL_MS, broker_states
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +43,7 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class KafkaLink:
-    """Whether one consumer can reach Kafka, from librdkafka's statistics callback."""
+    """Whether one consumer can reach Kafka: its statistics, errors and successful calls."""
 
     def __init__(self) -> None:
         self.enabled = False
@@ -49,9 +53,11 @@ class KafkaLink:
         """Called (on the consumer thread) when ``reachable`` changes."""
 
     def attach(self, conf: dict[str, Any]) -> None:
-        """Add the statistics callback to a consumer configuration (a user's interval wins)."""
-        conf.setdefault("statistics.interval.ms", STATS_INTERVAL_MS)
+        """Add the statistics and error callbacks to a consumer configuration (a user's
+        interval wins; the log gate chains its own callbacks to these)."""
+        conf.setdefault("statistics.interval.ms", CONSUMER_STATS_INTERVAL_MS)
         conf["stats_cb"] = self.on_stats
+        conf["error_cb"] = self.on_error
         self.enabled = int(conf["statistics.interval.ms"]) > 0
 
     def on_stats(self, raw: str) -> None:
@@ -59,14 +65,24 @@ class KafkaLink:
         states = broker_states(raw)
         if states is None:
             return
-        up = any(state == "UP" for state in states.values())
-        self.detail = (
-            "connected to Kafka"
-            if up
-            else "cannot reach Kafka: no broker connection is up ("
-            + ", ".join(f"{name} {state}" for name, state in sorted(states.items()))
-            + ")"
-        )
+        if any(state == "UP" for state in states.values()):
+            self._set(True, "connected to Kafka")
+        else:
+            listed = ", ".join(f"{name} {state}" for name, state in sorted(states.items()))
+            self._set(False, f"cannot reach Kafka: no broker connection is up ({listed})")
+
+    def on_error(self, err: KafkaError) -> None:
+        """librdkafka's ``error_cb``: "all broker connections are down" makes it unreachable."""
+        if err.code() == KafkaError._ALL_BROKERS_DOWN:
+            self._set(False, f"cannot reach Kafka: {err.str()}")
+
+    def confirm(self) -> None:
+        """A call that needs a broker succeeded (a rebalance callback, a commit)."""
+        if self.reachable is not True:
+            self._set(True, "connected to Kafka")
+
+    def _set(self, up: bool, detail: str) -> None:
+        self.detail = detail
         changed = up != self.reachable
         self.reachable = up
         if changed and self.on_change is not None:

@@ -10,10 +10,10 @@ from typing import TypeVar
 
 import grpc
 import pytest
-from confluent_kafka import Consumer
+from confluent_kafka import Consumer, KafkaError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from consumer_proxy.config import HealthConfig
+from consumer_proxy.config import HealthConfig, ProxyConfig
 from consumer_proxy.health import KafkaLink
 from consumer_proxy.proto.v1 import handler_pb2
 from tests.support.kafka import (
@@ -24,7 +24,7 @@ from tests.support.kafka import (
     produce,
     unique_name,
 )
-from tests.support.proxy import caught_up, make_config, start_proxy
+from tests.support.proxy import caught_up, config_dict, make_config, start_proxy
 from tests.support.scrape import http_get, scrape
 from tests.support.service import Behaviour, TestService
 from tests.support.waiting import async_wait_until, wait_until
@@ -279,3 +279,54 @@ def test_the_link_tells_a_change_of_reachability_once() -> None:
         link.on_stats(stats(state))
     # Then each change is told once, and repeated statistics tell nothing
     assert changes == [True, False, True]
+
+
+def test_a_successful_call_or_all_brokers_down_change_reachability_at_once() -> None:
+    # Given a link whose statistics come seldom (15 s by default for a consumer)
+    link = KafkaLink()
+    conf: dict[str, object] = {}
+    link.attach(conf)
+    assert conf["statistics.interval.ms"] == 15000 and callable(conf["error_cb"])
+    changes: list[bool | None] = []
+    link.on_change = lambda: changes.append(link.reachable)
+    # When a call that needs a broker succeeds (a rebalance callback, a commit), twice
+    link.confirm()
+    link.confirm()
+    # Then the link is reachable at once, told once
+    assert (link.reachable, link.detail, changes) == (True, "connected to Kafka", [True])
+    # When librdkafka reports another error, then that every broker connection is down
+    link.on_error(KafkaError(KafkaError._TRANSPORT, "b:9092/1: Connection refused"))
+    assert link.reachable is True
+    link.on_error(KafkaError(KafkaError._ALL_BROKERS_DOWN, "1/1 brokers are down"))
+    # Then only the second makes it unreachable, naming why; a success turns it back
+    assert link.reachable is False and "1/1 brokers are down" in link.detail
+    link.confirm()
+    assert changes == [True, False, True]
+
+
+async def test_a_new_group_is_ready_before_its_first_statistics(kafka: Broker) -> None:
+    await _ready_without_statistics(kafka.bootstrap)
+
+
+async def _ready_without_statistics(bootstrap: str) -> None:
+    # Given a group whose consumer's statistics would first arrive after ten minutes
+    topic, group = unique_name("readynostats"), unique_name("readynostats")
+    create_topic(bootstrap, topic, partitions=1)
+    async with TestService() as service:
+        config = ProxyConfig(
+            **config_dict(
+                bootstrap,
+                group,
+                [topic],
+                [service.address],
+                client={"statistics.interval.ms": 600_000},
+            )
+        )
+        proxy, task = start_proxy(config)
+        runner = proxy.runners[0]
+        # When the group joins: then it is ready, Kafka reachable from the assignment alone
+        await async_wait_until(lambda: proxy.ready()[0], timeout=60)
+        assert runner.kafka_link.reachable is True
+        assert runner.kafka_link.detail == "connected to Kafka"
+        await proxy.shutdown()
+        await task

@@ -119,12 +119,15 @@ def test_debug_lines_and_routine_disconnects_are_not_an_outage() -> None:
     assert len(lines.messages) == 3
 
 
-def test_attach_routes_errors_and_chains_an_existing_statistics_callback() -> None:
+def test_attach_routes_errors_and_chains_existing_statistics_and_error_callbacks() -> None:
     gate, _clock, lines = _gate()
     seen: list[str] = []
-    conf = gate.attach({"stats_cb": seen.append})
+    errors: list[KafkaError] = []
+    conf = gate.attach({"stats_cb": seen.append, "error_cb": errors.append})
     assert conf["statistics.interval.ms"] == STATS_INTERVAL_MS
-    conf["error_cb"](KafkaError(KafkaError._TRANSPORT, "refused"))
+    refused = KafkaError(KafkaError._TRANSPORT, "refused")
+    conf["error_cb"](refused)
+    assert gate.unreachable_since is not None and errors == [refused]
     conf["stats_cb"](_stats("UP"))
     assert seen == [_stats("UP")]
     assert gate.unreachable_since is None
