@@ -40,11 +40,12 @@ from grpc import aio
 from bench.common import (
     _SPAWN,
     BenchProxy,
+    CommittedReader,
+    GoHandlerProcess,
     Result,
     base_parser,
     bench_config,
     broker,
-    committed_sum,
     create_topic,
     in_child,
     percentile,
@@ -185,12 +186,18 @@ async def _serve(spec: BatchHandlerSpec, conn: Connection) -> None:
 class BatchHandler:
     """The batch handler in its own process."""
 
-    def __init__(self, spec: BatchHandlerSpec) -> None:
+    def __init__(self, spec: BatchHandlerSpec, impl: str = "python") -> None:
+        self.spec, self.impl = spec, impl
+        self._go: GoHandlerProcess | None = None
         self._conn, child = _SPAWN.Pipe()
         self._proc = _SPAWN.Process(target=_handler_main, args=(spec, child), daemon=True)
         self.port = 0
 
     def __enter__(self) -> BatchHandler:
+        if self.impl == "go":
+            self._go = GoHandlerProcess(self.spec.delay_ms, latency=self.spec.latency)
+            self.port = self._go.port
+            return self
         self._proc.start()
         if not self._conn.poll(60):
             raise RuntimeError("the batch handler did not start within 60s")
@@ -198,6 +205,8 @@ class BatchHandler:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._go is not None:
+            self._go.close()
         if self._proc.is_alive():
             self._conn.send("stop")
             if self._conn.poll(10):
@@ -211,6 +220,23 @@ class BatchHandler:
         return f"127.0.0.1:{self.port}"
 
     def ask(self, command: str) -> Any:
+        if self._go is not None:
+            answer = self._go.ask(command)
+            if command == "progress":  # deliveries, as the Python handler counts messages
+                return (
+                    answer["deliveries"],
+                    answer["calls"],
+                    answer["first"],
+                    answer["last"],
+                    answer["cpu_s"],
+                )
+            if command == "stats":
+                return {
+                    "sizes": {int(k): v for k, v in answer["sizes"].items()},
+                    "latency_ms": answer["latency_ms"],
+                    "peak_calls": answer["peak_calls"],
+                }
+            return answer
         self._conn.send(command)
         return self._conn.recv()
 
@@ -305,7 +331,8 @@ def proxy_run(
     config = bench_config(bootstrap, group, [topic], [handler.address], delivery)
     handler.ask("reset")
     deadline = time.monotonic() + 300
-    with BenchProxy(config) as proxy:
+    with BenchProxy(config) as proxy, CommittedReader(bootstrap, group, topic) as reader:
+        reader.sum()  # the reader's connection and coordinator lookup, before the clock runs
         cpu_first = 0.0
         while True:
             seen, _calls, first, _last, _ = handler.ask("progress")
@@ -318,11 +345,11 @@ def proxy_run(
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the proxy delivered {seen} of {n}")
             time.sleep(0.02)
-        while committed_sum(bootstrap, group, topic) < n:
+        while reader.sum() < n:
             proxy.check_alive()
             if time.monotonic() > deadline:
                 raise TimeoutError("the proxy did not commit every offset")
-            time.sleep(0.05)
+            time.sleep(0.01)
         committed_at = time.monotonic()
         seen, calls, first, last, _ = handler.ask("progress")
         stats = handler.ask("stats")
@@ -384,6 +411,12 @@ def main() -> int:
         "--pc-window", type=int, default=1000, help="max_in_flight of the 1-partition workload"
     )
     parser.add_argument("--only", nargs="+", choices=["throughput", "pc", "latency"], default=None)
+    parser.add_argument(
+        "--handler",
+        choices=["go", "python"],
+        default="go",
+        help="the handler service: bench/gohandler (default) or the grpc.aio one",
+    )
     args = parser.parse_args()
     n = 20_000 if args.quick else args.n
     rounds = 1 if args.quick else args.rounds
@@ -396,6 +429,7 @@ def main() -> int:
             "max_messages": args.max_messages,
             "concurrency": args.concurrency,
             "value_bytes": VALUE_BYTES,
+            "handler": args.handler,
         },
     )
     throughput_delivery = {
@@ -412,7 +446,7 @@ def main() -> int:
             produce_bulk(bootstrap, topic, n, partitions=4, value=value_of)
             print(f"produced {n} x {VALUE_BYTES} B to {topic} in {time.monotonic() - t0:.1f}s")
             bares, proxies, reads = [], [], []
-            with BatchHandler(BatchHandlerSpec()) as handler:
+            with BatchHandler(BatchHandlerSpec(), args.handler) as handler:
                 for round_ in range(rounds):
                     print(f"throughput round {round_ + 1}/{rounds}", flush=True)
                     bare = bare_run(handler, n, args.max_messages, args.concurrency)
@@ -490,7 +524,7 @@ def main() -> int:
                 "batch": {"max_messages": 50},
             }
             runs, pc_bares = [], []
-            with BatchHandler(BatchHandlerSpec(delay_ms=20)) as handler:
+            with BatchHandler(BatchHandlerSpec(delay_ms=20), args.handler) as handler:
                 for round_ in range(rounds):
                     # The same calls without Kafka or the proxy: what this machine allows now.
                     pc_bare = bare_run(handler, pc_n, 50, 4)
@@ -538,7 +572,7 @@ def main() -> int:
             batch_delivery = {**unary_delivery, "concurrency": 4, "batch": {}}
             unary_runs: list[Any] = []
             batch_runs: list[Any] = []
-            with BatchHandler(BatchHandlerSpec(latency=True)) as handler:
+            with BatchHandler(BatchHandlerSpec(latency=True), args.handler) as handler:
                 for round_ in range(max(2, rounds - 1) if not args.quick else 1):
                     for name, delivery, runs in (
                         ("unary", unary_delivery, unary_runs),

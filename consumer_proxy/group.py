@@ -397,13 +397,20 @@ class GroupRunner:
                 # to the consumer thread, and polling every 5 ms throughout cost the 1-partition
                 # batch workload 15% (0.80 -> 0.94 of a bare loop at 50 ms).
                 timeout_s = STARVED_POLL_S if self._ready_low() else WAITING_POLL_S
-            elif quiet < 2:
+            elif self._flush.is_set() or self._commit_lock.locked():
+                # A commit is due or on its way to the consumer thread: a long poll ahead of
+                # it would hold it up (measured: a group's last commit 0.3-0.4 s late).
+                timeout_s = STARVED_POLL_S
+            elif quiet < 2 or self.partitions.commits_failing:
                 timeout_s = FETCH_WAIT_S
             else:
-                # Nothing held or paused for two polls (the idle commit has had its turn on
-                # the consumer thread): only a new message, which ends the wait at once, or a
-                # rebalance, served inside consume, can change anything. An idle group's intake
-                # wakes every 6 s instead of five times a second (the idle cost of many groups).
+                # Nothing held or paused for two polls, and no commit due, running or failing
+                # (the committer is woken by the last ack and holds its lock until its commit
+                # returned; one queued behind a long wait would wait for its 2 s chunk, as a
+                # group's last commit did in half the runs of the 1-partition batch bench):
+                # only a new message, which ends the wait at once, or a rebalance, served
+                # inside consume, can change anything. An idle group's intake wakes every 6 s
+                # instead of five times a second (the idle cost of many groups).
                 timeout_s = IDLE_FETCH_WAIT_S
 
     def _unblock(self) -> None:

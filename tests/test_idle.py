@@ -126,3 +126,65 @@ async def test_a_long_idle_wait_gives_way_to_a_queued_call_and_ends_on_a_new_rec
         assert long_wait / 4 > CONSUME_CHUNK_S  # the bounds above are chunks, not timings
     finally:
         await fetcher.close()
+
+
+async def test_a_group_that_goes_idle_commits_before_its_long_wait(
+    kafka: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A commit queued behind an idle wait waits for the wait's chunk to end; the chunks are
+    # made 120 s long here, so a commit left behind one would not happen within the test.
+    monkeypatch.setattr("consumer_proxy.fetcher.CONSUME_CHUNK_S", 120.0)
+    monkeypatch.setattr("consumer_proxy.group.IDLE_FETCH_WAIT_S", 120.0)
+    bootstrap = kafka.bootstrap
+    topic, group = unique_name("idlecommit"), unique_name("idlecommit")
+    create_topic(bootstrap, topic, partitions=1)
+    async with TestService() as service:
+        proxy, task = start_proxy(
+            ProxyConfig(**config_dict(bootstrap, group, [topic], [service.address]))
+        )
+        runner = proxy.runners[0]
+        await async_wait_until(lambda: proxy.ready()[0], timeout=60)
+        fetcher = runner.fetcher
+        assert isinstance(fetcher, Fetcher)
+        calls: list[float] = []
+        uncommitted_at_long_wait: list[list[tuple[int | None, int]]] = []
+        consume = fetcher.consume
+
+        async def watched(max_messages: int, timeout_s: float) -> list[object]:
+            # Instrumentation only: the real consume runs; what the group's own books said
+            # when the intake began a long wait is recorded.
+            calls.append(timeout_s)
+            if timeout_s >= 120.0:
+                behind = [
+                    (p.last_commit[0] if p.last_commit else None, p.tracker.committable())
+                    for p in runner.partitions.parts.values()
+                    if p.tracker is not None
+                    and (p.last_commit is None or p.last_commit[0] != p.tracker.committable())
+                ]
+                if behind:
+                    uncommitted_at_long_wait.append(behind)
+            return await consume(max_messages, timeout_s)
+
+        monkeypatch.setattr(fetcher, "consume", watched)
+        # Given the committer held up (the test holds its lock) while the last messages are acked
+        async with runner._commit_lock:
+            await asyncio.to_thread(produce, bootstrap, topic, [f"m{i}" for i in range(20)])
+            await async_wait_until(lambda: len(service.counts) == 20, timeout=60)
+            # When the intake has polled a few times with nothing held (a long wait, if it
+            # began one, is the third)
+            seen = len(calls)
+            await async_wait_until(
+                lambda: len(calls) >= seen + 4 or any(t >= 120.0 for t in calls[seen:]),
+                timeout=60,
+            )
+        # Then every message is committed soon after the committer is free again, and the
+        # intake never began a long wait with done messages left to commit
+        await async_wait_until(functools.partial(caught_up, bootstrap, group, topic), timeout=30)
+        # and it begins one once everything is committed
+        await async_wait_until(lambda: 120.0 in calls, timeout=30)
+        assert uncommitted_at_long_wait == []
+        # (a new record ends the 120 s wait at once, so the shutdown need not wait for it)
+        await asyncio.to_thread(produce, bootstrap, topic, ["wake"])
+        await async_wait_until(lambda: len(service.counts) == 21, timeout=60)
+        await proxy.shutdown()
+        await task
