@@ -5,9 +5,10 @@ backlog, byte budget, results, retries, pause plan, commit plan; ``core.decision
 result means). This shell owns the tasks and executes the plans:
 
     consume -> PartitionSet.intake -> ready queue -> workers -> push -> PartitionSet.finish
-    finish says: done | retry (a timer, then the ready queue) | dead letter (DLQ write, then
-    PartitionSet.dead_lettered) ; committer: every commit_interval_ms, soon after a partition
-    goes idle, on revoke and on shutdown -> PartitionSet.commit_plan
+    finish says: done | retry (a timer, then the ready queue) | dead letter or retry tier
+    (a write by ``parking.Parking``, then PartitionSet.dead_lettered / tier_written) ;
+    committer: every commit_interval_ms, soon after a partition goes idle, on revoke and on
+    shutdown -> PartitionSet.commit_plan
 
 Batch mode (``delivery.batch``): ``emit`` fills a ``ReadyDeque``; each worker is a call slot
 that waits for anything ready, takes a batch (``core.batching.take``), pushes it with
@@ -37,15 +38,13 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from .config import REVOKE_MARGIN_MS, GroupConfig, KafkaConfig
 from .core.batching import NOT_IMPLEMENTED_REASON, BatchLimits, BatchOutcome, take
-from .core.decision import HEAD_BLOCKED, Action, Decision
+from .core.decision import HEAD_BLOCKED, Action
 from .core.outcomes import Classification, Classifier
 from .core.partitions import TP, Commit, Delivery, PartitionSet, PartitionState
-from .core.records import retry_headers
 from .dispatcher import Dispatcher
 from .dlq import (
     DeadLetterWriter,
     SharedProducers,
-    dlq_headers,
     ensure_topics_unless_stopped,
     producer_config,
 )
@@ -53,6 +52,7 @@ from .fetcher import Fetcher, consumer_config
 from .flow import AdaptiveLimiter, Breaker, ConcurrencyLimiter, RateLimiter, StaticLimiter
 from .health import KafkaLink
 from .metrics import ProxyMetrics
+from .parking import Parking
 from .ports import DeadLetterSink, MessageSource, Pusher
 from .readyq import ReadyDeque
 from .wire import batch_request, unary_request
@@ -111,7 +111,6 @@ class GroupRunner:
         self._commit_quiet = False  # the committer ticks slowly: intake wakes it on traffic
         self._commit_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._dlq_tasks: dict[asyncio.Task[Any], PartitionState] = {}
         self._pushing: set[asyncio.Task[Any]] = set()
         self._failure: BaseException | None = None  # a task that crashed fails the group
         self._call_ended = asyncio.Event()  # revocation waits on it for in-flight calls
@@ -141,6 +140,9 @@ class GroupRunner:
             schedule=self._call_later,
             on_idle=self._flush.set,
             retry_topics=group.retry_topics,
+        )
+        self._parking = Parking(
+            group, self.partitions, metrics, self._spawn, self._call_ended, self._flush.set
         )
         limit_gauge.set(self.limiter.limit)
         metrics.endpoints_ejected.labels(self.name).set(0)
@@ -174,7 +176,7 @@ class GroupRunner:
         )
         self.dispatcher.start()
         producer_conf = producer_config(self.kafka, self.group.dlq.write_timeout_ms)
-        self.writer = DeadLetterWriter(
+        self.writer = self._parking.sink = DeadLetterWriter(
             producer_conf,
             loop,
             group=self.name,
@@ -254,7 +256,7 @@ class GroupRunner:
         self._draining = True
         grace = self._grace_s
         # Idle workers and loops go now; pushes and DLQ writes under way get the grace period.
-        busy = self._pushing | self._dlq_tasks.keys()
+        busy = self._pushing | self._parking.tasks.keys()
         for task in self._tasks - busy:
             task.cancel()
         if busy:
@@ -314,7 +316,7 @@ class GroupRunner:
                 async with asyncio.timeout(deadline - loop.time()):  # not wait_for (3.11)
                     await self._call_ended.wait()
         leaving = set(parts)
-        writes = [t for t, p in self._dlq_tasks.items() if p in leaving]
+        writes = self._parking.of(leaving)
         for task in writes:
             task.cancel()
         if writes:
@@ -428,7 +430,7 @@ class GroupRunner:
                 decision.reason,
                 f"retry tier {tier}" if decision.action is Action.TIER else "the DLQ",
             )
-            self._start_write(delivery, decision, HEAD_BLOCKED, "")
+            self._parking.start(delivery, decision, HEAD_BLOCKED, "")
 
     def _ready_low(self) -> bool:
         """Fewer messages are ready than the workers can take in one round."""
@@ -504,20 +506,8 @@ class GroupRunner:
         if decision is not None:
             self._m_outcome[decision.action].inc()
             if decision.action is Action.DEAD_LETTER or decision.action is Action.TIER:
-                self._start_write(delivery, decision, result.status, endpoint.target)
+                self._parking.start(delivery, decision, result.status, endpoint.target)
         return result
-
-    def _start_write(
-        self, delivery: Delivery, decision: Decision, status: str, endpoint: str
-    ) -> None:
-        """The DLQ or retry tier write of a message; its offset is done once confirmed."""
-        if decision.action is Action.TIER:
-            coro = self._write_tier(delivery, decision, status, endpoint)
-        else:
-            coro = self._write_dead_letter(delivery, status, decision.reason, endpoint)
-        task = self._spawn(coro, "dlq" if decision.action is Action.DEAD_LETTER else "tier")
-        self._dlq_tasks[task] = delivery.part
-        task.add_done_callback(self._dlq_tasks.pop)
 
     # -- batch delivery ------------------------------------------------------------------
 
@@ -604,7 +594,7 @@ class GroupRunner:
                 continue
             others.append(action)
             if action is Action.DEAD_LETTER or action is Action.TIER:
-                self._start_write(delivery, decision, result.status, endpoint.target)
+                self._parking.start(delivery, decision, result.status, endpoint.target)
         if acks:
             self._m_outcome[Action.ACK].inc(acks)
         for action in others:
@@ -641,93 +631,6 @@ class GroupRunner:
                 target,
                 outcome.protocol_error,
             )
-
-    async def _write_dead_letter(
-        self, delivery: Delivery, status: str, reason: str, endpoint: str
-    ) -> None:
-        assert self.writer is not None
-        headers = dlq_headers(
-            delivery.headers,
-            delivery.origin,
-            attempt=delivery.attempt,
-            status=status,
-            reason=reason,
-            endpoint=endpoint,
-            group=self.name,
-            ordering=self.partitions.ordering,
-        )
-        errors = self.metrics.dlq_writes.labels(self.name, "error")
-        try:
-            await self.writer.write(
-                self.group.dlq_topic,
-                delivery.key,
-                delivery.value,
-                headers,
-                on_failure=lambda _exc: errors.inc(),
-            )
-        except BaseException:
-            self.partitions.dead_letter_abandoned(delivery)
-            self._call_ended.set()
-            raise
-        self.partitions.dead_lettered(delivery)
-        self._call_ended.set()
-        self.metrics.dlq_writes.labels(self.name, "ok").inc()
-        log.info(
-            "group %s: dead-lettered %s[%d]@%d (%s: %s)",
-            self.name,
-            delivery.origin.topic,
-            delivery.origin.partition,
-            delivery.origin.offset,
-            status,
-            reason[:200],
-        )
-
-    async def _write_tier(
-        self, delivery: Delivery, decision: Decision, status: str, endpoint: str
-    ) -> None:
-        """Write a message to its next retry tier (acks=all, retried until confirmed, as a
-        DLQ write: a failed write holds the source commit at the message)."""
-        assert self.writer is not None
-        tier = decision.tier
-        headers = retry_headers(
-            delivery.headers,
-            delivery.origin,
-            attempt=delivery.attempt,
-            status=status,
-            reason=decision.reason,
-            endpoint=endpoint,
-            group=self.name,
-            tier=tier,
-            due_at_ms=delivery.due_at_ms,
-        )
-        errors = self.metrics.retry_tier_writes.labels(self.name, str(tier), "error")
-        try:
-            await self.writer.write(
-                self.group.retry_topics[tier - 1],
-                delivery.key,
-                delivery.value,
-                headers,
-                on_failure=lambda _exc: errors.inc(),
-            )
-        except BaseException:
-            self.partitions.tier_abandoned(delivery)
-            self._call_ended.set()
-            raise
-        self.partitions.tier_written(delivery)
-        self._call_ended.set()
-        if delivery.moved:
-            self._flush.set()  # it held the partition's commit: commit the move soon
-        self.metrics.retry_tier_writes.labels(self.name, str(tier), "ok").inc()
-        log.debug(
-            "group %s: %s[%d]@%d moved to retry tier %d after attempt %d (%s)",
-            self.name,
-            delivery.origin.topic,
-            delivery.origin.partition,
-            delivery.origin.offset,
-            tier,
-            delivery.attempt,
-            status,
-        )
 
     def _breaker_changed(self, old: str, new: str) -> None:
         self.metrics.circuit_open.labels(self.name).set(0 if new == "closed" else 1)
