@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 
 TP = tuple[str, int]
 POSITIONS_INTERVAL_S = 0.2  # reading positions costs ~6 us per partition: not on every batch
+COMMITTED_TIMEOUT_S = 20.0
+"""How long one read of assigned partitions' committed offsets (their ack state) may take."""
 CONSUME_CHUNK_S = 2.0
 """The longest single wait inside ``consume()``: a longer wait is served in chunks of this on
 the consumer thread, and ends after the chunk in which another call was queued (a commit, a
@@ -191,6 +193,17 @@ class Fetcher:
         self._reached()  # the group coordinator answered
         if not partitions:
             return
+        if self.closed:
+            # Served inside close() (or the last consume before it): nothing will be consumed
+            # from these partitions, and a closing consumer's committed-offset reads wait out
+            # their whole timeout (librdkafka answers them "waiting for the coordinator").
+            # The client assigns them after this returns and revokes them as it leaves.
+            log.info(
+                "group %s: %d partitions assigned while closing; not taken",
+                self._conf["group.id"],
+                len(partitions),
+            )
+            return
         # librdkafka keeps an application's pause on a partition across revoke or loss and
         # re-assignment (librdkafka issue 1849), while the runner starts every assigned
         # partition unpaused: a partition lost while paused would never be fetched again.
@@ -201,7 +214,7 @@ class Fetcher:
         committed = None
         for attempt in range(1, 4):
             try:
-                committed = consumer.committed(partitions, timeout=20)
+                committed = consumer.committed(partitions, timeout=COMMITTED_TIMEOUT_S)
                 break
             except KafkaException as exc:
                 log.warning("reading committed offsets failed (attempt %d of 3): %s", attempt, exc)

@@ -31,8 +31,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
@@ -58,6 +58,7 @@ from .readyq import ReadyDeque
 from .wire import batch_request, unary_request
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 IDLE_COMMIT_GAP_S = 0.1
 """At most this often an idle partition's progress is committed before the next interval."""
@@ -75,6 +76,21 @@ STARVED_POLL_S = 0.005
 """... while a partition is paused for its window or the byte budget and little is ready."""
 WAITING_POLL_S = 0.05
 """... while a partition is paused so, and the workers have enough ready for now."""
+
+
+async def shielded(call: Awaitable[T]) -> T:
+    """``call`` shielded from the caller's cancellation (a commit under way on the consumer
+    thread finishes either way). A failure after the caller went is retrieved here: shutdown
+    cancels the committer mid-commit, and asyncio would otherwise log that commit's failure
+    (a routine ILLEGAL_GENERATION during a rebalance) as an error with a traceback."""
+    task = asyncio.ensure_future(call)
+    task.add_done_callback(_retrieve)
+    return await asyncio.shield(task)
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 class GroupRunner:
@@ -709,7 +725,7 @@ class GroupRunner:
                 ]
 
             try:
-                await asyncio.shield(self.fetcher.commit(still_owned))
+                await shielded(self.fetcher.commit(still_owned))
             except KafkaException:
                 self.metrics.commits.labels(self.name, "error").inc()
                 self.partitions.commits_failing = True
