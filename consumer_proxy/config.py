@@ -252,7 +252,10 @@ class DeliveryConfig(BaseModel):
         default_factory=BackoffConfig, description="Delay between counted retries."
     )
     rate_limit_per_s: float | None = Field(
-        None, gt=0, description="Optional cap on messages pushed per second for the group."
+        None,
+        gt=0,
+        description="Optional cap on messages pushed per second for the group "
+        "(in batch mode every message of a call counts, not the call).",
     )
     status_overrides: dict[StatusName, OutcomeName] = Field(
         default_factory=dict,

@@ -21,7 +21,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import pybreaker
@@ -464,17 +464,30 @@ class TokenBucket:
 
 
 class RateLimiter:
-    """At most ``rate_per_s`` pushes a second for the group, in bursts of up to one second."""
+    """At most ``rate_per_s`` messages a second for the group, in bursts of up to one second."""
 
-    def __init__(self, rate_per_s: float, clock: Clock = time.monotonic) -> None:
+    def __init__(
+        self,
+        rate_per_s: float,
+        clock: Clock = time.monotonic,
+        sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
+    ) -> None:
         self._clock = clock
+        self._sleep = sleep
         self.bucket = TokenBucket(rate_per_s, max(1.0, rate_per_s), clock())
         self._lock = asyncio.Lock()
 
-    async def acquire(self) -> None:
-        """Wait for one token (callers queue in turn behind the lock)."""
+    async def acquire(self, count: int = 1) -> None:
+        """Wait for ``count`` tokens: one per message of a call.
+
+        Callers queue in turn behind the lock and a caller keeps it until it has all of its
+        tokens, so a batch call goes as soon as its own tokens are there: calls waiting side by
+        side would share the refill token by token and then all go at once, a burst of many
+        seconds' worth of messages.
+        """
         async with self._lock:
-            wait = self.bucket.take(self._clock())
-            while wait > 0:  # one timed sleep per token: the refill is computed, not polled
-                await asyncio.sleep(wait)
+            for _ in range(count):
                 wait = self.bucket.take(self._clock())
+                while wait > 0:  # one timed sleep per token: the refill is computed, not polled
+                    await self._sleep(wait)
+                    wait = self.bucket.take(self._clock())

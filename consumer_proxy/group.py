@@ -560,8 +560,7 @@ class GroupRunner:
                 if began:
                     self._pushing.add(me)
                     if self.rate is not None:
-                        for _ in began:
-                            await self.rate.acquire()
+                        await self.rate.acquire(len(began))
                     started = loop.time()
                     outcome = await self._deliver_batch(began, probe)
                     rtt = loop.time() - started

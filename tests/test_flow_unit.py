@@ -17,6 +17,7 @@ from consumer_proxy.flow import (
     AdaptiveLimit,
     AdaptiveLimiter,
     Breaker,
+    RateLimiter,
     TokenBucket,
 )
 
@@ -406,6 +407,31 @@ async def test_waiters_on_an_open_breaker_sleep_until_the_probe_time() -> None:
 
 
 # -- TokenBucket -----------------------------------------------------------------------------
+
+
+async def test_a_call_of_several_messages_goes_once_its_own_tokens_are_there() -> None:
+    # Given a cap of 8 a second (binary fractions: the virtual clock adds up exactly), its burst
+    # spent, on a virtual clock
+    now = [0.0]
+
+    async def sleep(seconds: float) -> None:
+        now[0] += seconds
+        await asyncio.sleep(0)
+
+    limiter = RateLimiter(8.0, clock=lambda: now[0], sleep=sleep)
+    await limiter.acquire(8)
+    assert now[0] == 0.0
+    # When two calls of 4 messages wait side by side
+    went: dict[str, float] = {}
+
+    async def call(name: str) -> None:
+        await limiter.acquire(4)
+        went[name] = now[0]
+
+    await asyncio.gather(call("first"), call("second"))
+    # Then each goes when its own 4 tokens are there, not both at once at the end
+    assert went["first"] == pytest.approx(0.5)
+    assert went["second"] == pytest.approx(1.0)
 
 
 def test_the_token_bucket_allows_a_burst_then_the_rate() -> None:
