@@ -21,7 +21,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Protocol
 
 import pybreaker
@@ -445,7 +445,14 @@ class AdaptiveLimiter:
 
 
 class TokenBucket:
-    """A token bucket, pure logic: ``rate_per_s`` tokens a second, holding at most ``burst``."""
+    """A token bucket, pure logic: ``rate_per_s`` tokens a second, holding at most ``burst``.
+
+    A caller reserves the tokens it needs at once and is told when they are paid for: the
+    bucket goes into debt for tokens not yet there, and every later reservation waits behind
+    that debt. So callers go in the order they asked, a call of many messages goes as soon as
+    its own tokens are there (never sharing the refill with calls queued beside it), and a call
+    larger than the burst waits for the rest.
+    """
 
     def __init__(self, rate_per_s: float, burst: float, now: float) -> None:
         self.rate_per_s = rate_per_s
@@ -453,41 +460,27 @@ class TokenBucket:
         self._tokens = burst
         self._updated = now
 
-    def take(self, now: float) -> float:
-        """Take one token: 0.0 when it was there, else the seconds until one will be."""
+    def reserve(self, now: float, count: int = 1) -> float:
+        """Take ``count`` tokens: 0.0 when they were there, else the seconds until they are."""
         self._tokens = min(self.burst, self._tokens + (now - self._updated) * self.rate_per_s)
         self._updated = now
-        if self._tokens >= 1:
-            self._tokens -= 1
-            return 0.0
-        return (1 - self._tokens) / self.rate_per_s
+        self._tokens -= count
+        return max(0.0, -self._tokens / self.rate_per_s)
 
 
 class RateLimiter:
     """At most ``rate_per_s`` messages a second for the group, in bursts of up to one second."""
 
-    def __init__(
-        self,
-        rate_per_s: float,
-        clock: Clock = time.monotonic,
-        sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
-    ) -> None:
+    def __init__(self, rate_per_s: float, clock: Clock = time.monotonic) -> None:
         self._clock = clock
-        self._sleep = sleep
         self.bucket = TokenBucket(rate_per_s, max(1.0, rate_per_s), clock())
-        self._lock = asyncio.Lock()
 
     async def acquire(self, count: int = 1) -> None:
-        """Wait for ``count`` tokens: one per message of a call.
+        """Wait for ``count`` tokens: one per message of a call (one timed sleep at most).
 
-        Callers queue in turn behind the lock and a caller keeps it until it has all of its
-        tokens, so a batch call goes as soon as its own tokens are there: calls waiting side by
-        side would share the refill token by token and then all go at once, a burst of many
-        seconds' worth of messages.
+        A caller cancelled while it waits does not give its tokens back: the callers behind it
+        wait longer than they had to, never less.
         """
-        async with self._lock:
-            for _ in range(count):
-                wait = self.bucket.take(self._clock())
-                while wait > 0:  # one timed sleep per token: the refill is computed, not polled
-                    await self._sleep(wait)
-                    wait = self.bucket.take(self._clock())
+        wait = self.bucket.reserve(self._clock(), count)
+        if wait > 0:
+            await asyncio.sleep(wait)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import itertools
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from consumer_proxy.config import AdaptiveConfig, CircuitBreakerConfig
 from consumer_proxy.core.outcomes import Classification, Outcome
@@ -17,7 +20,6 @@ from consumer_proxy.flow import (
     AdaptiveLimit,
     AdaptiveLimiter,
     Breaker,
-    RateLimiter,
     TokenBucket,
 )
 
@@ -409,35 +411,50 @@ async def test_waiters_on_an_open_breaker_sleep_until_the_probe_time() -> None:
 # -- TokenBucket -----------------------------------------------------------------------------
 
 
-async def test_a_call_of_several_messages_goes_once_its_own_tokens_are_there() -> None:
-    # Given a cap of 8 a second (binary fractions: the virtual clock adds up exactly), its burst
-    # spent, on a virtual clock
-    now = [0.0]
-
-    async def sleep(seconds: float) -> None:
-        now[0] += seconds
-        await asyncio.sleep(0)
-
-    limiter = RateLimiter(8.0, clock=lambda: now[0], sleep=sleep)
-    await limiter.acquire(8)
-    assert now[0] == 0.0
-    # When two calls of 4 messages wait side by side
-    went: dict[str, float] = {}
-
-    async def call(name: str) -> None:
-        await limiter.acquire(4)
-        went[name] = now[0]
-
-    await asyncio.gather(call("first"), call("second"))
-    # Then each goes when its own 4 tokens are there, not both at once at the end
-    assert went["first"] == pytest.approx(0.5)
-    assert went["second"] == pytest.approx(1.0)
-
-
 def test_the_token_bucket_allows_a_burst_then_the_rate() -> None:
     bucket = TokenBucket(10.0, 10.0, now=0.0)
-    assert all(bucket.take(0.0) == 0.0 for _ in range(10))
-    assert bucket.take(0.0) == pytest.approx(0.1)
-    # Over the next 3 seconds, 30 tokens and no more
-    granted = sum(bucket.take(t / 1000) == 0.0 for t in range(1, 3001))
-    assert 29 <= granted <= 30  # float refill: the 30th may land a hair after 3 s
+    assert all(bucket.reserve(0.0) == 0.0 for _ in range(10))
+    # Past the burst, each token is paid for a tenth of a second after the one before
+    assert [bucket.reserve(0.0) for _ in range(3)] == pytest.approx([0.1, 0.2, 0.3])
+    # and a caller that comes once they are paid for finds the refill again
+    assert bucket.reserve(0.4) == 0.0
+    assert bucket.reserve(0.4) == pytest.approx(0.1)
+
+
+def test_a_call_of_several_messages_goes_once_its_own_tokens_are_there() -> None:
+    # Given a cap of 10 a second, its burst spent
+    bucket = TokenBucket(10.0, 10.0, now=0.0)
+    assert bucket.reserve(0.0, 10) == 0.0
+    # When two calls of 5 messages wait side by side, then a call larger than the burst
+    waits = [bucket.reserve(0.0, 5), bucket.reserve(0.0, 5), bucket.reserve(0.0, 25)]
+    # Then each goes when its own tokens are there, in the order they asked: not both at the
+    # end of the refill they would share token by token
+    assert waits == pytest.approx([0.5, 1.0, 3.5])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.floats(0.0, 0.6, allow_nan=False), st.integers(1, 30)),
+        min_size=1,
+        max_size=50,
+    )
+)
+def test_no_span_of_grants_holds_more_than_a_burst_and_the_rate(
+    calls: list[tuple[float, int]],
+) -> None:
+    rate, burst = 10.0, 10.0
+    bucket = TokenBucket(rate, burst, now=0.0)
+    now, grants = 0.0, []
+    for gap, count in calls:
+        now += gap
+        grants.append((now + bucket.reserve(now, count), count))
+    times = [at for at, _ in grants]
+    assert all(b >= a - 1e-9 for a, b in itertools.pairwise(times))  # in the order they asked
+    # After any grant, the calls granted up to a later time hold at most a burst plus the rate
+    # over the span (the first grant's own tokens were paid for before it)
+    for i, (start, _) in enumerate(grants):
+        total = 0
+        for at, count in grants[i + 1 :]:
+            total += count
+            assert total <= burst + rate * (at - start) + 1e-6
