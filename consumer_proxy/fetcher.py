@@ -150,6 +150,9 @@ class Fetcher:
         self.positions: dict[TP, int] = {}
         """Each assigned partition's position after a recent ``consume()`` batch (re-read at
         least every POSITIONS_INTERVAL_S, and at the end of any batch with a rebalance)."""
+        self.positions_read = 0
+        """The number of the reading in ``positions`` (see ``PartitionSet.skip_unfetchable``:
+        a reading older than a partition's assignment or last log cut is not used for it)."""
         self._positions_due = 0.0
         self._rebalanced = False  # a rebalance callback ran during the current consume
         self.on_reached: Callable[[], None] = lambda: None
@@ -285,6 +288,7 @@ class Fetcher:
                     (tp.topic, tp.partition): tp.offset
                     for tp in consumer.position(consumer.assignment())
                 }
+                self.positions_read += 1
             return messages
 
         result: list[Any] = await self._run(consume)

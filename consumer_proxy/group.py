@@ -358,10 +358,23 @@ class GroupRunner:
         return offsets
 
     async def partitions_lost(self, partitions: Sequence[TopicPartition]) -> None:
-        """Drop lost partitions without committing (another member owns them now)."""
-        for part in self.partitions.owned([(tp.topic, tp.partition) for tp in partitions]):
+        """Drop lost partitions without committing (another member owns them now), and
+        cancel their DLQ and retry tier writes at once: the new owner makes them again, and a
+        write that went on retrying here would add a copy outside the documented bound."""
+        parts = self.partitions.owned([(tp.topic, tp.partition) for tp in partitions])
+        writes = self._parking.of(set(parts))
+        for task in writes:
+            task.cancel()
+        if writes:
+            await asyncio.gather(*writes, return_exceptions=True)
+        for part in parts:
             self._forget(part)
-        log.warning("group %s: lost %d partitions (no commit possible)", self.name, len(partitions))
+        log.warning(
+            "group %s: lost %d partitions (no commit possible; %d DLQ/tier writes cancelled)",
+            self.name,
+            len(partitions),
+            len(writes),
+        )
 
     def _forget(self, part: PartitionState) -> None:
         self.partitions.forget(part)
@@ -395,7 +408,7 @@ class GroupRunner:
                     partitions.truncated(tp, await fetcher.position(tp))
                 elif error.code() != KafkaError._PARTITION_EOF:
                     log.warning("group %s: consumer error: %s", self.name, error)
-            partitions.skip_unfetchable(fetcher.positions)
+            partitions.skip_unfetchable(fetcher.positions, fetcher.positions_read)
             if unblocking:
                 self._unblock()
             plan = partitions.pause_plan()
@@ -464,7 +477,7 @@ class GroupRunner:
         partitions = self.partitions
         while not self._draining:
             delivery = await ready.get()
-            if delivery.stale:
+            if partitions.drop_stale(delivery):
                 continue
             if self.rate is not None:
                 await self.rate.acquire()
@@ -550,7 +563,7 @@ class GroupRunner:
                 if linger_s and len(ready.items) < limits.max_messages:
                     await asyncio.sleep(linger_s)
                 # From here to begin() nothing awaits: a taken message is always begun.
-                batch = take(ready.items, limits)
+                batch = take(ready.items, limits, partitions.drop_stale)
                 if ready.items:
                     ready.wake()  # more is ready than this call takes: another slot goes
                 began = [d for d in batch if partitions.begin(d)]

@@ -22,6 +22,7 @@ class MessageSource(Protocol):
     """The group's Kafka consumer; every call runs off the event loop."""
 
     positions: dict[TP, int]
+    positions_read: int  # how many times ``positions`` was read (it is re-read now and then)
 
     async def start(self) -> None: ...
     async def consume(self, max_messages: int, timeout_s: float) -> list[Any]: ...

@@ -34,6 +34,11 @@ class Item:
     size: int
     stale: bool = False
     name: str = ""
+    alone: bool = False
+
+
+def drop(item: Item) -> bool:
+    return item.stale
 
 
 def sizes(batch: list[Item]) -> list[int]:
@@ -45,15 +50,15 @@ def sizes(batch: list[Item]) -> list[int]:
 
 def test_a_batch_takes_what_is_ready_up_to_max_messages() -> None:
     ready = deque(Item(10) for _ in range(7))
-    assert len(take(ready, BatchLimits(max_messages=5, max_bytes=1000))) == 5
+    assert len(take(ready, BatchLimits(max_messages=5, max_bytes=1000), drop)) == 5
     assert len(ready) == 2
-    assert len(take(ready, BatchLimits(max_messages=5, max_bytes=1000))) == 2
-    assert take(ready, BatchLimits(max_messages=5, max_bytes=1000)) == []
+    assert len(take(ready, BatchLimits(max_messages=5, max_bytes=1000), drop)) == 2
+    assert take(ready, BatchLimits(max_messages=5, max_bytes=1000), drop) == []
 
 
 def test_a_batch_stops_before_the_byte_cap() -> None:
     ready = deque([Item(40), Item(40), Item(40)])
-    assert sizes(take(ready, BatchLimits(max_messages=10, max_bytes=100))) == [40, 40]
+    assert sizes(take(ready, BatchLimits(max_messages=10, max_bytes=100), drop)) == [40, 40]
     assert sizes(list(ready)) == [40]
 
 
@@ -62,15 +67,23 @@ def test_a_message_larger_than_max_bytes_goes_alone() -> None:
     ready = deque([Item(10), Item(500), Item(10)])
     limits = BatchLimits(max_messages=10, max_bytes=100)
     # Then the oversized one neither joins nor blocks: it is the next batch, alone
-    assert sizes(take(ready, limits)) == [10]
-    assert sizes(take(ready, limits)) == [500]
-    assert sizes(take(ready, limits)) == [10]
+    assert sizes(take(ready, limits, drop)) == [10]
+    assert sizes(take(ready, limits, drop)) == [500]
+    assert sizes(take(ready, limits, drop)) == [10]
 
 
 def test_stale_messages_are_skipped_and_removed() -> None:
     ready = deque([Item(1, stale=True), Item(2), Item(3, stale=True), Item(4)])
-    assert sizes(take(ready, BatchLimits(max_messages=10, max_bytes=100))) == [2, 4]
+    assert sizes(take(ready, BatchLimits(max_messages=10, max_bytes=100), drop)) == [2, 4]
     assert not ready
+
+
+def test_a_message_marked_alone_goes_in_a_batch_of_its_own() -> None:
+    ready = deque([Item(1), Item(2, alone=True), Item(3), Item(4)])
+    limits = BatchLimits(max_messages=10, max_bytes=100)
+    assert sizes(take(ready, limits, drop)) == [1]
+    assert sizes(take(ready, limits, drop)) == [2]
+    assert sizes(take(ready, limits, drop)) == [3, 4]
 
 
 @given(
@@ -86,7 +99,7 @@ def test_batches_keep_order_and_caps_and_lose_nothing(
     limits = BatchLimits(max_messages, max_bytes)
     taken: list[Item] = []
     while ready:
-        batch = take(ready, limits)
+        batch = take(ready, limits, drop)
         assert 1 <= len(batch) <= max_messages
         assert len(batch) == 1 or sum(sizes(batch)) <= max_bytes
         taken += batch

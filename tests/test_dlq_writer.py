@@ -12,10 +12,21 @@ import threading
 import time
 from typing import Any
 
+import grpc
 import pytest
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from consumer_proxy.dlq import DeadLetterWriter, SharedProducer, SharedProducers, failure_reason
+from consumer_proxy.config import GroupConfig, KafkaConfig
+from consumer_proxy.core.decision import Action
+from consumer_proxy.core.outcomes import Classifier
+from consumer_proxy.dlq import (
+    DeadLetterWriter,
+    SharedProducer,
+    SharedProducers,
+    failure_reason,
+    producer_config,
+)
+from consumer_proxy.group import GroupRunner
 from consumer_proxy.metrics import ProxyMetrics
 from tests.support.scrape import parse
 from tests.support.waiting import async_wait_until
@@ -349,3 +360,71 @@ def test_the_process_keeps_one_producer_per_distinct_configuration() -> None:
         ).close()
 
     asyncio.run(scenario())
+
+
+async def test_a_lost_partitions_dlq_write_is_cancelled_and_its_message_given_back() -> None:
+    # Given a group whose DLQ write for a poison pill cannot complete (its broker is
+    # unreachable, so the real writer keeps retrying)
+    kafka = KafkaConfig(bootstrap_servers="127.0.0.1:1")
+    group = GroupConfig(
+        name="lost",
+        topics=["t"],
+        service={"endpoints": ["127.0.0.1:1"]},
+    )
+    metrics = ProxyMetrics()
+    runner = GroupRunner(kafka, group, metrics)
+    loop = asyncio.get_running_loop()
+    writer = DeadLetterWriter(producer_config(kafka, 1000), loop, group="lost", metrics=metrics)
+    runner.writer = runner._parking.sink = writer
+    core = runner.partitions
+    core.assign("t", 0, 0, "")
+    core.intake(_Record("t", 0))
+    delivery = runner._ready.get_nowait()
+    assert core.begin(delivery)
+    poison = Classifier().from_status(grpc.StatusCode.INVALID_ARGUMENT, "poison")
+    decision = core.finish(delivery, poison, probe=False)
+    assert decision is not None and decision.action is Action.DEAD_LETTER
+    runner._parking.start(delivery, decision, "INVALID_ARGUMENT", "e")
+    [write] = runner._parking.tasks
+    try:
+        # When the partition is lost (another member owns it now)
+        await runner.partitions_lost([TopicPartition("t", 0)])
+        # Then the write is cancelled at once (the new owner dead-letters the message; one
+        # going on here would add a copy outside the documented bound) and nothing is held
+        assert write.cancelled() and not runner._parking.tasks
+        assert core.parts == {} and core.bytes == 0
+    finally:
+        write.cancel()
+        await asyncio.gather(write, return_exceptions=True)
+        await writer.close(timeout_s=1.0)
+
+
+class _Record:
+    """A fetched record (confluent_kafka.Message's accessors)."""
+
+    def __init__(self, topic: str, offset: int) -> None:
+        self._topic, self._offset = topic, offset
+
+    def topic(self) -> str:
+        return self._topic
+
+    def partition(self) -> int:
+        return 0
+
+    def offset(self) -> int:
+        return self._offset
+
+    def key(self) -> bytes | None:
+        return b"k"
+
+    def value(self) -> bytes | None:
+        return b"v"
+
+    def headers(self) -> None:
+        return None
+
+    def timestamp(self) -> tuple[int, int]:
+        return (1, 7)
+
+    def leader_epoch(self) -> int | None:
+        return None

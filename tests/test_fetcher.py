@@ -7,16 +7,17 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import time
 from collections.abc import Sequence
 
 import pytest
-from confluent_kafka import KafkaError, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from consumer_proxy.config import KafkaConfig
 from consumer_proxy.fetcher import Fetcher, consumer_config
 from consumer_proxy.group import shielded
-from tests.support.kafka import Broker, admin, create_topic, unique_name
+from tests.support.kafka import Broker, admin, create_topic, produce, unique_name
 from tests.support.proxy import FAST_CONSUMER
 from tests.support.waiting import async_wait_until
 
@@ -112,3 +113,52 @@ async def test_a_commit_failing_after_shutdown_cancelled_its_caller_is_not_logge
     gc.collect()  # asyncio reports an exception nobody retrieved when the task is collected
     # Then no error is logged for it (shutdown commits again on its own)
     assert [r.getMessage() for r in caplog.records] == []
+
+
+def test_a_partition_assigned_again_reports_no_position_of_its_previous_assignment(
+    kafka: Broker,
+) -> None:
+    # librdkafka resets a partition's application position when its fetcher stops (on
+    # unassign, rd_kafka_toppar_fetch_stopped) and serves a new assignment only once the old
+    # fetcher has stopped; a seek (which is how it handles a log truncation) resets it too.
+    # The proxy relies on it as one of two guards (the other: PartitionSet.skip_unfetchable
+    # ignores readings older than an assignment), so it is pinned here on the real client.
+    # Given a consumer that consumed 100 records of a partition (position 100) and whose
+    # group committed 60
+    bootstrap = kafka.bootstrap
+    topic = unique_name("reassign")
+    create_topic(bootstrap, topic, partitions=1)
+    produce(bootstrap, topic, [f"m{i}" for i in range(100)])
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": unique_name("reassign"),
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+        }
+    )
+    try:
+        consumer.incremental_assign([TopicPartition(topic, 0, 0)])
+        seen: list[int] = []
+        deadline = time.monotonic() + 30
+        while len(seen) < 100 and time.monotonic() < deadline:
+            seen += [m.offset() or 0 for m in consumer.consume(100, 1.0) if m.error() is None]
+        assert len(seen) == 100
+        [before] = consumer.position([TopicPartition(topic, 0)])
+        assert before.offset == 100
+        consumer.commit(offsets=[TopicPartition(topic, 0, 60)], asynchronous=False)
+        # When the partition is unassigned and at once assigned again (from its commit)
+        consumer.incremental_unassign([TopicPartition(topic, 0)])
+        consumer.incremental_assign([TopicPartition(topic, 0)])
+        # Then its position is unknown until it consumes again, never the previous 100
+        [after] = consumer.position([TopicPartition(topic, 0)])
+        assert after.offset < 0, after
+        first: list[int] = []
+        deadline = time.monotonic() + 30
+        while not first and time.monotonic() < deadline:
+            first = [m.offset() or 0 for m in consumer.consume(1, 1.0) if m.error() is None]
+        assert first == [60]
+        [resumed] = consumer.position([TopicPartition(topic, 0)])
+        assert resumed.offset == 61
+    finally:
+        consumer.close()

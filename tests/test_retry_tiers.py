@@ -88,8 +88,10 @@ def test_max_attempts_comes_first_when_it_is_lower() -> None:
 
 
 def test_the_due_delay_is_the_larger_of_the_tier_delay_and_retry_after() -> None:
-    longer = _decide(1, retry_after(60_000))  # not capped by backoff.max_ms (1 s)
-    assert longer.action is Action.TIER and longer.delay_s == 60.0
+    longer = _decide(1, retry_after(4_000))  # not capped by backoff.max_ms (1 s)
+    assert longer.action is Action.TIER and longer.delay_s == 4.0
+    # ... but by the longest tier delay (5 s here)
+    assert _decide(1, retry_after(60_000)).delay_s == 5.0
     shorter = _decide(1, retry_after(10))
     assert shorter.delay_s == 2.0
     # In memory, retry_after stays capped by backoff.max_ms

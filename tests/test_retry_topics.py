@@ -191,6 +191,77 @@ async def test_a_message_that_always_fails_goes_through_every_tier_to_the_dlq(
     assert await caught_up(bootstrap, group, topic)
 
 
+async def test_tier_records_waiting_ten_minutes_never_hold_the_source_back(kafka: Broker) -> None:
+    # Given a retry tier of 10 minutes that holds 200 records written a moment ago (by a
+    # burst of failures before a restart), the smallest byte budget (1 KiB), which those
+    # records fill many times over, and a source of 2,000 messages of which 200 fail once
+    bootstrap = kafka.bootstrap
+    topic, group = unique_name("tierbudget"), unique_name("tierbudget")
+    tier_topic = f"{group}.retry.1"
+    create_topic(bootstrap, topic, partitions=1)
+    create_topic(bootstrap, tier_topic, partitions=1)
+    due_at_ms = int(time.time() * 1000) + 600_000
+    waiting = [
+        {
+            "value": f"waiting-{i:05d}-".ljust(60, "x"),
+            "headers": rec.retry_headers(
+                [],
+                rec.Origin(topic, 0, 10_000 + i, 1, 0),
+                attempt=1,
+                status="INTERNAL",
+                reason="not yet",
+                endpoint="e",
+                group=group,
+                tier=1,
+                due_at_ms=due_at_ms,
+            ),
+        }
+        for i in range(200)
+    ]
+    await asyncio.to_thread(produce, bootstrap, tier_topic, waiting)
+    values = [f"{'fail' if i % 10 == 5 else 'ok'}-{i:05d}-".ljust(60, "x") for i in range(2000)]
+    await asyncio.to_thread(produce, bootstrap, topic, values)
+
+    def behaviour(msg: handler_pb2.Message, k: int) -> Behaviour:
+        return FLAKY if msg.value.startswith(b"fail") and k == 1 else Behaviour()
+
+    async with TestService(behaviour) as service:
+        config = make_config(
+            bootstrap,
+            group,
+            [topic],
+            [service.address],
+            delivery={"max_in_flight_bytes": 1024, "retry_topics": [{"delay_ms": 600_000}]},
+        )
+        proxy, task = start_proxy(config)
+        runner = proxy.runners[0]
+        most = 0
+
+        def last_delivered() -> bool:
+            nonlocal most
+            most = max(most, sum(p.bytes for p in runner.partitions.parts.values() if p.tier))
+            return any((d.value or b"").startswith(b"ok-01999") for d in service.deliveries)
+
+        try:
+            # When the proxy delivers the source
+            await async_wait_until(last_delivered, timeout=60, interval=0.02)
+            acked_at = time.monotonic()
+            # Then its commit reaches the end within seconds of the last message (not after
+            # the tier's 10 minutes): tier records have a byte budget of their own
+            await async_wait_until(
+                lambda: caught_up(bootstrap, group, topic), timeout=30, interval=0.05
+            )
+            lag_s = time.monotonic() - acked_at
+            print(f"source committed to its end {lag_s:.2f} s after its last message")
+            # while the tier's records filled that budget and wait for their due time
+            assert most >= 1024 and runner.partitions.budgets[1].held <= 1024 + 256
+            assert [d for d in service.deliveries if d.source == "retry"] == []
+            assert sum((d.value or b"").startswith(b"fail") for d in service.deliveries) == 200
+        finally:
+            await proxy.shutdown()
+            await task
+
+
 async def test_an_unwritable_retry_topic_holds_the_source_commit_and_loses_nothing(
     kafka: Broker,
 ) -> None:

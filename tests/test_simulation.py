@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
-from tests.sim.runner import Member, Simulation, Stats, run
+from consumer_proxy.core import batching
+from consumer_proxy.core.batching import PROTOCOL_ERROR, BatchOutcome
+from consumer_proxy.core.outcomes import Classification, Outcome
+from consumer_proxy.core.partitions import PartitionSet, PartitionState
+from consumer_proxy.core.tracker import PartitionTracker
+from tests.sim.runner import InvariantViolation, Member, Simulation, Stats, run
 from tests.sim.world import Msg
 
 SCHEDULES = 1000
@@ -45,6 +51,86 @@ def test_thousands_of_random_schedules_keep_every_invariant() -> None:
     # ... and retry tiers (half the seeds of ordering none) that move messages
     assert 100 < total.tier_schedules < 250 and total.tier_writes > 500
     assert total.unblocks > 20  # head-of-line unblocking moved stuck heads
+    # ... and the situations a review found the simulation never made (issue 28): positions
+    # read before a cut, cuts the member is not told of (also while a restored ack state
+    # describes the cut range), tiers that wait far longer than the run, and messages whose
+    # batch answers always have the wrong length
+    assert total.stale_readings > 10_000 and total.silent_truncations > 300
+    assert total.handover_truncations > 200 and total.long_tier_schedules > 40
+    assert total.garbled > 300
+
+
+def _revert_positions_after_a_cut(monkeypatch: pytest.MonkeyPatch) -> None:
+    reset = PartitionSet._reset
+
+    def old_reset(self: PartitionSet, part: PartitionState, offset: int) -> None:
+        before = part.positions_from
+        reset(self, part, offset)
+        part.positions_from = before  # a reading from before the cut is believed
+
+    monkeypatch.setattr(PartitionSet, "_reset", old_reset)
+
+
+def _revert_commit_stops_at_what_was_fetched(monkeypatch: pytest.MonkeyPatch) -> None:
+    committable = PartitionTracker.committable
+
+    def old_committable(self: PartitionTracker) -> int:
+        offset = committable(self)
+        restored = self._restored
+        if restored is not None and offset == self._last + 1:
+            return restored.next_pending(offset)  # past restored acks not fetched again
+        return offset
+
+    monkeypatch.setattr(PartitionTracker, "committable", old_committable)
+
+
+def _revert_stale_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(PartitionSet, "drop_stale", lambda self, d: d.stale)
+
+
+def _revert_tier_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    assign = PartitionSet.assign
+
+    def old_assign(self: PartitionSet, topic: str, partition: int, *args: Any) -> None:
+        assign(self, topic, partition, *args)
+        self.parts[(topic, partition)].budget = self.budgets[0]  # one budget for all
+
+    monkeypatch.setattr(PartitionSet, "assign", old_assign)
+
+
+def _revert_protocol_error_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    classify = batching.classify_batch
+
+    def old_classify(classifier: Any, response: Any, count: int) -> BatchOutcome:
+        outcome = classify(classifier, response, count)
+        if not outcome.protocol_error:
+            return outcome
+        retry = Classification(Outcome.RETRY, PROTOCOL_ERROR, counted=False)
+        return BatchOutcome([retry] * count, retry, None, protocol_error=outcome.protocol_error)
+
+    monkeypatch.setattr("tests.sim.runner.classify_batch", old_classify)
+
+
+@pytest.mark.parametrize(
+    "revert",
+    [
+        _revert_positions_after_a_cut,
+        _revert_commit_stops_at_what_was_fetched,
+        _revert_stale_bytes,
+        _revert_tier_budget,
+        _revert_protocol_error_rule,
+    ],
+)
+def test_the_schedules_find_each_fix_of_the_review_reverted(
+    revert: Callable[[pytest.MonkeyPatch], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given one of issue 28's fixes put back to the old behaviour
+    revert(monkeypatch)
+    # When the seeds of the test above run, Then one of them breaks an invariant (measured:
+    # after 50, 478, 2, 159 and 1 seeds)
+    with pytest.raises(InvariantViolation):
+        for seed in range(SCHEDULES):
+            run(10_000 + seed, STEPS)
 
 
 def test_a_paused_partition_reassigned_to_the_same_member_drains() -> None:

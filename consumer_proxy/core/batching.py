@@ -10,14 +10,18 @@ The rules:
 
 - A batch takes what is ready, in order, up to ``max_messages`` and ``max_bytes`` (message
   bytes: key, value, headers). A message larger than ``max_bytes`` goes alone in a batch of
-  one; it never waits behind the cap. Stale messages (revoked, cut) are skipped.
+  one; it never waits behind the cap. Stale messages (revoked, cut) are dropped (the caller
+  gives their bytes back). A message marked ``alone`` goes in a batch of its own.
 - A failed call (non-OK status) applies to every message in it as the status table says;
   UNIMPLEMENTED means the service does not implement ``HandleMessageBatch``: an outage,
   whatever the group's overrides say (no silent fallback to unary, never a dead letter).
 - An OK answer carries one result per message, in order, each classified like a unary
   response; a result's ``status_code`` is classified like a unary call's status.
-- A result list of the wrong length is a protocol error: every message is retried, no
-  attempt counted, no breaker record (neither failure nor success).
+- A result list of the wrong length is a protocol error, with no breaker record (neither
+  failure nor success). It cannot be pinned on one message of a batch of several: each is
+  retried, no attempt counted, and goes alone from then on (``Classification.alone``). In a
+  batch of one it is that message's failure, counted towards ``max_attempts``, so a message
+  that always gets a broken answer ends in the DLQ, never in an endless uncounted loop.
 - The breaker hears one record per call: a failure when the call failed with a service-level
   status, or when every result in it is a service-level failure (the service answered
   nothing else); a success otherwise.
@@ -26,7 +30,7 @@ The rules:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -53,7 +57,7 @@ class Sized(Protocol):
     @property
     def size(self) -> int: ...
     @property
-    def stale(self) -> bool: ...
+    def alone(self) -> bool: ...
 
 
 T = TypeVar("T", bound=Sized)
@@ -67,25 +71,27 @@ class BatchLimits:
     max_bytes: int
 
 
-def take(ready: deque[T], limits: BatchLimits) -> list[T]:
+def take(ready: deque[T], limits: BatchLimits, drop: Callable[[T], bool]) -> list[T]:
     """Remove and return the next batch from the front of ``ready`` (empty when nothing
-    fresh is ready). Stale messages met on the way are dropped from ``ready``."""
+    fresh is ready). ``drop(item)`` says whether an item is stale (and gives its bytes back):
+    those met on the way leave ``ready`` without going out."""
     batch: list[T] = []
     total = 0
     max_messages = limits.max_messages
     max_bytes = limits.max_bytes
     while ready and len(batch) < max_messages:
         item = ready[0]
-        if item.stale:
+        if drop(item):
             ready.popleft()
             continue
+        alone = item.alone
         size = item.size
-        if batch and total + size > max_bytes:
-            break  # the cap is reached; an oversized message waits to go alone
+        if batch and (alone or total + size > max_bytes):
+            break  # the cap is reached, or the next message goes alone: it goes next
         ready.popleft()
         batch.append(item)
         total += size
-        if total >= max_bytes:
+        if alone or total >= max_bytes:
             break
     return batch
 
@@ -133,11 +139,19 @@ def classify_batch(
         return BatchOutcome([result] * count, result, result.service_failure)
     answers = response.results
     if len(answers) != count:
+        noun = "message" if count == 1 else "messages"
         reason = clip_reason(
-            f"HandleMessageBatch answered {len(answers)} results for {count} messages"
+            f"HandleMessageBatch answered {len(answers)} results for {count} {noun}"
         )
+        # In a batch of one the broken answer is that message's own (counted) failure; in a
+        # larger batch it is no one's, and each message goes alone next.
         retry = Classification(
-            Outcome.RETRY, PROTOCOL_ERROR, counted=False, service_failure=False, reason=reason
+            Outcome.RETRY,
+            PROTOCOL_ERROR,
+            counted=count == 1,
+            service_failure=False,
+            reason=reason,
+            alone=count > 1,
         )
         return BatchOutcome([retry] * count, retry, None, protocol_error=reason)
     from_response = classifier.from_response

@@ -13,9 +13,12 @@ Wire format, version 1::
                 followed by the stored body
     body     := uvarint(base) uvarint(end - base) uvarint(run_1) ... uvarint(run_n)
 
-Run lengths alternate pending, done, pending, ... starting with a pending run: the first
-offset of the state is the committed offset, which is pending by definition. The encoder
-picks whichever FLAG gives the shorter string.
+Run lengths alternate pending, done, pending, ... starting with a pending run at the
+committed offset. Only that first run may be empty: the committed offset itself is done when
+it is an ack restored from an earlier state and not fetched again yet (the commit never
+passes an offset not fetched again: the log may have been cut there). Readers before this
+rule refuse such a state (and redeliver, which is safe). The encoder picks whichever FLAG
+gives the shorter string.
 
 Base85 rather than base64: 5 characters per 4 bytes instead of 4 per 3 (about 6% shorter) and
 its alphabet has no quote, backslash, comma, colon or space. The CRC lets the decoder tell our
@@ -70,8 +73,9 @@ class AckState:
     """Which offsets in ``[base, end)`` are done, as alternating pending/done run lengths.
 
     ``runs[0]`` is the pending run starting at ``base``, ``runs[1]`` the done run after it,
-    and so on; every run is at least one offset long and ``end = base + sum(runs)``. Offsets
-    below ``base`` are committed (done); offsets at or above ``end`` are not known to be done.
+    and so on; every run is at least one offset long, but for ``runs[0]``, which is empty when
+    ``base`` itself is done, and ``end = base + sum(runs)``. Offsets below ``base`` are
+    committed (done); offsets at or above ``end`` are not known to be done.
     """
 
     base: int
@@ -89,9 +93,10 @@ class AckState:
         if not 0 <= self.base < MAX_OFFSET_END:
             raise ValueError(f"base {self.base} is not a Kafka offset")
         runs = tuple(self.runs)
-        for run in runs:
-            # A zero-length run has no meaning and would make encodings non-unique.
-            if run < 1:
+        for index, run in enumerate(runs):
+            # A zero-length run would make encodings non-unique; only the first (pending)
+            # run may be empty, and only before a done run.
+            if run < 1 and not (index == 0 and run == 0 and len(runs) > 1):
                 raise ValueError(f"run lengths must be positive, got {run}")
         bounds = tuple(accumulate(runs, initial=self.base))[1:]
         end = bounds[-1] if bounds else self.base

@@ -117,8 +117,9 @@ def decide(
                 reason = f"gave up after the last retry tier ({counted + 1} attempts): "
                 return Decision(Action.DEAD_LETTER, counted=True, reason=reason + result.reason)
             # The tier's delay, or longer when the service asks: a tier holds no window, so
-            # retry_after is not capped by backoff.max_ms here.
-            delay_ms = max(tiers[nxt - 1], result.retry_after_ms or 0)
+            # retry_after is not capped by backoff.max_ms here, but by the longest tier delay
+            # (2**63-1 ms would park the tier partition for 292 million years).
+            delay_ms = max(tiers[nxt - 1], min(result.retry_after_ms or 0, max(tiers)))
             return Decision(Action.TIER, delay_ms / 1000.0, True, result.reason, tier=nxt)
         delay = backoff_s(counted + 1, policy.backoff, rng)
         is_counted = True

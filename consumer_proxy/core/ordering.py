@@ -24,7 +24,7 @@ assign and dropped with the partition.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Generic, Literal, TypeVar
 
 __all__ = ["ORDERINGS", "PARTITION_LANE", "KeyGate", "Ordering"]
@@ -112,6 +112,11 @@ class KeyGate(Generic[T]):
                     if rest:
                         self._waiting[key] = rest
         return dropped, promoted
+
+    def waiting_items(self) -> Iterator[T]:
+        """Every item waiting behind its key's item out (for accounting checks)."""
+        for waiting in self._waiting.values():
+            yield from waiting
 
     def out(self, key: Hashable) -> T | None:
         """The item out for ``key``, if any."""

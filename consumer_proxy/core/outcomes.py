@@ -54,6 +54,9 @@ class Classification:
     slow_down: bool = False
     reason: str = ""
     retry_after_ms: int = 0
+    alone: bool = False
+    """The answer could not be pinned on this message (a batch answer of the wrong length):
+    it goes in a batch of its own from now on."""
 
 
 _C = grpc.StatusCode

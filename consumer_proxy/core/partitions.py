@@ -82,6 +82,22 @@ Scheduler = Callable[[float, Callable[[], None]], Handle]
 
 
 @dataclass(eq=False, slots=True)
+class Budget:
+    """A byte budget shared by some of a group's partitions: intake pauses when it is spent.
+
+    A group has one for its source and redrive topics and one per retry tier, so that tier
+    records waiting for their due time never hold the source, or an earlier tier, back."""
+
+    limit: int
+    held: int = 0
+
+    @property
+    def spent(self) -> bool:
+        """The budget holds ``limit`` bytes or more."""
+        return self.held >= self.limit
+
+
+@dataclass(eq=False, slots=True)
 class PartitionState:
     """One assigned partition."""
 
@@ -102,12 +118,14 @@ class PartitionState:
     timers: set[Handle] = field(default_factory=set)
     gate: KeyGate[Delivery] | None = None  # delivery.ordering key / partition only
     tier: int = 0  # the retry tier this partition's topic is (0: a source or redrive topic)
-    waiting: int = 0  # retry tier records fetched and not yet due (the partition pauses)
+    budget: Budget = field(default_factory=lambda: Budget(0))  # set on assign: whose bytes
+    positions_from: int = 0  # the first consumer position reading that describes this log
     # Head-of-line unblocking (delivery.head_block_ms) only:
     head: tuple[int, float] = (-1, 0.0)  # (committable offset, since when it has not moved)
     unblocks: deque[float] = field(default_factory=deque)  # when it moved a head, last minute
     out: dict[int, Delivery] = field(default_factory=dict)  # pushes under way, by offset
     retrying: dict[int, tuple[Delivery, Handle]] = field(default_factory=dict)  # in memory
+    due: dict[int, tuple[Delivery, Handle]] = field(default_factory=dict)  # tier, not yet due
 
     @property
     def tp(self) -> TP:
@@ -137,6 +155,7 @@ class Delivery:
     tier: int = 0  # the retry tier it was read from (0: a source or redrive topic)
     due_at_ms: int = 0  # with Action.TIER: when the tier record is due (epoch ms)
     moved: bool = False  # moved aside as it blocked its partition: a late result is ignored
+    alone: bool = False  # batch mode: goes in a batch of its own (its batch's answer was bad)
 
     @property
     def stale(self) -> bool:
@@ -215,14 +234,20 @@ class PartitionSet:
     ) -> None:
         self.group = group
         self.parts: dict[TP, PartitionState] = {}
-        self.bytes = 0
+        self.budgets = [
+            Budget(delivery.max_in_flight_bytes) for _ in range(len(delivery.retry_topics) + 1)
+        ]
+        """The source (and redrive) topics' byte budget, then one per retry tier, each of
+        ``max_in_flight_bytes``: records waiting an hour for their due time in a tier must
+        hold back neither the source nor an earlier tier (memory: at most the setting times
+        one plus the number of tiers)."""
+        self._positions_seen = 0  # the newest consumer position reading given to us
         self.counters = Counters()
         self.commits_failing = False
         """The last commit failed (broker unreachable): a partition whose done prefix runs
         ``max_in_flight`` past its last confirmed commit stops taking messages, so that losing
         it (or a crash) redelivers at most a window, however long the outage."""
         self._max_in_flight = delivery.max_in_flight
-        self._max_bytes = delivery.max_in_flight_bytes
         self._budget = delivery.metadata_budget_bytes
         self._policy = Policy(
             delivery.max_attempts,
@@ -231,6 +256,9 @@ class PartitionSet:
             delivery.in_memory_attempts,
         )
         self._tiers = {topic: n for n, topic in enumerate(retry_topics, start=1)}
+        # A tier record's cp-due-at is believed at most the longest tier delay ahead (a forged
+        # or skewed one must not park a partition for years).
+        self._max_due_s = max(self._policy.tiers_ms, default=0) / 1000.0
         self._clock = clock  # epoch seconds: a tier record's due time is wall-clock
         self._head_block_s = (
             delivery.head_block_ms / 1000.0 if delivery.head_block_ms is not None else None
@@ -253,6 +281,11 @@ class PartitionSet:
             self._admit = self._admit_ordered
             self._complete = self._done_ordered
             self._lane = _key_lane if delivery.ordering == "key" else _partition_lane
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of fetched messages held (both budgets)."""
+        return sum(budget.held for budget in self.budgets)
 
     # -- assignment ----------------------------------------------------------------------
 
@@ -280,6 +313,10 @@ class PartitionSet:
         if self._lane is not None:
             part.gate = KeyGate()
         part.tier = self._tiers.get(topic, 0)
+        part.budget = self.budgets[part.tier]
+        # A position read before this assignment describes the previous one (see
+        # ``skip_unfetchable``).
+        part.positions_from = self._positions_seen + 1
         old = self.parts.get(part.tp)
         if old is not None:
             self.forget(old)
@@ -310,7 +347,9 @@ class PartitionSet:
         for timer in part.timers:
             timer.cancel()
         part.timers.clear()
-        self.bytes -= part.bytes
+        part.retrying.clear()
+        part.due.clear()
+        part.budget.held -= part.bytes
         part.bytes = 0
         part.backlog.clear()
         if self.parts.get(part.tp) is part:
@@ -329,7 +368,7 @@ class PartitionSet:
         part.received_end = offset + 1
         if part.tracker is None:
             part.tracker = PartitionTracker(offset, self._max_in_flight)
-        if part.backlog or self._full(part) or self.bytes >= self._max_bytes:
+        if part.backlog or self._full(part) or part.budget.spent:
             part.backlog.append(record)
             return
         self._accept(part, record)
@@ -353,9 +392,21 @@ class PartitionSet:
         part.epoch += 1
         part.cuts.append((part.epoch, offset))
         part.received_end = offset
+        # Positions read so far may predate the cut: none of them may move the commit.
+        part.positions_from = self._positions_seen + 1
         part.backlog = deque(r for r in part.backlog if (r.offset() or 0) < offset)
         assert part.tracker is not None
         part.tracker.truncate(offset)
+        # Messages cut from the log that wait on a timer here (a retry, a tier due time) give
+        # their bytes back now, and their offsets free for the new records' entries. Those
+        # in the ready queue or in a call give them back when they come out (``drop_stale``,
+        # ``finish``).
+        for held in (part.retrying, part.due):
+            for o in [o for o in held if o >= offset]:
+                delivery, handle = held.pop(o)
+                handle.cancel()
+                part.timers.discard(handle)
+                self._release(delivery)
         if part.gate is not None:
             # Messages cut from the log no longer hold their key back, and those waiting
             # are forgotten (their records come again with the new fetches).
@@ -379,15 +430,27 @@ class PartitionSet:
         else:
             part.tracker.truncate(max(part.received_end, 0))
 
-    def skip_unfetchable(self, positions: dict[TP, int]) -> None:
+    def skip_unfetchable(self, positions: dict[TP, int], reading: int) -> None:
         """Let the commit pass what the consumer skipped (transaction markers, aborted records).
 
+        ``positions`` is the consumer's ``reading``-th reading of its positions (numbered from
+        1, read right after a batch of records was handed over; the shell reads them every so
+        often, not after every batch). A partition uses only readings taken after it was
+        assigned and after its log was last cut: an older one may say 100 for a log now cut at
+        60, and skipping to it would lose the records written at 60.. after the cut.
         Only for partitions without a backlog: a backlog holds handed-over messages that are
         not tracked yet, and skipping past them would lose them.
         """
+        self._positions_seen = max(self._positions_seen, reading)
         for tp, position in positions.items():
             part = self.parts.get(tp)
-            if part is None or part.backlog or position < 0 or position < part.received_end:
+            if (
+                part is None
+                or part.backlog
+                or position < 0
+                or position < part.received_end
+                or reading < part.positions_from
+            ):
                 continue
             if part.tracker is None:  # no commit yet and nothing but markers so far
                 part.tracker = PartitionTracker(position, self._max_in_flight)
@@ -426,7 +489,7 @@ class PartitionSet:
         if user:  # (a generator per message costs more than the rest of the sum)
             size += sum(len(k) + len(v) for k, v in user)
         part.bytes += size
-        self.bytes += size
+        part.budget.held += size
         delivery = Delivery(
             part, part.epoch, offset, key, value, user, origin, size, source, attempt
         )
@@ -434,29 +497,27 @@ class PartitionSet:
             # The attempts already made count towards max_attempts across the tiers.
             delivery.tier = part.tier
             delivery.counted_here = origin.attempt
-            wait_s = due_at_from_headers(ours) / 1000.0 - self._clock()
+            wait_s = min(due_at_from_headers(ours) / 1000.0 - self._clock(), self._max_due_s)
             if wait_s > 0:
                 self._hold_until_due(delivery, wait_s)
                 return
         self._admit(delivery)
 
     def _hold_until_due(self, delivery: Delivery, wait_s: float) -> None:
-        """A retry tier record not yet due waits (inside the window) on a timer; its
-        partition pauses meanwhile (``pause_plan``), so nothing is fetched behind it."""
+        """A retry tier record not yet due waits (inside the window, in the tiers' byte
+        budget) on a timer; its partition pauses meanwhile (``pause_plan``), so nothing is
+        fetched behind it."""
         part = delivery.part
-        part.waiting += 1
         handle: Handle | None = None
 
         def due() -> None:
             part.timers.discard(handle)
-            part.waiting -= 1
-            if delivery.stale:
-                self._release(delivery)
-            else:
-                self._admit(delivery)
+            del part.due[delivery.offset]  # a cut would have cancelled this timer
+            self._admit(delivery)
 
         handle = self._schedule(wait_s, due)
         part.timers.add(handle)
+        part.due[delivery.offset] = (delivery, handle)
 
     def _admit_ordered(self, delivery: Delivery) -> None:
         gate = delivery.part.gate
@@ -468,15 +529,25 @@ class PartitionSet:
         tracker = part.tracker
         backlog = part.backlog
         while backlog and tracker is not None and not self._full(part):
-            if self.bytes >= self._max_bytes:
+            if part.budget.spent:
                 return
             self._accept(part, backlog.popleft())
 
     # -- delivery ------------------------------------------------------------------------
 
+    def drop_stale(self, delivery: Delivery) -> bool:
+        """True when a ready message is stale (revoked, or cut from the log): a worker drops
+        it, and its bytes are given back here."""
+        if delivery.stale:
+            self._release(delivery)
+            return True
+        return False
+
     def begin(self, delivery: Delivery) -> bool:
-        """A worker is about to push ``delivery``; False when it is stale (skip it)."""
-        if delivery.stale or delivery.part.leaving:
+        """A worker is about to push ``delivery``; False when it must be skipped: it is
+        stale (its bytes are given back), or its partition is leaving (a revoke returns the
+        partition's bytes)."""
+        if self.drop_stale(delivery) or delivery.part.leaving:
             return False
         delivery.part.calls += 1
         if self._watch:
@@ -512,6 +583,8 @@ class PartitionSet:
         if delivery.stale:
             self._release(delivery)
             return None
+        if result.alone:
+            delivery.alone = True
         decision = decide(
             delivery.counted_here,
             delivery.uncounted,
@@ -568,17 +641,15 @@ class PartitionSet:
 
         def requeue() -> None:
             part.timers.discard(handle)
-            if self._watch and delivery.offset in part.retrying:
-                del part.retrying[delivery.offset]
-            if delivery.stale:
+            del part.retrying[delivery.offset]  # a cut or an unblock would have cancelled us
+            if delivery.stale:  # (revoked: forget() cancels the timers too)
                 self._release(delivery)
             else:
                 self._emit(delivery)
 
         handle = self._schedule(delay_s, requeue)
         part.timers.add(handle)
-        if self._watch:
-            part.retrying[delivery.offset] = (delivery, handle)
+        part.retrying[delivery.offset] = (delivery, handle)
 
     def unblock(self, now_s: float) -> list[tuple[Delivery, Decision]]:
         """Head-of-line unblocking (``delivery.head_block_ms``), on the caller's clock: each
@@ -673,7 +744,7 @@ class PartitionSet:
         part = delivery.part
         if not part.revoked:  # a revoked partition's bytes were returned by forget()
             part.bytes -= delivery.size
-            self.bytes -= delivery.size
+            part.budget.held -= delivery.size
 
     def _done(self, delivery: Delivery) -> None:
         part = delivery.part
@@ -731,11 +802,11 @@ class PartitionSet:
             holding = bool(part.backlog) or (tracker is not None and tracker.pending > 0)
             want = (
                 (breaker_open and holding)
-                or self.bytes >= self._max_bytes
+                or part.budget.spent
                 or bool(part.backlog)
                 or (tracker is not None and self._full(part))
                 or (part.meta_over_budget and tracker is not None and not tracker.restoring)
-                or part.waiting > 0
+                or bool(part.due)
             )
             if want is not part.paused:
                 (pause if want else resume).append(part.tp)

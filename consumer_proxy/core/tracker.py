@@ -27,9 +27,10 @@ class PartitionTracker:
 
     The committable offset C is the first tracked offset that is not done; when every
     tracked offset is done it is the last tracked offset + 1, and before anything is tracked
-    it is ``committed``. A restored ack state can move C further: past offsets it marks done
-    that have not been fetched again yet. Fetched offsets need not be contiguous (compaction
-    and transaction markers leave gaps); a gap never holds C back. C never goes backwards.
+    it is ``committed``. A restored ack state never moves C past an offset not fetched
+    again (the log may have been cut there); its acks make re-fetched offsets done at once.
+    Fetched offsets need not be contiguous (compaction and transaction markers leave gaps); a
+    gap never holds C back. C never goes backwards.
 
     ``max_in_flight`` does not make :meth:`track` refuse anything: messages already fetched
     must still be tracked. It drives :attr:`is_full`, which tells the caller to pause fetching.
@@ -151,7 +152,7 @@ class PartitionTracker:
         """Return the offset to commit: the first offset that is not known to be done.
 
         That is the first tracked offset that is not done, else the offset after the last
-        tracked one (moved past any offsets a restored state marks done). Amortised O(1):
+        tracked one. Amortised O(1):
         each tracked offset is dropped from the window exactly once.
         """
         offsets = self._offsets
@@ -161,12 +162,11 @@ class PartitionTracker:
             if head in pending:
                 return head
             offsets.popleft()
-        restored = self._restored
-        if restored is None:
-            return self._last + 1
-        # Offsets the restored state marks done need not be fetched again before the commit
-        # moves past them: committing them early is exactly what their acks allowed.
-        return restored.next_pending(self._last + 1)
+        # Never past what was fetched, even where a restored state marks offsets done: an
+        # unclean leader election may have cut the log there since, and only fetching the
+        # offset (and seeing its leader epoch) tells whether its record is still the one the
+        # state describes. Until then the state's acks travel in the metadata.
+        return self._last + 1
 
     @property
     def in_flight(self) -> int:
@@ -249,6 +249,10 @@ class PartitionTracker:
             runs.append(fetched_end - run_start)
         if restored is not None:
             for is_done, length in _segments_from(restored, max(base, fetched_end)):
+                if not runs and is_done:
+                    # C itself is a restored ack not fetched again (C stops at what was
+                    # fetched): the state starts with an empty pending run.
+                    runs.append(0)
                 # Runs alternate, so a run at an odd index is a done run.
                 if is_done == (len(runs) % 2 == 1):
                     runs.append(length)

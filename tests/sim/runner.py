@@ -19,7 +19,20 @@ one breaker record per call). Invariants are checked at every step:
 - with retry tiers (half the seeds of ordering none; tier writes fail while the DLQ is down):
   a source offset is done only once its tier record is written (the commit invariant above,
   since the message counts as done only then), and every tier record is done in the end;
-- in-flight offsets and bytes stay within their bounds;
+- in-flight offsets and bytes stay within their bounds, and each partition's byte count is
+  exactly the sum of the messages still held for it (ready, in a call, in a DLQ or tier
+  write, waiting for a retry or a due time, or behind its key): a message that leaves by any
+  path gives its bytes back;
+- the positions given to ``skip_unfetchable`` are the shell's: re-read now and then, not
+  after every fetch, so they may predate a log cut (a reading numbered as the shell does);
+- an unclean leader election may cut a log while the partition changes hands; librdkafka
+  does not tell the member (it seeks back silently), so the new owner restores an ack state
+  that describes records that are gone;
+- a third of the seeds with retry tiers wait far longer (a minute, an hour) than the run:
+  with a healthy service the source partitions still drain within the drain limit, and the
+  tiers once their records are due;
+- in batch mode a few messages make any batch answer have the wrong length: they end in the
+  DLQ (counted failures once alone), never in an endless uncounted loop;
 - with ``delivery.ordering`` key or partition (a third of the seeds each): no two messages of
   one key (lane) are in flight at once, and a message is pushed only when every earlier
   message of its key in its partition is done (so per-key push order is offset order, a
@@ -67,6 +80,7 @@ TOPIC = "t"
 REDRIVE = "g.redrive"
 TIMEOUT_S = 1.0
 DRAIN_LIMIT_S = 600.0
+BYTE_BUDGET = 1024  # the smallest max_in_flight_bytes the config allows
 
 
 class InvariantViolation(AssertionError):
@@ -97,6 +111,11 @@ class Stats:
     tier_writes: int = 0
     unblocks: int = 0
     unblocks_in_outage: int = 0
+    stale_readings: int = 0  # fetches whose positions were an older reading (as the shell's)
+    silent_truncations: int = 0  # cuts the member was not told of (librdkafka seeks silently)
+    handover_truncations: int = 0  # ... while a restored ack state described the cut range
+    long_tier_schedules: int = 0
+    garbled: int = 0  # messages that make any batch answer have the wrong length
 
 
 @dataclass
@@ -124,7 +143,7 @@ class Member:
         )
         config = DeliveryConfig(
             max_in_flight=sim.max_in_flight,
-            max_in_flight_bytes=1024,
+            max_in_flight_bytes=BYTE_BUDGET,
             max_attempts=5,
             metadata_budget_bytes=budget,
             backoff=BackoffConfig(initial_ms=10, max_ms=500),
@@ -185,11 +204,20 @@ class Simulation:
         self.head_block_ms: int | None = None
         self.max_unblock = 10
         if self.ordering == "none" and tiers.random() < 0.5:
-            self.tier_delays_ms = tiers.choice([[300], [100, 800], [50, 200, 1000]])
+            # A third wait far longer than the run: their records sit in the tiers' budget.
+            self.tier_delays_ms = tiers.choice(
+                [[300], [100, 800], [50, 200, 1000], [60_000], [500, 3_600_000], [600_000]]
+            )
             self.in_memory_attempts = tiers.choice([1, 2])
             self.head_block_ms = tiers.choice([None, 300, 1500])
             self.max_unblock = tiers.choice([1, 10])
         self.stats.tier_schedules = bool(self.tier_delays_ms)
+        self.stats.long_tier_schedules = max(self.tier_delays_ms, default=0) >= 60_000
+        # Values: small, or large enough that a few messages fill the byte budget.
+        self.value_max = random.Random(f"values:{seed}").choice([40, 300])
+        # The shell's position readings (re-read every so often, numbered from 1).
+        self.reading = 0
+        self.positions: dict[TP, int] = {}
         self.tier_tps: list[TP] = [
             (f"g.retry.{n}", p)
             for n in range(1, len(self.tier_delays_ms) + 1)
@@ -226,7 +254,14 @@ class Simulation:
             state = decode(metadata)
             for o in range(state.base, state.end):
                 found = log.records.get(o)
-                if state.is_done(o) and found is not None and found.ident not in truth.done:
+                if (
+                    state.is_done(o)
+                    and found is not None
+                    and found.ident not in truth.done
+                    # A record written after a cut has a later leader epoch than the state:
+                    # a reader drops the state when it fetches it (``saw_epoch``).
+                    and not (state.epoch is not None and log.epochs[o] > state.epoch)
+                ):
                     self.fail(
                         f"commit metadata of {tp} marks offset {o} done (message {found.ident})"
                     )
@@ -272,13 +307,51 @@ class Simulation:
                 f"(message {first[1]}) of its key is done ({self.ordering} ordering)"
             )
 
+    def check_bytes(self) -> None:
+        """Each owned partition's byte count is exactly the sum of the messages still held
+        for it, wherever they are; each budget is the sum of its partitions' counts."""
+        member = self.member
+        core = member.core
+        held: dict[int, Delivery] = {}
+        places: list[Sequence[Delivery]] = [
+            member.ready,
+            # (a call whose message was moved aside goes on, but the message is the write's)
+            [d for call in member.calls for d in call if not d.moved],
+            list(member.dlq_writes),
+        ]
+        for part in core.parts.values():
+            places.append([d for d, _ in part.retrying.values()])
+            places.append([d for d, _ in part.due.values()])
+            if part.gate is not None:
+                places.append(list(part.gate.waiting_items()))
+        for place in places:
+            for delivery in place:
+                held[id(delivery)] = delivery
+        sums: dict[int, int] = {}
+        for delivery in held.values():
+            sums[id(delivery.part)] = sums.get(id(delivery.part), 0) + delivery.size
+        budgets = {id(budget): 0 for budget in core.budgets}
+        for part in core.parts.values():
+            if part.bytes != sums.get(id(part), 0):
+                self.fail(
+                    f"{part.tp} counts {part.bytes} bytes but its messages still held add up "
+                    f"to {sums.get(id(part), 0)} (a message left without giving them back)"
+                )
+            budgets[id(part.budget)] += part.bytes
+        if any(budget.held != budgets[id(budget)] for budget in core.budgets):
+            self.fail(f"the budgets ({core.bytes} bytes) are not the sum of their partitions'")
+
     def check_bounds(self) -> None:
         core = self.member.core
         for part in core.parts.values():
             if part.tracker is not None and part.tracker.in_flight > self.max_in_flight:
                 self.fail(f"{part.tp} holds {part.tracker.in_flight} offsets in flight")
-        if core.bytes > 1024 + 64:
-            self.fail(f"{core.bytes} bytes held over the 1024-byte budget")
+        # Each budget may be passed by the message that crossed it (keys, values, the id).
+        slack = self.value_max + 16
+        for budget in core.budgets:
+            if budget.held > BYTE_BUDGET + slack:
+                self.fail(f"{budget.held} bytes held over the {BYTE_BUDGET}-byte budget")
+        self.check_bytes()
         if len(self.member.calls) > self.concurrency:
             self.fail(f"{len(self.member.calls)} calls over concurrency {self.concurrency}")
         held = 0
@@ -355,10 +428,14 @@ class Simulation:
                 if x < 0.12
                 else "ok"
             )
+            if self.batch is not None and behaviour == "ok" and r() < 0.01:
+                behaviour = "garbled"  # any batch answer with it has one result too few
+                self.stats.garbled += 1
             # No keys in none mode: its schedules stay those of the seeds before ordering
             # existed (a key's bytes count towards the byte budget, which moves pauses).
             key = self.key_rng.choice(self.keys) if self.ordering != "none" else None
-            msg = Msg(self.next_ident, behaviour, key=key, value=b"v" * self.rng.randint(0, 40))
+            value = b"v" * self.rng.randint(0, self.value_max)
+            msg = Msg(self.next_ident, behaviour, key=key, value=value)
             self.truth.behaviour[msg.ident] = behaviour
             self.next_ident += 1
             self.logs[tp].append(msg, gap=1 if r() < 0.05 else 0)
@@ -371,8 +448,13 @@ class Simulation:
         core = self.member.core
         for record in self.consumer.fetch(self.rng, 5):
             core.intake(record)
-        positions = {tp: self.consumer.position[tp] for tp in self.consumer.assigned}
-        core.skip_unfetchable(positions)
+        # The shell re-reads positions every so often (right after a fetch), not after each.
+        if self.rng.random() < 0.4 or not self.reading:
+            self.reading += 1
+            self.positions = {tp: self.consumer.position[tp] for tp in self.consumer.assigned}
+        else:
+            self.stats.stale_readings += 1
+        core.skip_unfetchable(self.positions, self.reading)
         for delivery, decision in core.unblock(self.clock.now):
             self.stats.unblocks += 1
             ident = int(dict(delivery.headers)["id"])
@@ -393,7 +475,7 @@ class Simulation:
             if not allowed:
                 return
             if self.batch is not None:
-                batch = take(member.ready, self.batch)
+                batch = take(member.ready, self.batch, member.core.drop_stale)
                 began = [d for d in batch if member.core.begin(d)]
                 if not began:
                     if probe:
@@ -456,11 +538,14 @@ class Simulation:
                         reason=code.name,
                     )
                 )
-            if rng.random() < 0.03:  # a buggy service: one result too few or too many
+            if count > 1 and rng.random() < 0.03:  # a glitch: one result too few or too many
                 if answers and rng.random() < 0.5:
                     answers.pop()
                 else:
                     answers.append(handler_pb2.HandleMessageResponse())
+                self.stats.protocol_errors += 1
+            elif any(self.truth.behaviour[i] == "garbled" for i in idents):
+                answers.pop()  # a message the service's batch code always mishandles
                 self.stats.protocol_errors += 1
             outcome = classify_batch(
                 self.classifier, handler_pb2.HandleMessageBatchResponse(results=answers), count
@@ -517,9 +602,11 @@ class Simulation:
             past_tiers = bool(self.tier_delays_ms) and (
                 "last retry tier" in decision.reason or "blocked the head" in decision.reason
             )
-            flaky = truth.behaviour[ident].startswith("flaky:")
+            # A garbled message's broken answer, once alone, is its own counted failure (its
+            # last one may be a deadline charged at the start of a hang, as a timeout's).
             if not (
-                truth.behaviour[ident].startswith(("poison", "timeout:")) or (past_tiers and flaky)
+                truth.behaviour[ident].startswith(("poison", "timeout:", "garbled"))
+                or (past_tiers and truth.behaviour[ident].startswith("flaky:"))
             ):
                 self.fail(f"message {ident} ({truth.behaviour[ident]}) dead-lettered")
             self._write_dlq(delivery, ident)
@@ -531,7 +618,7 @@ class Simulation:
             charged_deadline = (
                 decision.reason == "deadline" or "blocked the head" in decision.reason
             )
-            if not truth.behaviour[ident].startswith(("flaky:", "timeout:")) and not (
+            if not truth.behaviour[ident].startswith(("flaky:", "timeout:", "garbled")) and not (
                 charged_deadline
             ):
                 self.fail(f"message {ident} ({truth.behaviour[ident]}) moved to a retry tier")
@@ -645,6 +732,20 @@ class Simulation:
         self._revoke(tps)
         self._assign(tps)  # cooperative-sticky: the same member gets them back
         self.stats.rebalances += 1
+        self._maybe_cut_at_handover(tps)
+
+    def _maybe_cut_at_handover(self, tps: Sequence[TP]) -> None:
+        """An unclean election while the partition changes hands: its new owner restores
+        an ack state that may describe records that are gone (it is not told)."""
+        if self.rng.random() < 0.3:
+            tp = self.rng.choice([tp for tp in tps if tp in self.tps] or self.tps)
+            committed, meta = self.commits.get(tp, (0, ""))
+            cut = None
+            top = min(decode(meta).end, self.logs[tp].end) - 1 if meta else committed
+            if top > committed:  # cut inside the range the restored state describes
+                cut = self.rng.randint(committed + 1, top)
+            if self.truncate(tp, cut):
+                self.stats.handover_truncations += 1
 
     def restart(self, crash: bool) -> None:
         if crash:
@@ -658,15 +759,21 @@ class Simulation:
             timer.cancel()
         self.consumer = Consumer(self.logs, self.commits)  # a new process: no pause flags
         self.member = Member(self, self.rng.choice([64, 4000]))
+        self.reading = 0  # ... and its own position readings
+        self.positions = {}
         self._assign(self.all_tps)
+        self._maybe_cut_at_handover(self.tps)
 
-    def truncate(self) -> None:
-        tp = self.rng.choice(self.tps)
+    def truncate(self, tp: TP | None = None, cut: int | None = None) -> bool:
+        """An unclean leader election cuts ``tp``'s log (at ``cut``, or anywhere at or above
+        its commit); False when there is nothing above the commit to cut."""
+        tp = tp or self.rng.choice(self.tps)
         log = self.logs[tp]
         floor = self.commits.get(tp, (0, ""))[0]
         if log.end <= floor:
-            return
-        cut = self.rng.randint(floor, log.end - 1)
+            return False
+        if cut is None or not floor <= cut < log.end:
+            cut = self.rng.randint(floor, log.end - 1)
         for msg in log.truncate(cut):
             self.truth.done.discard(msg.ident)  # gone: no longer owed to anyone
         for lane, entries in self.lanes.items():
@@ -675,10 +782,19 @@ class Simulation:
                 self.lane_head[lane] = 0
         self.consumer.truncated(tp, cut)
         self._allow_dups(tp)  # the ack state above the fetch position is dropped
-        # librdkafka raises _LOG_TRUNCATION to the app; the shell reads the position then.
-        self.member.core.truncated(tp, self.consumer.position.get(tp))
+        part = self.member.core.parts.get(tp)
+        if part is None or cut >= part.received_end:
+            # librdkafka validates the position against the new leader's epochs and seeks
+            # back without telling the application: the member learns of the cut from the
+            # leader epochs (and offsets) of the records it fetches there.
+            self.stats.silent_truncations += 1
+        else:
+            # A cut below what the member received: told here, as the shell's
+            # _LOG_TRUNCATION path (the position is read then).
+            self.member.core.truncated(tp, self.consumer.position.get(tp))
         self.reset_tps.add(tp)
         self.stats.truncations += 1
+        return True
 
     # -- schedule ------------------------------------------------------------------------
 
@@ -708,24 +824,48 @@ class Simulation:
         self.dispatch()
         self.check_bounds()
 
+    def _drained(self, tps: Sequence[TP]) -> bool:
+        return all(self.commits.get(tp, (0, ""))[0] >= self.logs[tp].end for tp in tps)
+
+    def _lag(self) -> dict[TP, tuple[int, int]]:
+        return {tp: (self.commits.get(tp, (0, ""))[0], self.logs[tp].end) for tp in self.all_tps}
+
     def drain(self) -> None:
-        """Heal everything and require every partition to drain in bounded virtual time."""
+        """Heal everything and require every partition to drain in bounded virtual time: the
+        source partitions within DRAIN_LIMIT_S whatever the retry tiers hold (records waiting
+        an hour for their due time must not hold the source back), the tiers once their
+        records are due too. While nothing is under way the clock jumps to the next timer."""
         self.outage = None
         self.dlq_down = False
         if not self.consumer.assigned:
             self._assign(self.all_tps)
-        deadline = self.clock.now + DRAIN_LIMIT_S
+        source_deadline = self.clock.now + DRAIN_LIMIT_S
+        # (a message may go through every tier after the source drained)
+        deadline = source_deadline + sum(self.tier_delays_ms) / 1000.0 + DRAIN_LIMIT_S
+        sources_drained = False
         while self.clock.now < deadline:
             self.fetch()
             self.dispatch()
             self.commit()
-            if all(self.commits.get(tp, (0, ""))[0] >= self.logs[tp].end for tp in self.all_tps):
+            if self._drained(self.all_tps):
                 break
-            self.clock.run_until(self.clock.now + 0.05)
+            if not sources_drained:
+                sources_drained = self._drained(self.tps)
+                if not sources_drained and self.clock.now >= source_deadline:
+                    self.fail(
+                        f"source partitions did not drain in {DRAIN_LIMIT_S:.0f}s "
+                        f"(tier delays {self.tier_delays_ms} ms): (committed, end) {self._lag()}"
+                    )
+            step = 0.05
+            member = self.member
+            if not (member.ready or member.calls or member.dlq_writes):
+                due = self.clock.next_due()
+                if due is not None:
+                    step = max(step, min(due - self.clock.now, 60.0))
+            self.clock.run_until(self.clock.now + step)
             self.check_bounds()
         else:
-            lag = {tp: (self.commits.get(tp, (0, ""))[0], self.logs[tp].end) for tp in self.all_tps}
-            self.fail(f"partitions did not drain in {DRAIN_LIMIT_S:.0f}s: (committed, end) {lag}")
+            self.fail(f"partitions did not drain in time: (committed, end) {self._lag()}")
         for tp, log in self.logs.items():
             for o, msg in log.records.items():
                 if msg.ident not in self.truth.done:
