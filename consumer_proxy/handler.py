@@ -341,9 +341,11 @@ def _status_result(code: grpc.StatusCode, details: str) -> handler_pb2.HandleMes
 
 
 def _truncate(text: str, limit: int = MAX_REASON_BYTES) -> str:
-    raw = text.encode()
+    # "replace": a lone surrogate (no UTF-8 form, e.g. from os.fsdecode) becomes "?" instead
+    # of failing the answer; protobuf and gRPC take only valid UTF-8 as text.
+    raw = text.encode("utf-8", "replace")
     if len(raw) <= limit:
-        return text
+        return raw.decode()
     return raw[:limit].decode(errors="ignore")
 
 
@@ -391,6 +393,10 @@ async def _call_handler(handle: HandlerFunc, message: Message) -> Result | None:
     return result
 
 
+def _response(result: Result | None) -> handler_pb2.HandleMessageResponse:
+    return handler_pb2.HandleMessageResponse() if result is None else result.to_proto()
+
+
 def _where(message: Message) -> str:
     return f"{message.topic}[{message.partition}]@{message.offset}"
 
@@ -408,7 +414,7 @@ class _MessageHandlerServicer(handler_pb2_grpc.MessageHandlerServicer):
     ) -> handler_pb2.HandleMessageResponse:
         message = Message.from_proto(request.message)
         code, details = grpc.StatusCode.OK, ""
-        result: Result | None = None
+        response = handler_pb2.HandleMessageResponse()
         with self._admit() as admitted:
             if not admitted:
                 code = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -416,6 +422,7 @@ class _MessageHandlerServicer(handler_pb2_grpc.MessageHandlerServicer):
             else:
                 try:
                     result = await _call_handler(self._handle, message)
+                    response = _response(result)
                 except HandlerError as exc:
                     log.debug("%s: handler raised %r", _where(message), exc)
                     code, details = exc.code, exc.message
@@ -424,7 +431,7 @@ class _MessageHandlerServicer(handler_pb2_grpc.MessageHandlerServicer):
                     code, details = grpc.StatusCode.INTERNAL, _describe(exc)
         if code != grpc.StatusCode.OK:
             await context.abort(code, _truncate(details))
-        return handler_pb2.HandleMessageResponse() if result is None else result.to_proto()
+        return response
 
     async def HandleMessageBatch(
         self, request: handler_pb2.HandleMessageBatchRequest, context: Any
@@ -443,15 +450,16 @@ class _MessageHandlerServicer(handler_pb2_grpc.MessageHandlerServicer):
         raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
     async def _batch_item(self, message: Message) -> handler_pb2.HandleMessageResponse:
+        # Never raises (but for cancellation): an exception escaping here would fail every
+        # message of the batch through the task group.
         try:
-            result = await _call_handler(self._handle, message)
+            return _response(await _call_handler(self._handle, message))
         except HandlerError as exc:
             log.debug("%s: handler raised %r", _where(message), exc)
             return _status_result(exc.code, exc.message)
         except Exception as exc:
             log.exception("%s: handler failed", _where(message))
             return _status_result(grpc.StatusCode.INTERNAL, _describe(exc))
-        return handler_pb2.HandleMessageResponse() if result is None else result.to_proto()
 
     @contextlib.contextmanager
     def _admit(self) -> Iterator[bool]:
