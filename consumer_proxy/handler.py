@@ -73,6 +73,7 @@ from grpc_health.v1.health import aio as health_aio
 from consumer_proxy.proto.v1 import handler_pb2, handler_pb2_grpc
 
 __all__ = [
+    "DEFAULT_MAX_REQUEST_BYTES",
     "SERVICE_NAME",
     "Action",
     "AlreadyProcessed",
@@ -102,6 +103,14 @@ SERVICE_NAME: Final = "consumerproxy.v1.MessageHandler"
 
 MAX_REASON_BYTES: Final = 1024
 """Reasons and error details are cut to this many UTF-8 bytes (the DLQ keeps at most 1 KiB)."""
+
+DEFAULT_MAX_REQUEST_BYTES: Final = 128 * 1024 * 1024
+"""The largest request a :class:`Server` accepts unless told otherwise (gRPC's own default is
+4 MiB). It covers the proxy's largest batch (``batch.max_bytes`` up to 64 MiB of message
+bytes, plus each message's coordinates) and any record a broker with the default
+``socket.request.max.bytes`` (100 MiB) can store. It is a ceiling, not an allocation."""
+
+_MAX_GRPC_LENGTH: Final = 2**31 - 1
 
 Source: TypeAlias = Literal["primary", "redrive", "retry"]
 """Where a delivery comes from: the group's topics, merged back from its DLQ, or one of its
@@ -488,6 +497,13 @@ class Server:
     proxy retries them later and slows the group down) instead of queueing them behind the
     proxy's deadline; a batch call counts as one call. ``credentials`` (from
     ``grpc.ssl_server_credentials``) serves TLS / mTLS instead of plaintext.
+
+    ``max_request_bytes`` is the largest call (one message, or one batch) the server accepts,
+    :data:`DEFAULT_MAX_REQUEST_BYTES` by default; keep it above the group's largest record and
+    its ``batch.max_bytes``. A larger call is refused by gRPC before the handler sees it
+    (RESOURCE_EXHAUSTED, "Received message larger than max"); the proxy retries the message
+    as "message too large for the service", counted, and dead-letters it after
+    ``max_attempts``.
     """
 
     def __init__(
@@ -499,9 +515,15 @@ class Server:
         max_concurrency: int | None = None,
         credentials: grpc.ServerCredentials | None = None,
         grace_s: float = 5.0,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     ) -> None:
         if max_concurrency is not None and max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        if not 1 <= max_request_bytes <= _MAX_GRPC_LENGTH:
+            raise ValueError(
+                f"max_request_bytes must be from 1 to {_MAX_GRPC_LENGTH}, got {max_request_bytes}"
+            )
+        self._max_request_bytes = max_request_bytes
         self._servicer = _MessageHandlerServicer(_as_function(handler), max_concurrency)
         self._requested_port = port
         self._host = host
@@ -531,7 +553,12 @@ class Server:
         if self._server is not None:
             raise RuntimeError("the server was already started")
         # so_reuseport=0: a second instance on a taken port fails instead of sharing it.
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_receive_message_length", self._max_request_bytes),
+            ]
+        )
         handler_pb2_grpc.add_MessageHandlerServicer_to_server(self._servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         target = f"{self._host}:{self._requested_port}"
@@ -605,6 +632,7 @@ async def serve(
     max_concurrency: int | None = None,
     credentials: grpc.ServerCredentials | None = None,
     grace_s: float = 5.0,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> Server:
     """Start serving ``handler`` and return the started :class:`Server`.
 
@@ -618,6 +646,7 @@ async def serve(
         max_concurrency=max_concurrency,
         credentials=credentials,
         grace_s=grace_s,
+        max_request_bytes=max_request_bytes,
     )
     return await server.start()
 
@@ -630,6 +659,7 @@ def run(
     max_concurrency: int | None = None,
     credentials: grpc.ServerCredentials | None = None,
     grace_s: float = 5.0,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> None:
     """Serve ``handler`` until SIGINT or SIGTERM, then stop gracefully and return.
 
@@ -645,6 +675,7 @@ def run(
                 max_concurrency=max_concurrency,
                 credentials=credentials,
                 grace_s=grace_s,
+                max_request_bytes=max_request_bytes,
             )
         )
     )

@@ -350,6 +350,53 @@ async def test_a_reason_with_a_lone_surrogate_is_answered_in_a_unary_call() -> N
     assert (response.action, response.reason) == (Response.DEAD_LETTER, "bad byte ? here")
 
 
+# -------------------------------------------------------------------------- large calls
+
+MIB = 1024 * 1024
+
+
+def sizes(seen: list[int]) -> Callable[[cp.Message], Awaitable[None]]:
+    async def record(message: cp.Message) -> None:
+        seen.append(len(message.value or b""))
+
+    return record
+
+
+async def test_a_5_mib_record_reaches_the_handler_by_default_alone_and_in_a_batch() -> None:
+    # gRPC's own default would refuse anything over 4 MiB before the handler saw it
+    seen: list[int] = []
+    big = b"x" * (5 * MIB)
+    async with serving(sizes(seen)) as (_server, stub):
+        response = await stub.HandleMessage(request(value=big), timeout=30)
+        batch = await stub.HandleMessageBatch(
+            handler_pb2.HandleMessageBatchRequest(
+                messages=[wire_message(offset, value=big) for offset in range(3)]
+            ),
+            timeout=30,
+        )
+    assert response == Response()
+    assert [r.status_code for r in batch.results] == [0, 0, 0]
+    assert seen == [5 * MIB] * 4
+
+
+async def test_max_request_bytes_refuses_a_larger_call_before_the_handler() -> None:
+    seen: list[int] = []
+    async with serving(sizes(seen), max_request_bytes=64 * 1024) as (_server, stub):
+        fits = await stub.HandleMessage(request(value=b"x" * 60_000), timeout=5)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.HandleMessage(request(value=b"x" * 70_000), timeout=5)
+    assert fits == Response()
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "Received message larger than max" in (caught.value.details() or "")
+    assert seen == [60_000]
+
+
+@pytest.mark.parametrize("size", [0, -1, 2**31])
+def test_max_request_bytes_must_be_a_grpc_length(size: int) -> None:
+    with pytest.raises(ValueError, match="max_request_bytes"):
+        cp.Server(acks, max_request_bytes=size)
+
+
 # -------------------------------------------------------------------------- serving
 
 
