@@ -38,7 +38,13 @@ handler                           wire                   proxy outcome
                                                          are outages like UNAVAILABLE)
 any other exception               INTERNAL               RETRY, counted; logged with its
                                   ("TypeName: text")     traceback here
+(a call over max_request_bytes,   RESOURCE_EXHAUSTED     RETRY, counted, as "message too
+refused before the handler runs)  ("Received message     large for the service"; no slow-down
+                                  larger than max")      nor breaker failure
 ================================  =====================  ====================================
+
+Reasons and error texts are cut to 1 KiB of UTF-8; a lone surrogate in them (text that has no
+UTF-8 form) is sent as ``?`` rather than failing the answer.
 
 ``HandleMessageBatch`` is served too: it calls the handler concurrently for every message of
 the batch and answers one result per message, in order. A raised error becomes that message's
