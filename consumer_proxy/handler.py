@@ -38,7 +38,13 @@ handler                           wire                   proxy outcome
                                                          are outages like UNAVAILABLE)
 any other exception               INTERNAL               RETRY, counted; logged with its
                                   ("TypeName: text")     traceback here
+(a call over max_request_bytes,   RESOURCE_EXHAUSTED     RETRY, counted, as "message too
+refused before the handler runs)  ("Received message     large for the service"; no slow-down
+                                  larger than max")      nor breaker failure
 ================================  =====================  ====================================
+
+Reasons and error texts are cut to 1 KiB of UTF-8; a lone surrogate in them (text that has no
+UTF-8 form) is sent as ``?`` rather than failing the answer.
 
 ``HandleMessageBatch`` is served too: it calls the handler concurrently for every message of
 the batch and answers one result per message, in order. A raised error becomes that message's
@@ -73,6 +79,7 @@ from grpc_health.v1.health import aio as health_aio
 from consumer_proxy.proto.v1 import handler_pb2, handler_pb2_grpc
 
 __all__ = [
+    "DEFAULT_MAX_REQUEST_BYTES",
     "SERVICE_NAME",
     "Action",
     "AlreadyProcessed",
@@ -102,6 +109,14 @@ SERVICE_NAME: Final = "consumerproxy.v1.MessageHandler"
 
 MAX_REASON_BYTES: Final = 1024
 """Reasons and error details are cut to this many UTF-8 bytes (the DLQ keeps at most 1 KiB)."""
+
+DEFAULT_MAX_REQUEST_BYTES: Final = 128 * 1024 * 1024
+"""The largest request a :class:`Server` accepts unless told otherwise (gRPC's own default is
+4 MiB). It covers the proxy's largest batch (``batch.max_bytes`` up to 64 MiB of message
+bytes, plus each message's coordinates) and any record a broker with the default
+``socket.request.max.bytes`` (100 MiB) can store. It is a ceiling, not an allocation."""
+
+_MAX_GRPC_LENGTH: Final = 2**31 - 1
 
 Source: TypeAlias = Literal["primary", "redrive", "retry"]
 """Where a delivery comes from: the group's topics, merged back from its DLQ, or one of its
@@ -341,9 +356,11 @@ def _status_result(code: grpc.StatusCode, details: str) -> handler_pb2.HandleMes
 
 
 def _truncate(text: str, limit: int = MAX_REASON_BYTES) -> str:
-    raw = text.encode()
+    # "replace": a lone surrogate (no UTF-8 form, e.g. from os.fsdecode) becomes "?" instead
+    # of failing the answer; protobuf and gRPC take only valid UTF-8 as text.
+    raw = text.encode("utf-8", "replace")
     if len(raw) <= limit:
-        return text
+        return raw.decode()
     return raw[:limit].decode(errors="ignore")
 
 
@@ -391,6 +408,10 @@ async def _call_handler(handle: HandlerFunc, message: Message) -> Result | None:
     return result
 
 
+def _response(result: Result | None) -> handler_pb2.HandleMessageResponse:
+    return handler_pb2.HandleMessageResponse() if result is None else result.to_proto()
+
+
 def _where(message: Message) -> str:
     return f"{message.topic}[{message.partition}]@{message.offset}"
 
@@ -408,7 +429,7 @@ class _MessageHandlerServicer(handler_pb2_grpc.MessageHandlerServicer):
     ) -> handler_pb2.HandleMessageResponse:
         message = Message.from_proto(request.message)
         code, details = grpc.StatusCode.OK, ""
-        result: Result | None = None
+        response = handler_pb2.HandleMessageResponse()
         with self._admit() as admitted:
             if not admitted:
                 code = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -416,6 +437,7 @@ class _MessageHandlerServicer(handler_pb2_grpc.MessageHandlerServicer):
             else:
                 try:
                     result = await _call_handler(self._handle, message)
+                    response = _response(result)
                 except HandlerError as exc:
                     log.debug("%s: handler raised %r", _where(message), exc)
                     code, details = exc.code, exc.message
@@ -424,7 +446,7 @@ class _MessageHandlerServicer(handler_pb2_grpc.MessageHandlerServicer):
                     code, details = grpc.StatusCode.INTERNAL, _describe(exc)
         if code != grpc.StatusCode.OK:
             await context.abort(code, _truncate(details))
-        return handler_pb2.HandleMessageResponse() if result is None else result.to_proto()
+        return response
 
     async def HandleMessageBatch(
         self, request: handler_pb2.HandleMessageBatchRequest, context: Any
@@ -443,15 +465,16 @@ class _MessageHandlerServicer(handler_pb2_grpc.MessageHandlerServicer):
         raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
     async def _batch_item(self, message: Message) -> handler_pb2.HandleMessageResponse:
+        # Never raises (but for cancellation): an exception escaping here would fail every
+        # message of the batch through the task group.
         try:
-            result = await _call_handler(self._handle, message)
+            return _response(await _call_handler(self._handle, message))
         except HandlerError as exc:
             log.debug("%s: handler raised %r", _where(message), exc)
             return _status_result(exc.code, exc.message)
         except Exception as exc:
             log.exception("%s: handler failed", _where(message))
             return _status_result(grpc.StatusCode.INTERNAL, _describe(exc))
-        return handler_pb2.HandleMessageResponse() if result is None else result.to_proto()
 
     @contextlib.contextmanager
     def _admit(self) -> Iterator[bool]:
@@ -480,6 +503,13 @@ class Server:
     proxy retries them later and slows the group down) instead of queueing them behind the
     proxy's deadline; a batch call counts as one call. ``credentials`` (from
     ``grpc.ssl_server_credentials``) serves TLS / mTLS instead of plaintext.
+
+    ``max_request_bytes`` is the largest call (one message, or one batch) the server accepts,
+    :data:`DEFAULT_MAX_REQUEST_BYTES` by default; keep it above the group's largest record and
+    its ``batch.max_bytes``. A larger call is refused by gRPC before the handler sees it
+    (RESOURCE_EXHAUSTED, "Received message larger than max"); the proxy retries the message
+    as "message too large for the service", counted, and dead-letters it after
+    ``max_attempts``.
     """
 
     def __init__(
@@ -491,9 +521,15 @@ class Server:
         max_concurrency: int | None = None,
         credentials: grpc.ServerCredentials | None = None,
         grace_s: float = 5.0,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     ) -> None:
         if max_concurrency is not None and max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        if not 1 <= max_request_bytes <= _MAX_GRPC_LENGTH:
+            raise ValueError(
+                f"max_request_bytes must be from 1 to {_MAX_GRPC_LENGTH}, got {max_request_bytes}"
+            )
+        self._max_request_bytes = max_request_bytes
         self._servicer = _MessageHandlerServicer(_as_function(handler), max_concurrency)
         self._requested_port = port
         self._host = host
@@ -523,7 +559,12 @@ class Server:
         if self._server is not None:
             raise RuntimeError("the server was already started")
         # so_reuseport=0: a second instance on a taken port fails instead of sharing it.
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_receive_message_length", self._max_request_bytes),
+            ]
+        )
         handler_pb2_grpc.add_MessageHandlerServicer_to_server(self._servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         target = f"{self._host}:{self._requested_port}"
@@ -597,6 +638,7 @@ async def serve(
     max_concurrency: int | None = None,
     credentials: grpc.ServerCredentials | None = None,
     grace_s: float = 5.0,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> Server:
     """Start serving ``handler`` and return the started :class:`Server`.
 
@@ -610,6 +652,7 @@ async def serve(
         max_concurrency=max_concurrency,
         credentials=credentials,
         grace_s=grace_s,
+        max_request_bytes=max_request_bytes,
     )
     return await server.start()
 
@@ -622,6 +665,7 @@ def run(
     max_concurrency: int | None = None,
     credentials: grpc.ServerCredentials | None = None,
     grace_s: float = 5.0,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> None:
     """Serve ``handler`` until SIGINT or SIGTERM, then stop gracefully and return.
 
@@ -637,6 +681,7 @@ def run(
                 max_concurrency=max_concurrency,
                 credentials=credentials,
                 grace_s=grace_s,
+                max_request_bytes=max_request_bytes,
             )
         )
     )

@@ -179,6 +179,26 @@ def test_the_go_example_acks_retries_dead_letters_and_stops_gracefully(
     assert "stopped: acked=2 retried=1 dead_lettered=1" in log
 
 
+def test_the_go_example_accepts_a_5_mib_record_alone_and_in_a_batch(
+    go_service: GoService,
+) -> None:
+    # Given the Go example, serving with its default limits (gRPC's own would be 4 MiB)
+    big = b"x" * (5 * 1024 * 1024)
+    # When the proxy's own stubs send it a 5 MiB record, then a batch of three
+    with grpc.insecure_channel(go_service.address) as channel:
+        stub = handler_pb2_grpc.MessageHandlerStub(channel)
+        alone = stub.HandleMessage(message(1, big), timeout=30)
+        batch = stub.HandleMessageBatch(
+            handler_pb2.HandleMessageBatchRequest(
+                messages=[message(offset, big).message for offset in (2, 3, 4)]
+            ),
+            timeout=30,
+        )
+    # Then each is acked
+    assert alone == handler_pb2.HandleMessageResponse()
+    assert list(batch.results) == [handler_pb2.HandleMessageResponse()] * 3
+
+
 @pytest.mark.kafka
 async def test_the_go_example_behind_the_proxy_acks_retries_and_dead_letters_through_kafka(
     kafka: Broker, go_service: GoService

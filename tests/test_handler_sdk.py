@@ -294,6 +294,109 @@ async def test_errors_in_a_batch_carry_their_unary_status_and_the_action_it_lead
     assert "orders[3]@4: handler failed" in caplog.text
 
 
+# A lone surrogate is a str that has no UTF-8 form (os.fsdecode of a bad file name, a
+# surrogateescape decode); protobuf and gRPC refuse it as text.
+SURROGATE = "bad byte \udcff here"
+
+
+async def test_one_error_with_a_lone_surrogate_fails_only_its_own_message_in_a_batch() -> None:
+    async def mixed(message: cp.Message) -> cp.Result | None:
+        match message.offset:
+            case 1:
+                raise RuntimeError(SURROGATE)
+            case 2:
+                raise cp.PoisonPill(SURROGATE)
+            case 3:
+                return cp.dead_letter(SURROGATE)
+        return None
+
+    async with serving(mixed) as (_server, stub):
+        response = await stub.HandleMessageBatch(
+            handler_pb2.HandleMessageBatchRequest(
+                messages=[wire_message(offset) for offset in range(5)]
+            ),
+            timeout=5,
+        )
+    code = grpc.StatusCode
+    assert [(r.status_code, r.action, r.reason) for r in response.results] == [
+        (0, Response.ACTION_UNSPECIFIED, ""),
+        (code.INTERNAL.value[0], Response.RETRY, "RuntimeError: bad byte ? here"),
+        (code.INVALID_ARGUMENT.value[0], Response.DEAD_LETTER, "bad byte ? here"),
+        (0, Response.DEAD_LETTER, "bad byte ? here"),
+        (0, Response.ACTION_UNSPECIFIED, ""),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("handler", "code"),
+    [
+        (raising(RuntimeError(SURROGATE)), grpc.StatusCode.INTERNAL),
+        (raising(cp.PoisonPill(SURROGATE)), grpc.StatusCode.INVALID_ARGUMENT),
+    ],
+)
+async def test_an_error_with_a_lone_surrogate_keeps_its_status_in_a_unary_call(
+    handler: cp.HandlerFunc, code: grpc.StatusCode
+) -> None:
+    async with serving(handler) as (_server, stub):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.HandleMessage(request(), timeout=5)
+    assert caught.value.code() == code
+    assert "bad byte ? here" in (caught.value.details() or "")
+
+
+async def test_a_reason_with_a_lone_surrogate_is_answered_in_a_unary_call() -> None:
+    async with serving(answer(cp.dead_letter(SURROGATE))) as (_server, stub):
+        response = await stub.HandleMessage(request(), timeout=5)
+    assert (response.action, response.reason) == (Response.DEAD_LETTER, "bad byte ? here")
+
+
+# -------------------------------------------------------------------------- large calls
+
+MIB = 1024 * 1024
+
+
+def sizes(seen: list[int]) -> Callable[[cp.Message], Awaitable[None]]:
+    async def record(message: cp.Message) -> None:
+        seen.append(len(message.value or b""))
+
+    return record
+
+
+async def test_a_5_mib_record_reaches_the_handler_by_default_alone_and_in_a_batch() -> None:
+    # gRPC's own default would refuse anything over 4 MiB before the handler saw it
+    seen: list[int] = []
+    big = b"x" * (5 * MIB)
+    async with serving(sizes(seen)) as (_server, stub):
+        response = await stub.HandleMessage(request(value=big), timeout=30)
+        batch = await stub.HandleMessageBatch(
+            handler_pb2.HandleMessageBatchRequest(
+                messages=[wire_message(offset, value=big) for offset in range(3)]
+            ),
+            timeout=30,
+        )
+    assert response == Response()
+    assert [r.status_code for r in batch.results] == [0, 0, 0]
+    assert seen == [5 * MIB] * 4
+
+
+async def test_max_request_bytes_refuses_a_larger_call_before_the_handler() -> None:
+    seen: list[int] = []
+    async with serving(sizes(seen), max_request_bytes=64 * 1024) as (_server, stub):
+        fits = await stub.HandleMessage(request(value=b"x" * 60_000), timeout=5)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.HandleMessage(request(value=b"x" * 70_000), timeout=5)
+    assert fits == Response()
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "Received message larger than max" in (caught.value.details() or "")
+    assert seen == [60_000]
+
+
+@pytest.mark.parametrize("size", [0, -1, 2**31])
+def test_max_request_bytes_must_be_a_grpc_length(size: int) -> None:
+    with pytest.raises(ValueError, match="max_request_bytes"):
+        cp.Server(acks, max_request_bytes=size)
+
+
 # -------------------------------------------------------------------------- serving
 
 

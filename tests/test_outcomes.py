@@ -62,6 +62,38 @@ def test_resource_exhausted_slows_the_group_down() -> None:
 
 
 @pytest.mark.parametrize(
+    "details",
+    [
+        "SERVER: Received message larger than max (5242892 vs. 4194304)",  # Python, C-core
+        "CLIENT: Sent message larger than max (5242892 vs. 4194304)",
+        "grpc: received message larger than max (5242892 vs. 4194304)",  # Go server
+        "grpc: trying to send message larger than max (5242892 vs. 4194304)",  # Go client
+        "gRPC message exceeds maximum size 4194304: 5242892",  # Java
+        "Received message exceeds the maximum configured message size.",  # .NET
+    ],
+)
+@pytest.mark.parametrize("overrides", [{}, {"RESOURCE_EXHAUSTED": "outage"}])
+def test_a_message_too_large_for_the_service_is_counted_with_its_own_reason_not_slowed_or_broken(
+    details: str, overrides: dict[str, str]
+) -> None:
+    result = Classifier(overrides).from_status(C.RESOURCE_EXHAUSTED, details)
+    assert (result.outcome, result.counted, result.service_failure, result.slow_down) == (
+        Outcome.RETRY,
+        True,
+        False,
+        False,
+    )
+    assert result.status == "RESOURCE_EXHAUSTED"
+    assert result.reason == f"message too large for the service: {details}"
+
+
+def test_an_overload_is_not_taken_for_a_message_too_large() -> None:
+    result = Classifier().from_status(C.RESOURCE_EXHAUSTED, "over max_concurrency=10")
+    assert result.slow_down
+    assert result.reason == "over max_concurrency=10"
+
+
+@pytest.mark.parametrize(
     ("response", "outcome"),
     [
         (Response(), Outcome.ACK),

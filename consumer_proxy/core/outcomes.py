@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import random
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -93,6 +94,15 @@ _ACTIONS: Mapping[int, Outcome] = {
     handler_pb2.HandleMessageResponse.DROP: Outcome.DROP,
 }
 _ACK = Classification(Outcome.ACK, "OK")
+
+TOO_LARGE_REASON = "message too large for the service"
+"""How a reason starts when gRPC refused a call as larger than a size limit."""
+# How gRPC words a RESOURCE_EXHAUSTED for a size limit: C-core and Python ("SERVER: Received
+# message larger than max (N vs. M)", "CLIENT: Sent message larger than max ..."), Go
+# ("grpc: received message larger than max ...", "trying to send message larger than max
+# ..."), Node, Java ("gRPC message exceeds maximum size N: M"), .NET ("Received message
+# exceeds the maximum configured message size.").
+_TOO_LARGE = re.compile(r"message (?:larger than max|exceeds (?:the )?maximum)", re.IGNORECASE)
 _CODES: Mapping[int, grpc.StatusCode] = {
     code.value[0]: code for code in grpc.StatusCode if code is not grpc.StatusCode.OK
 }
@@ -121,7 +131,18 @@ class Classifier:
         return rule
 
     def from_status(self, code: grpc.StatusCode, details: str | None = None) -> Classification:
-        """Classify a failed call (``code`` is never OK here)."""
+        """Classify a failed call (``code`` is never OK here).
+
+        A RESOURCE_EXHAUSTED whose details say a size limit refused the call is not an
+        overload: the message is at fault, or the service's limit is too low for it. It is
+        retried and counted, with no slow-down and no breaker failure (the status table's
+        row and its override do not apply), its reason starting with
+        :data:`TOO_LARGE_REASON`, and so dead-lettered after ``max_attempts``.
+        """
+        if code == _C.RESOURCE_EXHAUSTED and details and _TOO_LARGE.search(details):
+            return Classification(
+                Outcome.RETRY, code.name, reason=clip_reason(f"{TOO_LARGE_REASON}: {details}")
+            )
         rule = self.rule(code)
         return Classification(
             rule.outcome,

@@ -3,7 +3,13 @@
 // messages, retries a "flaky" one once, dead-letters a "poison" one, and serves
 // grpc.health.v1 so the proxy can take an instance out of rotation.
 //
-//	go run . -port 50051 [-host 127.0.0.1] [-poison poison] [-flaky flaky]
+//	go run . -port 50051 [-host 127.0.0.1] [-poison poison] [-flaky flaky] [-max-request-bytes N]
+//
+// gRPC's default receive limit is 4 MiB; the server takes calls up to -max-request-bytes
+// (128 MiB by default, like the Python SDK), so that a large record, or a batch up to the
+// group's batch.max_bytes, reaches the handler instead of being refused as
+// RESOURCE_EXHAUSTED (which the proxy retries as "message too large for the service" and
+// dead-letters after max_attempts).
 //
 // The port may also come from the PORT environment variable; -port 0 picks a free port. The
 // address is logged as "serving on HOST:PORT". SIGINT or SIGTERM stops it gracefully: health
@@ -26,6 +32,11 @@ import (
 	cpv1 "github.com/consumer-proxy/consumer-proxy/examples/go/gen/consumerproxy/v1"
 )
 
+// defaultMaxRequestBytes covers the proxy's largest batch (batch.max_bytes up to 64 MiB of
+// message bytes, plus each message's coordinates) and any record a broker with the default
+// socket.request.max.bytes (100 MiB) can store.
+const defaultMaxRequestBytes = 128 << 20
+
 func main() {
 	log.SetFlags(log.LstdFlags | log.Lmicroseconds)
 	defaultPort := 50051
@@ -36,6 +47,8 @@ func main() {
 	port := flag.Int("port", defaultPort, "port to bind (0: any free port; default $PORT or 50051)")
 	poison := flag.String("poison", "poison", "dead-letter a message whose value contains this")
 	flaky := flag.String("flaky", "flaky", "retry once a message whose value contains this")
+	maxRequestBytes := flag.Int("max-request-bytes", defaultMaxRequestBytes,
+		"largest call accepted (one message or one batch), in bytes")
 	flag.Parse()
 
 	listener, err := net.Listen("tcp", net.JoinHostPort(*host, strconv.Itoa(*port)))
@@ -43,7 +56,7 @@ func main() {
 		log.Fatalf("listen: %v", err)
 	}
 	h := &handler{poison: []byte(*poison), flaky: []byte(*flaky)}
-	server := grpc.NewServer()
+	server := grpc.NewServer(grpc.MaxRecvMsgSize(*maxRequestBytes))
 	cpv1.RegisterMessageHandlerServer(server, h)
 	healthServer := health.NewServer()
 	healthpb.RegisterHealthServer(server, healthServer)
