@@ -521,8 +521,27 @@ class MetricsConfig(BaseModel):
 
     model_config = _FROZEN
     enabled: bool = Field(True, description="Serve metrics and health over HTTP.")
-    host: str = Field("0.0.0.0", description="Address to bind.")
+    host: str = Field(
+        "0.0.0.0",
+        description="Address to bind: 0.0.0.0 is every interface (Prometheus and the kubelet's "
+        "probes reach the pod's IP); 127.0.0.1 only this host, e.g. behind a local agent or "
+        "sidecar that scrapes it.",
+    )
     port: int = Field(9464, ge=0, le=65535, description="Port to bind (0: any free port).")
+    max_connections: int = Field(
+        64,
+        ge=1,
+        le=10_000,
+        description="HTTP connections served at once; one more is closed as soon as it is "
+        "accepted (while the cap is reached, a probe fails too).",
+    )
+    request_timeout_ms: int = Field(
+        5000,
+        ge=100,
+        le=600_000,
+        description="Limit on one whole HTTP exchange, from the connection to the last byte of "
+        "the answer; a slower client is disconnected.",
+    )
 
 
 class HealthConfig(BaseModel):
