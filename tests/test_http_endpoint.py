@@ -42,6 +42,8 @@ async def proxy(kafka: Broker) -> AsyncIterator[Proxy]:
         proxy, task = start_proxy(config)
         try:
             await async_wait_until(lambda: _serving(proxy), timeout=30, message="HTTP is up")
+            # and the group started (its DLQ topics made), so no start-up work outlives the test
+            await async_wait_until(lambda: proxy.ready()[0], timeout=30, message="ready")
             yield proxy
         finally:
             await proxy.shutdown()
