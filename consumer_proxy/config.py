@@ -521,8 +521,27 @@ class MetricsConfig(BaseModel):
 
     model_config = _FROZEN
     enabled: bool = Field(True, description="Serve metrics and health over HTTP.")
-    host: str = Field("0.0.0.0", description="Address to bind.")
+    host: str = Field(
+        "0.0.0.0",
+        description="Address to bind: 0.0.0.0 is every interface (Prometheus and the kubelet's "
+        "probes reach the pod's IP); 127.0.0.1 only this host, e.g. behind a local agent or "
+        "sidecar that scrapes it.",
+    )
     port: int = Field(9464, ge=0, le=65535, description="Port to bind (0: any free port).")
+    max_connections: int = Field(
+        64,
+        ge=1,
+        le=10_000,
+        description="HTTP connections served at once; one more is closed as soon as it is "
+        "accepted (while the cap is reached, a probe fails too).",
+    )
+    request_timeout_ms: int = Field(
+        5000,
+        ge=100,
+        le=600_000,
+        description="Limit on one whole HTTP exchange, from the connection to the last byte of "
+        "the answer; a slower client is disconnected.",
+    )
 
 
 class HealthConfig(BaseModel):
@@ -622,8 +641,73 @@ class ProxyConfig(BaseSettings):
         raise ConfigError([f"unknown group {name!r}; configured groups: {known}"])
 
 
+MAX_FILE_BYTES = 1024 * 1024
+"""Largest onboarding file read (an onboarding file is a few KiB)."""
+MAX_NESTING = 32
+"""Deepest nesting of mappings and lists in an onboarding file (the models need 6)."""
+MAX_NODES = 20_000
+"""Most YAML nodes (scalars, lists, mappings) in one onboarding file: a group takes 10-40, and
+the pure-Python parser builds about 50,000 a second, at ~0.8 KiB of memory each."""
+
+
+class _Refused(yaml.composer.ComposerError):
+    """YAML the loader refuses although it is well-formed: an anchor or alias, deep nesting."""
+
+
 class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that rejects a key given twice in one mapping (plain YAML keeps the last)."""
+    """SafeLoader that rejects a key given twice in one mapping (plain YAML keeps the last),
+    anchors and aliases, and nesting deeper than ``MAX_NESTING``.
+
+    Aliases are refused because each one copies a whole subtree when the document is built
+    and validated: seven levels of ten aliases in 500 bytes cost seconds and gigabytes, and a
+    team's file in a shared ``conf.d/`` could keep the proxy from starting. Depth is bounded
+    because the composer, the constructor and the validators all recurse: 5,000 nested
+    brackets raised RecursionError instead of a config error.
+    """
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+        self._nodes = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        event: Any = self.peek_event()  # type: ignore[no-untyped-call]
+        mark = event.start_mark
+        # Refused at the anchor already (every alias needs one before it): the error then
+        # points at the first line the author has to change.
+        anchor = getattr(event, "anchor", None)  # an AliasEvent's is the name it refers to
+        if anchor is not None:
+            sign = "alias *" if isinstance(event, yaml.AliasEvent) else "anchor &"
+            raise _Refused(
+                None,
+                None,
+                f"{sign}{anchor} is not allowed in onboarding files (anchors and aliases "
+                "can expand a small file beyond memory); write the value out",
+                mark,
+            )
+        self._nodes += 1
+        if self._nodes > MAX_NODES:
+            raise _Refused(
+                None,
+                None,
+                f"more than {MAX_NODES} values (scalars, lists and mappings) in one file; "
+                "split it, one file per service",
+                mark,
+            )
+        if not isinstance(event, yaml.SequenceStartEvent | yaml.MappingStartEvent):
+            return super().compose_node(parent, index)
+        if self._depth >= MAX_NESTING:
+            raise _Refused(
+                None,
+                None,
+                f"nested deeper than {MAX_NESTING} levels of mappings and lists",
+                mark,
+            )
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
@@ -652,7 +736,16 @@ _StrictLoader.add_constructor(
 
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as file:
+            raw = file.read(MAX_FILE_BYTES + 1)  # never more: the path may be a pipe or huge
+        if len(raw) > MAX_FILE_BYTES:
+            raise ConfigError(
+                [
+                    f"{path}: larger than {MAX_FILE_BYTES} bytes (1 MiB); an onboarding file "
+                    "is a few KiB: split it, one file per service"
+                ]
+            )
+        text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
         raise ConfigError([f"{path}: cannot read: {reason or exc}"]) from exc
@@ -662,11 +755,12 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         problem = getattr(exc, "problem", None) or str(exc)
-        kind = (
-            "YAML error"
-            if isinstance(exc, yaml.constructor.ConstructorError)
-            else ("YAML syntax error")
-        )
+        if isinstance(exc, _Refused):
+            kind = "refused"
+        elif isinstance(exc, yaml.constructor.ConstructorError):
+            kind = "YAML error"
+        else:
+            kind = "YAML syntax error"
         raise ConfigError([f"{path}: {where}{kind}: {problem}"]) from exc
     if data is None:
         return {}
@@ -809,7 +903,7 @@ def _format_error(
     shown = err.get("input")
     if (
         err["type"] not in {"missing", "extra_forbidden"}
-        and loc[:2] != ["kafka", "client"]  # librdkafka passthrough: may hold credentials
+        and loc[:1] != ["kafka"]  # the passthrough, or the section as a string: may hold secrets
         and not isinstance(shown, dict | list)
         and repr(shown) not in message
     ):

@@ -168,6 +168,14 @@ class ProxyMetrics:
             registry=r,
         )
 
+        self.http_refused = Counter(
+            "consumer_proxy_http_refused",
+            "HTTP connections to /metrics, /healthz and /readyz refused, by reason: "
+            "connections (over metrics.max_connections), deadline (no whole exchange within "
+            "metrics.request_timeout_ms), too_large (a request or header line over 8 KiB).",
+            ["reason"],
+            registry=r,
+        )
         self.keys_backlogged = Gauge(
             "consumer_proxy_ordering_keys_backlogged",
             "delivery.ordering key/partition: keys with messages waiting behind one of their "
@@ -199,10 +207,34 @@ class ProxyMetrics:
         return generate_latest(self.registry)
 
 
+MAX_LINE_BYTES = 8192
+"""Longest request line or header line the HTTP endpoint reads (the usual servers' limit)."""
+MAX_HEAD_BYTES = 32 * 1024
+"""Most bytes of request line and headers together."""
+_LINGER_BYTES = 256 * 1024
+"""After refusing an oversized request, read at most this much more of it before closing, so
+the client gets the answer instead of a reset (closing with unread input sends a reset)."""
+
+
+class _Refusal(Exception):
+    """A request the endpoint answers with an error status and closes at once."""
+
+    def __init__(self, status: str, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+
+
 class HttpEndpoint:
     """A minimal asyncio HTTP/1.0 server: GET /metrics, /healthz (alive), /readyz (ready).
 
     ``ready`` returns (ok, detail); /readyz answers 503 with the detail while not ready.
+
+    Bounded, as it faces whatever can reach its port: at most ``max_connections`` open at once
+    (one more is closed as soon as it is accepted), one whole exchange (request in, answer
+    out) within ``request_timeout_s`` or the connection is cut, and a request line or header
+    line over ``MAX_LINE_BYTES`` (or a head over ``MAX_HEAD_BYTES``) answered 414 / 431 and
+    closed. Each refusal is counted in ``consumer_proxy_http_refused_total`` and logged at
+    debug level only: whoever sends them should not be able to fill the proxy's logs.
     """
 
     def __init__(
@@ -211,12 +243,18 @@ class HttpEndpoint:
         ready: Callable[[], tuple[bool, str]],
         host: str,
         port: int,
+        *,
+        max_connections: int = 64,
+        request_timeout_s: float = 5.0,
     ) -> None:
         self._metrics = metrics
         self._ready = ready
         self._host = host
         self._port = port
+        self._max_connections = max_connections
+        self._request_timeout_s = request_timeout_s
         self._server: asyncio.Server | None = None
+        self._open: set[asyncio.StreamWriter] = set()
 
     @property
     def port(self) -> int:
@@ -227,40 +265,106 @@ class HttpEndpoint:
 
     async def start(self) -> None:
         """Bind and serve in the background of the running loop."""
-        self._server = await asyncio.start_server(self._handle, self._host, self._port)
+        self._server = await asyncio.start_server(
+            self._handle, self._host, self._port, limit=MAX_LINE_BYTES
+        )
         log.info("serving /metrics, /healthz, /readyz on %s:%d", self._host, self.port)
 
     async def close(self) -> None:
-        """Stop serving."""
+        """Stop serving and cut the connections still open."""
         if self._server is not None:
             self._server.close()
+            for writer in list(self._open):
+                writer.transport.abort()
             await self._server.wait_closed()
             self._server = None
 
+    def _refused(self, reason: str, peer: object, detail: str) -> None:
+        self._metrics.http_refused.labels(reason).inc()
+        log.debug("HTTP endpoint: refused %s: %s", peer, detail)
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            request = await asyncio.wait_for(reader.readline(), timeout=10)
-            while (await asyncio.wait_for(reader.readline(), timeout=10)) not in (
-                b"\r\n",
-                b"\n",
-                b"",
-            ):
-                pass
-            parts = request.decode("latin-1").split()
-            path = parts[1].split("?", 1)[0] if len(parts) >= 2 else ""
-            status, ctype, body = self._route(path)
-            head = (
-                f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        peer = writer.get_extra_info("peername")
+        if len(self._open) >= self._max_connections:
+            writer.close()  # nothing read or written yet: the client sees the connection end
+            self._refused(
+                "connections", peer, f"{self._max_connections} connections are open already"
             )
-            writer.write(head.encode("latin-1") + body)
-            await writer.drain()
-        except (TimeoutError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-            with contextlib.suppress(ConnectionError):
+            return
+        self._open.add(writer)
+        try:
+            async with asyncio.timeout(self._request_timeout_s):
+                await self._exchange(reader, writer, peer)
+                writer.close()
                 await writer.wait_closed()
+        except TimeoutError:
+            self._refused("deadline", peer, f"no exchange within {self._request_timeout_s:g} s")
+        except ConnectionError:
+            pass  # the client went away
+        finally:
+            self._open.discard(writer)
+            writer.transport.abort()  # at once, whatever is still unsent or unread
+
+    async def _exchange(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: object
+    ) -> None:
+        try:
+            request = await self._read_head(reader)
+        except _Refusal as refusal:
+            self._refused("too_large", peer, str(refusal))
+            self._answer(writer, refusal.status, "text/plain", f"{refusal}\n".encode())
+            await writer.drain()
+            writer.write_eof()
+            lingered = 0
+            while lingered < _LINGER_BYTES:
+                chunk = await reader.read(_LINGER_BYTES)
+                if not chunk:
+                    break
+                lingered += len(chunk)
+            return
+        if request is None:
+            return  # closed before a whole request arrived
+        parts = request.decode("latin-1").split()
+        path = parts[1].split("?", 1)[0] if len(parts) >= 2 else ""
+        self._answer(writer, *self._route(path))
+        await writer.drain()
+
+    @staticmethod
+    async def _read_head(reader: asyncio.StreamReader) -> bytes | None:
+        """The request line, after reading the headers up to the blank line (None: EOF)."""
+        size = 0
+        request: bytes | None = None
+        while True:
+            try:
+                line = await reader.readline()
+            except ValueError:  # over MAX_LINE_BYTES (the reader's limit)
+                if request is None:
+                    raise _Refusal(
+                        "414 URI Too Long", f"request line over {MAX_LINE_BYTES} bytes"
+                    ) from None
+                raise _Refusal(
+                    "431 Request Header Fields Too Large",
+                    f"header line over {MAX_LINE_BYTES} bytes",
+                ) from None
+            if not line.endswith(b"\n"):
+                return None
+            size += len(line)
+            if size > MAX_HEAD_BYTES:
+                raise _Refusal(
+                    "431 Request Header Fields Too Large", f"headers over {MAX_HEAD_BYTES} bytes"
+                )
+            if request is None:
+                request = line
+            elif line in (b"\r\n", b"\n"):
+                return request
+
+    @staticmethod
+    def _answer(writer: asyncio.StreamWriter, status: str, ctype: str, body: bytes) -> None:
+        head = (
+            f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        )
+        writer.write(head.encode("latin-1") + body)
 
     def _route(self, path: str) -> tuple[str, str, bytes]:
         if path == "/metrics":

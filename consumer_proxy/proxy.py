@@ -55,8 +55,14 @@ class Proxy:
     async def run(self) -> None:
         """Start every group and run until ``shutdown()`` or a group fails."""
         if self.config.metrics.enabled:
+            http = self.config.metrics
             self.http = HttpEndpoint(
-                self.metrics, self.ready, self.config.metrics.host, self.config.metrics.port
+                self.metrics,
+                self.ready,
+                http.host,
+                http.port,
+                max_connections=http.max_connections,
+                request_timeout_s=http.request_timeout_ms / 1000,
             )
             await self.http.start()
         if self.config.health.grpc_port is not None:
