@@ -9,13 +9,19 @@ or service reasons carrying terminal control sequences.
 from __future__ import annotations
 
 import asyncio
+import base64
+import shutil
+import subprocess
+from pathlib import Path
 
 import grpc
 import pytest
 
 from consumer_proxy import dlq
+from consumer_proxy.config import KafkaConfig
 from consumer_proxy.proto.v1 import handler_pb2
-from tests.support.kafka import Broker, consume_all, create_topic, produce, unique_name
+from consumer_proxy.tools import spark as tool_spark
+from tests.support.kafka import Broker, consume_all, create_topic, produce, run_script, unique_name
 from tests.support.proxy import caught_up, make_config, start_proxy
 from tests.support.service import Behaviour, TestService
 from tests.support.waiting import async_wait_until
@@ -81,3 +87,97 @@ def test_only_the_proxys_own_header_names_are_taken_out_of_a_record() -> None:
     # Then the user's stay the user's, and only the proxy's names are the proxy's
     assert got_user == user
     assert set(got_ours) == dlq.PROXY_HEADERS
+
+
+# --------------------------------------------------------------------------- JAAS quoting
+
+JAAS_PROBE = """
+import java.nio.charset.StandardCharsets;
+import java.util.Base64;
+import java.util.Map;
+import javax.security.auth.login.AppConfigurationEntry;
+import org.apache.kafka.common.config.types.Password;
+import org.apache.kafka.common.security.JaasContext;
+
+// Reads base64 JAAS lines (one per argument) the way a Kafka client reads sasl.jaas.config,
+// and prints each login module's username and password, base64.
+public class JaasProbe {
+    public static void main(String[] args) {
+        Base64.Encoder out = Base64.getEncoder();
+        for (String arg : args) {
+            String line = new String(Base64.getDecoder().decode(arg), StandardCharsets.UTF_8);
+            JaasContext context = JaasContext.loadClientContext(
+                Map.of("sasl.jaas.config", new Password(line)));
+            AppConfigurationEntry entry = context.configurationEntries().get(0);
+            Map<String, ?> options = entry.getOptions();
+            System.out.println(encoded(out, options, "username") + " "
+                + encoded(out, options, "password"));
+        }
+    }
+
+    static String encoded(Base64.Encoder out, Map<String, ?> options, String name) {
+        return out.encodeToString(((String) options.get(name)).getBytes(StandardCharsets.UTF_8));
+    }
+}
+"""
+
+HOSTILE_SECRETS = [
+    "plain",
+    "a\\nb",  # a backslash and an n, not a newline
+    "ends with a backslash\\",
+    "\\",
+    "\\\\two",
+    'a "quoted" word',
+    'escaped \\" quote',
+    "octal \\101 and \\0",
+    "a real\nnewline and a\rreturn",
+    "tab\there",
+    "semicolon; and = and /* not */ and // a comment",
+    "p\u00e4ssw\u00f6rd \u2603",
+    "",
+]
+
+
+def _kafka_clients_classpath() -> str:
+    # The broker's classpath (kafka-clients included), fetched from Maven Central by
+    # scripts/kafka the same way the broker is.
+    result = run_script("fetch", timeout_s=600)
+    assert result.returncode == 0, result.stderr
+    listing = result.stdout.strip().rpartition("classpath=")[2]
+    return Path(listing).read_text().strip()
+
+
+def test_sasl_credentials_reach_the_kafka_client_exactly_as_configured(tmp_path: Path) -> None:
+    # Given the Kafka client's own JAAS parser (kafka-clients from Maven Central, run by Java)
+    javac, java = shutil.which("javac"), shutil.which("java")
+    assert javac and java, "needs a JDK 17+ (javac and java on PATH), as the broker does"
+    classpath = _kafka_clients_classpath()
+    (tmp_path / "JaasProbe.java").write_text(JAAS_PROBE)
+    compiled = subprocess.run(
+        [javac, "-cp", classpath, "-d", str(tmp_path), str(tmp_path / "JaasProbe.java")],
+        capture_output=True, text=True, check=False, timeout=120,
+    )  # fmt: skip
+    assert compiled.returncode == 0, compiled.stderr
+    # and the JAAS line the DLQ tools give Spark for each hostile username and password
+    lines = []
+    for secret in HOSTILE_SECRETS:
+        kafka = KafkaConfig(
+            bootstrap_servers="broker:9093",
+            client={"sasl.mechanisms": "PLAIN", "sasl.username": secret, "sasl.password": secret},
+        )
+        lines.append(tool_spark.java_kafka_options(kafka)["kafka.sasl.jaas.config"])
+
+    # When the Kafka client parses them
+    parsed = subprocess.run(
+        [java, "-cp", f"{tmp_path}:{classpath}", "JaasProbe"]
+        + [base64.b64encode(line.encode()).decode() for line in lines],
+        capture_output=True, text=True, check=False, timeout=120,
+    )  # fmt: skip
+
+    # Then it reads back every username and password exactly
+    assert parsed.returncode == 0, parsed.stderr
+    got = [
+        tuple(base64.b64decode(field).decode() for field in row.split(" "))
+        for row in parsed.stdout.splitlines()
+    ]
+    assert got == [(secret, secret) for secret in HOSTILE_SECRETS]
