@@ -10,19 +10,25 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import re
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
 from consumer_proxy import dlq
+from consumer_proxy.cli import main
 from consumer_proxy.config import KafkaConfig
 from consumer_proxy.proto.v1 import handler_pb2
+from consumer_proxy.tools import commands, render
 from consumer_proxy.tools import spark as tool_spark
+from consumer_proxy.tools.reports import Island
 from tests.support.kafka import Broker, consume_all, create_topic, produce, run_script, unique_name
-from tests.support.proxy import caught_up, make_config, start_proxy
+from tests.support.proxy import caught_up, make_config, start_proxy, write_config
 from tests.support.service import Behaviour, TestService
 from tests.support.waiting import async_wait_until
 
@@ -181,3 +187,125 @@ def test_sasl_credentials_reach_the_kafka_client_exactly_as_configured(tmp_path:
         for row in parsed.stdout.splitlines()
     ]
     assert got == [(secret, secret) for secret in HOSTILE_SECRETS]
+
+
+# ------------------------------------------------------------------- the operator's terminal
+
+# A value that, printed raw, adds a DLQ row of its own and overwrites a line; a reason that
+# sets the terminal's title (OSC), colours it (CSI), and reverses the text after it (bidi).
+FAKE_ROW = "- [0@7] billing[0]@7 status=OK attempt=1 reason='fine'"
+HOSTILE_VALUE = f"ok\n{FAKE_ROW}\rover".encode()
+HOSTILE_REASON = "\x1b]0;pwned\x07\x1b[31mred 42\x1b[0m\r\nfake line \u202eesrever"
+# What must never reach the terminal: controls other than the tools' own line ends, DEL, C1,
+# bidi overrides and embeddings, line and paragraph separators.
+RAW_CONTROL = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e]")
+DEAD_LETTERS = 3
+
+
+@pytest.fixture(scope="module")
+def hostile_dlq(kafka: Broker, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """A DLQ the real proxy wrote: a real service dead-letters records carrying terminal
+    sequences in their values, with a reason carrying more."""
+    bootstrap, topic, group = kafka.bootstrap, unique_name("term"), unique_name("term")
+    create_topic(bootstrap, topic)
+    dlq_topic = create_topic(bootstrap, f"{group}.dlq")
+    produce(bootstrap, topic, [{"key": b"k", "value": HOSTILE_VALUE}] * DEAD_LETTERS)
+
+    def behaviour(msg: handler_pb2.Message, n: int) -> Behaviour:
+        return Behaviour(
+            action=handler_pb2.HandleMessageResponse.DEAD_LETTER, reason=HOSTILE_REASON
+        )
+
+    async def dead_letter_all() -> None:
+        async with TestService(behaviour) as service:
+            proxy, task = start_proxy(make_config(bootstrap, group, [topic], [service.address]))
+            await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=60)
+            await proxy.shutdown()
+            await task
+
+    asyncio.run(dead_letter_all())
+    [reason] = {
+        dlq.split_headers(m.headers())[1][dlq.H_REASON] for m in consume_all(bootstrap, dlq_topic)
+    }
+    assert reason == HOSTILE_REASON  # the DLQ keeps the data as it came
+    path = tmp_path_factory.mktemp("term") / "proxy.json"
+    return group, write_config(path, bootstrap, group, [topic], ["127.0.0.1:1"])
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[Any]:
+    """One local Spark session for the module; the commands under test reuse it."""
+    run = tool_spark.start_spark(tool_spark.SparkOptions(master="local[2]"), lambda _line: None)
+    yield run.spark
+    run.spark.stop()
+    if run.console_log is not None:
+        run.console_log.unlink(missing_ok=True)
+
+
+def cli(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.kafka
+def test_dlq_inspect_prints_record_values_escaped_never_as_rows_of_their_own(
+    hostile_dlq: tuple[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given dead letters whose value holds a fake DLQ row after a newline, and a carriage return
+    group, path = hostile_dlq
+
+    # When the operator inspects the DLQ
+    code, out, _ = cli(capsys, "dlq", "inspect", "--config", path, "--group", group)
+
+    # Then each record prints as one row, its value's line ends shown escaped
+    assert code == 0
+    assert not RAW_CONTROL.search(out), out
+    assert sum(line.startswith("- [") for line in out.splitlines()) == DEAD_LETTERS
+    assert out.count(f"value=ok\\n{FAKE_ROW}\\rover") == DEAD_LETTERS
+
+
+@pytest.mark.kafka
+@pytest.mark.spark
+def test_dlq_report_prints_service_reasons_escaped(
+    hostile_dlq: tuple[str, Path], spark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given dead letters whose service gave a reason with OSC, CSI, CR LF and a bidi override
+    group, path = hostile_dlq
+
+    # When the operator reports on the DLQ
+    code, out, _ = cli(
+        capsys, "dlq", "report", "--config", path, "--group", group, "--out", tmp_path
+    )
+
+    # Then the summary shows the reason with its control characters escaped
+    assert code == 0
+    assert not RAW_CONTROL.search(out), out
+    assert "\\x1b]0;pwned\\x07\\x1b[31mred" in out
+    assert "\\u202eesrever" in out
+
+
+def test_terminal_output_escapes_every_character_that_is_not_printable() -> None:
+    # Given every Unicode character
+    every = "".join(map(chr, range(0x110000)))
+
+    # When it is made printable
+    shown = render.printable(every)
+
+    # Then nothing a terminal would act on is left, and printable text is kept as it is
+    assert shown.isprintable()
+    assert not RAW_CONTROL.search(shown)
+    assert render.printable("plain text, caf\u00e9 \u2603") == "plain text, caf\u00e9 \u2603"
+    assert render.printable("a\nb\x1b[0m") == "a\\nb\\x1b[0m"
+
+
+def test_merge_dry_run_prints_statuses_escaped() -> None:
+    # Given a selection whose cp-status came from a forged record
+    island = Island(partition=0, start=0, end=2, count=2, by_status={"OK\x1b[2J\r\n- x": 2})
+
+    # When a dry run describes it
+    text = commands._describe([island])
+
+    # Then the status is one escaped label
+    assert not RAW_CONTROL.search(text)
+    assert "OK\\x1b[2J\\r\\n- x: 2" in text
