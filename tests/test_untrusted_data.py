@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 import pytest
+from confluent_kafka import Producer
 
 from consumer_proxy import dlq
 from consumer_proxy.cli import main
@@ -309,3 +310,48 @@ def test_merge_dry_run_prints_statuses_escaped() -> None:
     # Then the status is one escaped label
     assert not RAW_CONTROL.search(text)
     assert "OK\\x1b[2J\\r\\n- x: 2" in text
+
+
+# --------------------------------------------------------------------------- non-UTF-8 names
+
+
+# confluent-kafka hands a header name that is not UTF-8 over as the text of its bytes' repr.
+NON_UTF8_NAME = b"bad\xff\xfename"
+NON_UTF8_SHOWN = "b'bad\\xff\\xfename'"
+
+
+@pytest.mark.kafka
+async def test_a_header_name_that_is_not_utf8_does_not_stop_the_intake(kafka: Broker) -> None:
+    # Given a record whose header name is not UTF-8 (librdkafka's producer takes any bytes;
+    # Java producers cannot write one), between two plain records
+    bootstrap, topic, group = kafka.bootstrap, unique_name("nonutf8"), unique_name("nonutf8")
+    create_topic(bootstrap, topic)
+    dlq_topic = create_topic(bootstrap, f"{group}.dlq")
+    producer = Producer({"bootstrap.servers": bootstrap})
+    producer.produce(topic, b"before", b"k0")
+    producer.produce(topic, b"odd", b"k1", headers=[(NON_UTF8_NAME, b"v"), ("ok", b"1")])
+    producer.produce(topic, b"after", b"k2")
+    assert producer.flush(30) == 0
+
+    def behaviour(msg: handler_pb2.Message, n: int) -> Behaviour:
+        if msg.key == b"k1":
+            return Behaviour(status=grpc.StatusCode.INVALID_ARGUMENT, details="odd header")
+        return Behaviour()
+
+    # When the proxy consumes them, the service rejecting the odd one
+    async with TestService(behaviour) as service:
+        proxy, task = start_proxy(make_config(bootstrap, group, [topic], [service.address]))
+        await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=60)
+        await proxy.shutdown()
+        await task
+
+    # Then the proxy went on past it: the records around it were delivered and acked
+    assert not service.errors
+    seen = {d.key: d.headers for d in service.deliveries}
+    assert set(seen) == {b"k0", b"k1", b"k2"}
+    # and the odd record reached the service and the DLQ, its name as the repr of its bytes
+    shown = ((NON_UTF8_SHOWN, b"v"), ("ok", b"1"))
+    assert seen[b"k1"] == shown
+    [dead] = await asyncio.to_thread(consume_all, bootstrap, dlq_topic)
+    assert dead.key() == b"k1"
+    assert tuple(dlq.split_headers(dead.headers())[0]) == shown
