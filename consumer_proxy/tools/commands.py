@@ -151,7 +151,10 @@ def add_dlq_commands(sub: Any, common: CommonOptions) -> None:
         help="cp-status equal to S, e.g. INVALID_ARGUMENT (repeatable, or comma-separated)",
     )
     merge.add_argument(
-        "--where", metavar="SPARK_SQL", help="a Spark SQL condition, e.g. \"value LIKE '%%v2%%'\""
+        "--where",
+        metavar="SPARK_SQL",
+        help="a Spark SQL condition, e.g. \"value LIKE '%%v2%%'\"; run with your rights "
+        "(reflect() calls Java): never build one from a record's content",
     )
     merge.add_argument(
         "--from-start",
