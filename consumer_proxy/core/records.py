@@ -13,7 +13,7 @@ from typing import Any
 
 from .outcomes import clip_reason
 
-CP_PREFIX = "cp-"
+CP_PREFIX = "cp-"  # the prefix of the proxy's own names (user headers may use it too)
 H_TOPIC = "cp-original-topic"
 H_PARTITION = "cp-original-partition"
 H_OFFSET = "cp-original-offset"
@@ -27,6 +27,27 @@ H_DEAD_LETTERED_AT = "cp-dead-lettered-at"
 H_RETRY_TIER = "cp-retry-tier"  # only on records of a retry tier topic
 H_DUE_AT = "cp-due-at"  # epoch ms: when a retry tier's record is due
 H_ORDERING = "cp-ordering"  # only on records of a group with delivery.ordering key/partition
+
+# The names the proxy writes and reads. Only these are taken out of a record's headers (a
+# producer's values for them are never trusted: the proxy writes its own); any other header,
+# ``cp-tenant`` say, is the user's and travels with the message.
+PROXY_HEADERS: frozenset[str] = frozenset(
+    {
+        H_TOPIC,
+        H_PARTITION,
+        H_OFFSET,
+        H_TIMESTAMP,
+        H_ATTEMPT,
+        H_STATUS,
+        H_REASON,
+        H_ENDPOINT,
+        H_GROUP,
+        H_DEAD_LETTERED_AT,
+        H_RETRY_TIER,
+        H_DUE_AT,
+        H_ORDERING,
+    }
+)
 
 UserHeaders = list[tuple[str, bytes]]
 Headers = list[tuple[str, str | bytes | None]]  # what the producer takes
@@ -44,7 +65,9 @@ class Origin:
 
 
 def split_headers(headers: Any) -> tuple[UserHeaders, dict[str, str]]:
-    """User headers (in order, ``cp-*`` removed) and the proxy's ``cp-*`` headers decoded.
+    """User headers (in order, the proxy's names removed) and the proxy's headers decoded.
+
+    Only the names in ``PROXY_HEADERS`` are the proxy's; other ``cp-`` names are the user's.
 
     Accepts what confluent-kafka returns (a list of pairs, or None) or a dict.
     """
@@ -55,7 +78,7 @@ def split_headers(headers: Any) -> tuple[UserHeaders, dict[str, str]]:
     )
     for key, value in pairs:
         data = value.encode() if isinstance(value, str) else value or b""
-        if key.startswith(CP_PREFIX):
+        if key in PROXY_HEADERS:
             ours[key] = data.decode("utf-8", "replace")
         else:
             user.append((key, data))

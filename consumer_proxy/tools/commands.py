@@ -27,7 +27,7 @@ from ..config import GroupConfig, KafkaConfig, ProxyConfig
 from ..errors import ConfigError
 from . import jobs, kafka_ops, spark
 from .mark import DEFAULT_BUDGET_CHARS, MergeMark, fit_islands
-from .render import format_ms, render_inspect, render_report, write_chart
+from .render import format_ms, printable, render_inspect, render_report, write_chart
 from .reports import Island, MarkView, MergeSummary, PurgeSummary, ReportFiles, Selected, as_json
 
 CommonOptions = Callable[..., None]
@@ -151,7 +151,10 @@ def add_dlq_commands(sub: Any, common: CommonOptions) -> None:
         help="cp-status equal to S, e.g. INVALID_ARGUMENT (repeatable, or comma-separated)",
     )
     merge.add_argument(
-        "--where", metavar="SPARK_SQL", help="a Spark SQL condition, e.g. \"value LIKE '%%v2%%'\""
+        "--where",
+        metavar="SPARK_SQL",
+        help="a Spark SQL condition, e.g. \"value LIKE '%%v2%%'\"; run with your rights "
+        "(reflect() calls Java): never build one from a record's content",
     )
     merge.add_argument(
         "--from-start",
@@ -511,7 +514,7 @@ def _describe(islands: list[Island]) -> str:
         for status, n in island.by_status.items():
             by_status[status] = by_status.get(status, 0) + n
     parts = ", ".join(f"{p}: {n}" for p, n in sorted(by_partition.items()))
-    statuses = ", ".join(f"{s}: {n}" for s, n in sorted(by_status.items()))
+    statuses = ", ".join(f"{printable(s)}: {n}" for s, n in sorted(by_status.items()))
     return f"  by DLQ partition: {parts}\n  by status: {statuses}"
 
 

@@ -32,6 +32,17 @@ def reason_template(reason: str | None) -> str | None:
     return reason
 
 
+def printable(text: str) -> str:
+    """``text`` safe to print on a terminal: every character that is not printable (C0 and C1
+    controls such as ESC, CR and LF, DEL, Unicode format characters such as bidi overrides,
+    line and paragraph separators) is escaped as Python writes it (``\\x1b``, ``\\n``,
+    ``\\u202e``), so data from producers and services can neither send terminal sequences,
+    overwrite a line nor print lines of its own."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def show_value(value: bytes | None, limit: int = 200) -> str:
     """Text when the bytes are UTF-8 text, else hex with the length; never raw bytes."""
     if value is None:
@@ -57,8 +68,8 @@ def format_hour(ms: int) -> str:
 
 
 def clip(text: str, width: int) -> str:
-    """One line of at most ``width`` characters."""
-    text = " ".join(text.split())
+    """One line of at most ``width`` characters, control characters escaped."""
+    text = printable(" ".join(text.split()))
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
@@ -81,13 +92,16 @@ def render_inspect(report: InspectReport) -> str:
         )
     for rec in report.sample:
         cp = rec.cp
+        # Everything here comes from the record (producers, services): printed escaped.
         lines.append(
-            f"- [{rec.partition}@{rec.offset}] {cp.get('cp-original-topic')}"
-            f"[{cp.get('cp-original-partition')}]@{cp.get('cp-original-offset')} "
-            f"status={cp.get('cp-status')} attempt={cp.get('cp-attempt')} "
+            f"- [{rec.partition}@{rec.offset}] {printable(str(cp.get('cp-original-topic')))}"
+            f"[{printable(str(cp.get('cp-original-partition')))}]"
+            f"@{printable(str(cp.get('cp-original-offset')))} "
+            f"status={printable(str(cp.get('cp-status')))} "
+            f"attempt={printable(str(cp.get('cp-attempt')))} "
             f"reason={cp.get('cp-reason', '')[:120]!r}"
         )
-        lines.append(f"    key={rec.key} value={rec.value}")
+        lines.append(f"    key={printable(rec.key)} value={printable(rec.value)}")
     return "\n".join(lines)
 
 

@@ -355,6 +355,20 @@ def _first_line(exc: BaseException) -> str:
 # --- reading the DLQ -------------------------------------------------------------------------
 
 
+def jaas_quoted(text: str) -> str:
+    """``text`` as a quoted value of a JAAS line, read back exactly by Kafka's parser.
+
+    Kafka's ``JaasConfig`` reads quoted values with ``java.io.StreamTokenizer``, which takes C
+    escapes (a ``\\n`` in a password would become a newline, a trailing backslash would escape
+    the closing quote) and ends a value at a line break: escape the backslash first, then the
+    quote and the line breaks.
+    """
+    escaped = (
+        text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
+    )
+    return f'"{escaped}"'
+
+
 def java_kafka_options(kafka: KafkaConfig) -> dict[str, str]:
     """Spark's ``kafka.*`` options from the config: bootstrap servers and the security settings.
 
@@ -374,11 +388,9 @@ def java_kafka_options(kafka: KafkaConfig) -> dict[str, str]:
             if (mechanism or "").upper().startswith("SCRAM")
             else "org.apache.kafka.common.security.plain.PlainLoginModule"
         )
-        user = client["sasl.username"].replace('"', '\\"')
-        password = client.get("sasl.password", "").replace('"', '\\"')
-        out["kafka.sasl.jaas.config"] = (
-            f'{module} required username="{user}" password="{password}";'
-        )
+        user = jaas_quoted(client["sasl.username"])
+        password = jaas_quoted(client.get("sasl.password", ""))
+        out["kafka.sasl.jaas.config"] = f"{module} required username={user} password={password};"
     if "ssl.ca.location" in client:
         out["kafka.ssl.truststore.type"] = "PEM"
         out["kafka.ssl.truststore.location"] = client["ssl.ca.location"]
