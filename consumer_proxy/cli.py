@@ -32,6 +32,7 @@ examples:
   consumer-proxy validate --config proxy.yaml
   consumer-proxy run --config proxy.yaml --workers 2
   consumer-proxy status --config proxy.yaml --group billing --json
+  consumer-proxy guard release --config proxy.yaml --group billing
   consumer-proxy dlq inspect --config proxy.yaml --group billing --limit 5
   consumer-proxy dlq merge --config proxy.yaml --group billing --status INVALID_ARGUMENT --yes
   consumer-proxy dlq purge --config proxy.yaml --group billing --merged --yes
@@ -123,6 +124,37 @@ def build_parser() -> argparse.ArgumentParser:
         "status", help="committed offsets, lag, ack state and DLQ depth, read from Kafka"
     )
     _common(status, group=True, as_json=True)
+
+    guard = sub.add_parser(
+        "guard",
+        help="release or hold a running proxy's dead-letter guard (needs admin.token)",
+        description="Operator actions on the dead-letter guard of a running proxy, through its "
+        "HTTP endpoint (POST /admin/groups/<group>/guard/<action>, with the admin token). "
+        "'release': the held dead letters are real, write them to the DLQ. 'hold': hold the "
+        "group's dead letters by hand (an incident); only 'release' ends such a hold.",
+    )
+    guard.add_argument("action", choices=["release", "hold"], help="what to do")
+    _common(guard)
+    guard.add_argument("--group", required=True, metavar="NAME", help="the consumer group")
+    guard.add_argument(
+        "--url",
+        metavar="URL",
+        help="the proxy's HTTP endpoint (default: http://127.0.0.1:<metrics.port>)",
+    )
+    guard.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the proxy runs N worker processes: ask each (ports metrics.port .. + N-1)",
+    )
+    guard.add_argument(
+        "--token-file",
+        type=Path,
+        metavar="FILE",
+        help="read the admin token from FILE (default: CONSUMER_PROXY_ADMIN__TOKEN or "
+        "admin.token of the configuration)",
+    )
 
     from .tools.commands import add_dlq_commands  # the DLQ tools are their own package
 
@@ -228,6 +260,52 @@ def _status(args: argparse.Namespace, config: ProxyConfig) -> int:
     return EXIT_OK
 
 
+def _guard(args: argparse.Namespace, config: ProxyConfig) -> int:
+    import urllib.error
+    import urllib.request
+
+    config.group(args.group)  # a ConfigError (exit 2) for a group the file does not name
+    if args.token_file is not None:
+        try:
+            token = args.token_file.read_text().strip()
+        except OSError as exc:
+            raise ConfigError([f"{args.token_file}: cannot read the admin token: {exc}"]) from exc
+    elif config.admin.token is not None:
+        token = config.admin.token.get_secret_value()
+    else:
+        raise ConfigError(
+            [
+                f"{args.config}: admin.token: not set; give --token-file or set "
+                "CONSUMER_PROXY_ADMIN__TOKEN (the token the proxy was started with)"
+            ]
+        )
+    if args.workers < 1:
+        raise ConfigError(["--workers must be at least 1"])
+    if args.url:
+        urls = [args.url.rstrip("/")]
+    else:
+        base = config.metrics.port
+        urls = [f"http://127.0.0.1:{base + i}" for i in range(args.workers)]
+    failed = False
+    for url in urls:
+        request = urllib.request.Request(
+            f"{url}/admin/groups/{args.group}/guard/{args.action}",
+            method="POST",
+            headers={"Authorization": f"Bearer {token}"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=10) as answer:
+                print(f"{url}: {answer.read().decode(errors='replace').strip()}")
+        except urllib.error.HTTPError as exc:
+            failed = True
+            body = exc.read().decode(errors="replace").strip()
+            print(f"{url}: refused ({exc.code}): {body}", file=sys.stderr)
+        except OSError as exc:
+            failed = True
+            print(f"{url}: cannot reach the proxy: {exc}", file=sys.stderr)
+    return EXIT_FAILURE if failed else EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit code."""
     parser = build_parser()
@@ -248,6 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_workers(args, config)
         if args.command == "status":
             return _status(args, config)
+        if args.command == "guard":
+            return _guard(args, config)
         if args.command == "dlq":
             from .tools.commands import run_dlq_command
 

@@ -24,6 +24,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SecretStr,
     ValidationError,
     field_validator,
     model_validator,
@@ -379,6 +380,42 @@ class CircuitBreakerConfig(BaseModel):
     )
 
 
+class DeadLetterGuardConfig(BaseModel):
+    """Holds dead letters instead of writing them when they are most of what finishes: a bad
+    deploy that rejects every message must not flood the DLQ."""
+
+    model_config = _FROZEN
+    enabled: bool = Field(True, description="Hold dead letters when their ratio trips the guard.")
+    max_ratio: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="Trips when dead-letter decisions exceed this share of the group's last "
+        "min_messages finished messages (acked, dropped, dead-lettered).",
+    )
+    window_ms: int = Field(
+        60_000,
+        ge=1000,
+        le=86_400_000,
+        description="Only messages finished within this long count: a slow trickle of poison "
+        "in an idle group never adds up to a trip.",
+    )
+    min_messages: int = Field(
+        100,
+        ge=1,
+        le=100_000,
+        description="How many of the latest finished messages the ratio is taken over; about "
+        "this many dead letters are written before a bad deploy trips the guard.",
+    )
+    probe_interval_ms: int = Field(
+        10_000,
+        ge=100,
+        le=3_600_000,
+        description="While held, one held message is retried this often; its ack releases the "
+        "guard (the service was fixed or rolled back).",
+    )
+
+
 class GroupConfig(BaseModel):
     """One onboarded service: a Kafka consumer group pushing to one gRPC service."""
 
@@ -390,6 +427,9 @@ class GroupConfig(BaseModel):
     dlq: DlqConfig = Field(default_factory=DlqConfig, description="Dead letters and redrive.")
     circuit_breaker: CircuitBreakerConfig = Field(
         default_factory=CircuitBreakerConfig, description="Outage protection."
+    )
+    dead_letter_guard: DeadLetterGuardConfig = Field(
+        default_factory=DeadLetterGuardConfig, description="Protection against DLQ floods."
     )
 
     @field_validator("name")
@@ -544,6 +584,20 @@ class MetricsConfig(BaseModel):
     )
 
 
+class AdminConfig(BaseModel):
+    """Operator actions on a running proxy (``consumer-proxy guard release|hold``), served on
+    the HTTP endpoint under /admin/. Off unless a token is configured."""
+
+    model_config = _FROZEN
+    token: SecretStr | None = Field(
+        None,
+        min_length=16,
+        description="Bearer token every admin request must carry (16 characters or more); "
+        "absent: admin requests are refused. Set it through the environment "
+        "(CONSUMER_PROXY_ADMIN__TOKEN, from a Kubernetes Secret), not in a file teams share.",
+    )
+
+
 class HealthConfig(BaseModel):
     """The proxy's own grpc.health.v1 service."""
 
@@ -574,6 +628,7 @@ class ProxyConfig(BaseSettings):
     kafka: KafkaConfig = Field(..., description="The Kafka cluster.")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="HTTP endpoint.")
     health: HealthConfig = Field(default_factory=HealthConfig, description="gRPC health.")
+    admin: AdminConfig = Field(default_factory=AdminConfig, description="Operator actions.")
     groups: list[GroupConfig] = Field(..., min_length=1, description="The onboarded services.")
     shutdown_grace_s: float = Field(
         25.0, ge=0, le=3600, description="On SIGTERM, time to drain in-flight calls."

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -156,7 +157,15 @@ class GroupRunner:
             schedule=self._call_later,
             on_idle=self._flush.set,
             retry_topics=group.retry_topics,
+            guard=group.dead_letter_guard,
         )
+        if self.partitions.guard is not None:
+            guard = self.partitions.guard
+            metrics.guard_held.labels(self.name).set_function(lambda: float(guard.held))
+            metrics.guard_trips.labels(self.name).set_function(lambda: float(guard.trips))
+            metrics.guard_held_messages.labels(self.name).set_function(
+                lambda: float(sum(len(p.held) for p in self.partitions.parts.values()))
+            )
         self._parking = Parking(
             group, self.partitions, metrics, self._spawn, self._call_ended, self._flush.set
         )
@@ -247,6 +256,38 @@ class GroupRunner:
     def _health_changed(self) -> None:
         if self.on_health_change is not None:
             self.on_health_change()
+
+    # -- the dead-letter guard (an operator's calls; the decisions are in the core) ----------
+
+    @property
+    def guard_problem(self) -> str:
+        """What /readyz says while the dead-letter guard holds ('' when it does not)."""
+        state = self.partitions.guard_state()
+        if state is None or not state[0].held:
+            return ""
+        view, held = state
+        since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(view.since or 0))
+        who = " by an operator" if view.by_operator else ""
+        return (
+            f"dead-letter guard: held{who} since {since}, {held} held, ratio {view.ratio:.2f} "
+            f"of the last {view.finished} finished"
+        )
+
+    def guard_release(self) -> int:
+        """An operator says the dead letters are real: the held messages go to the DLQ (each
+        done once its write is confirmed). Returns how many."""
+        released = self.partitions.guard_release()
+        for held in released:
+            self._m_outcome[Action.DEAD_LETTER].inc()
+            self._parking.start(held.delivery, held.decision, held.status, "")
+        self._health_changed()
+        return len(released)
+
+    def guard_hold(self) -> bool:
+        """An operator holds the group's dead letters by hand (an incident)."""
+        changed = self.partitions.guard_hold()
+        self._health_changed()
+        return changed
 
     def stop(self) -> None:
         """Ask the runner to shut down (idempotent)."""

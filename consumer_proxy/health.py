@@ -125,6 +125,9 @@ def group_verdict(group: GroupView) -> tuple[bool, str]:
     if not group.started.is_set():
         return False, "starting: the consumer has not polled Kafka yet"
     problem = getattr(group, "service_problem", "")  # e.g. the batch method is missing
+    held = getattr(group, "guard_problem", "")  # the dead-letter guard holds
+    if held:
+        return False, held
     if group.breaker.is_open:
         return False, f"circuit {group.breaker.state}: the service is failing" + (
             f": {problem}" if problem else ""

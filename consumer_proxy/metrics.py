@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -167,12 +168,31 @@ class ProxyMetrics:
             ["group"],
             registry=r,
         )
+        self.guard_held = Gauge(
+            "consumer_proxy_dead_letter_guard_held",
+            "1 while the group's dead-letter guard holds its dead letters (a bad deploy?).",
+            ["group"],
+            registry=r,
+        )
+        self.guard_held_messages = Gauge(
+            "consumer_proxy_dead_letter_guard_held_messages",
+            "Messages the dead-letter guard holds in their windows instead of the DLQ.",
+            ["group"],
+            registry=r,
+        )
+        self.guard_trips = Gauge(
+            "consumer_proxy_dead_letter_guard_trips",
+            "Times the dead-letter guard tripped since the process started.",
+            ["group"],
+            registry=r,
+        )
 
         self.http_refused = Counter(
             "consumer_proxy_http_refused",
             "HTTP connections to /metrics, /healthz and /readyz refused, by reason: "
             "connections (over metrics.max_connections), deadline (no whole exchange within "
-            "metrics.request_timeout_ms), too_large (a request or header line over 8 KiB).",
+            "metrics.request_timeout_ms), too_large (a request or header line over 8 KiB), "
+            "forbidden (an admin request without the admin token).",
             ["reason"],
             registry=r,
         )
@@ -207,6 +227,9 @@ class ProxyMetrics:
         return generate_latest(self.registry)
 
 
+ADMIN_PREFIX = "/admin/"
+Admin = Callable[[str], Awaitable[tuple[str, str]]]
+"""An admin action: the path after /admin/ -> (HTTP status line, text)."""
 MAX_LINE_BYTES = 8192
 """Longest request line or header line the HTTP endpoint reads (the usual servers' limit)."""
 MAX_HEAD_BYTES = 32 * 1024
@@ -225,9 +248,11 @@ class _Refusal(Exception):
 
 
 class HttpEndpoint:
-    """A minimal asyncio HTTP/1.0 server: GET /metrics, /healthz (alive), /readyz (ready).
+    """A minimal asyncio HTTP/1.0 server: GET /metrics, /healthz (alive), /readyz (ready),
+    and POST /admin/... (operator actions) when an admin token is configured.
 
     ``ready`` returns (ok, detail); /readyz answers 503 with the detail while not ready.
+    ``admin`` performs an operator action, only for a request that carries ``admin_token``.
 
     Bounded, as it faces whatever can reach its port: at most ``max_connections`` open at once
     (one more is closed as soon as it is accepted), one whole exchange (request in, answer
@@ -246,9 +271,13 @@ class HttpEndpoint:
         *,
         max_connections: int = 64,
         request_timeout_s: float = 5.0,
+        admin: Admin | None = None,
+        admin_token: str | None = None,
     ) -> None:
         self._metrics = metrics
         self._ready = ready
+        self._admin = admin
+        self._admin_token = admin_token.encode() if admin_token else None
         self._host = host
         self._port = port
         self._max_connections = max_connections
@@ -324,16 +353,42 @@ class HttpEndpoint:
             return
         if request is None:
             return  # closed before a whole request arrived
-        parts = request.decode("latin-1").split()
+        line, authorization = request
+        parts = line.decode("latin-1").split()
         path = parts[1].split("?", 1)[0] if len(parts) >= 2 else ""
-        self._answer(writer, *self._route(path))
+        if path.startswith(ADMIN_PREFIX):
+            method = parts[0] if parts else ""
+            answer = await self._admin_route(method, path, authorization, peer)
+        else:
+            answer = self._route(path)
+        self._answer(writer, *answer)
         await writer.drain()
 
+    async def _admin_route(
+        self, method: str, path: str, authorization: bytes, peer: object
+    ) -> tuple[str, str, bytes]:
+        """POST /admin/groups/<group>/guard/<release|hold> with ``Authorization: Bearer T``.
+
+        Off (404) unless a token is configured; a missing or wrong token is 403 (compared in
+        constant time), and every refusal is counted, never logged above debug."""
+        if self._admin is None or self._admin_token is None:
+            return "404 Not Found", "text/plain", b"admin endpoint off: set admin.token\n"
+        scheme, _, token = authorization.strip().partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._admin_token):
+            self._refused("forbidden", peer, "admin request without the right token")
+            return "403 Forbidden", "text/plain", b"forbidden: a valid admin token is required\n"
+        if method != "POST":
+            return "405 Method Not Allowed", "text/plain", b"use POST\n"
+        status, text = await self._admin(path[len(ADMIN_PREFIX) :])
+        return status, "text/plain", f"{text}\n".encode()
+
     @staticmethod
-    async def _read_head(reader: asyncio.StreamReader) -> bytes | None:
-        """The request line, after reading the headers up to the blank line (None: EOF)."""
+    async def _read_head(reader: asyncio.StreamReader) -> tuple[bytes, bytes] | None:
+        """The request line and the Authorization header's value (b"" when absent), after
+        reading the headers up to the blank line (None: EOF)."""
         size = 0
         request: bytes | None = None
+        authorization = b""
         while True:
             try:
                 line = await reader.readline()
@@ -356,7 +411,9 @@ class HttpEndpoint:
             if request is None:
                 request = line
             elif line in (b"\r\n", b"\n"):
-                return request
+                return request, authorization
+            elif line[:14].lower() == b"authorization:":
+                authorization = line[14:].strip()
 
     @staticmethod
     def _answer(writer: asyncio.StreamWriter, status: str, ctype: str, body: bytes) -> None:

@@ -52,6 +52,25 @@ class Proxy:
         """Ready when every group serves: consumer up, Kafka reachable, breaker closed."""
         return self.health.ready()
 
+    async def admin(self, action: str) -> tuple[str, str]:
+        """An operator action, already authorised: ``groups/<group>/guard/<release|hold>``."""
+        parts = action.split("/")
+        if len(parts) != 4 or parts[0] != "groups" or parts[2] != "guard":
+            return "404 Not Found", "unknown action; use groups/<group>/guard/<release|hold>"
+        name, verb = parts[1], parts[3]
+        runner = next((r for r in self.runners if r.name == name), None)
+        if runner is None:
+            return "404 Not Found", "no such group in this proxy"
+        if runner.partitions.guard is None:
+            return "409 Conflict", f"group {name}: the dead-letter guard is disabled"
+        if verb == "release":
+            count = runner.guard_release()
+            return "200 OK", f"group {name}: guard released; {count} held messages go to the DLQ"
+        if verb == "hold":
+            changed = runner.guard_hold()
+            return "200 OK", f"group {name}: guard held" + ("" if changed else " (already)")
+        return "404 Not Found", "unknown guard action; use release or hold"
+
     async def run(self) -> None:
         """Start every group and run until ``shutdown()`` or a group fails."""
         if self.config.metrics.enabled:
@@ -63,6 +82,12 @@ class Proxy:
                 http.port,
                 max_connections=http.max_connections,
                 request_timeout_s=http.request_timeout_ms / 1000,
+                admin=self.admin,
+                admin_token=(
+                    self.config.admin.token.get_secret_value()
+                    if self.config.admin.token is not None
+                    else None
+                ),
             )
             await self.http.start()
         if self.config.health.grpc_port is not None:

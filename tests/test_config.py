@@ -312,9 +312,10 @@ BAD_CONFIGS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
     ),
     (
         "unknown key in a group",
-        group(dead_letter={"topic": "x"}),
-        f"{G}.dead_letter",
-        "unknown field; allowed here: name, topics, service, delivery, dlq, circuit_breaker",
+        group(deadletter={"topic": "x"}),
+        f"{G}.deadletter",
+        "unknown field (did you mean 'dead_letter_guard'?); allowed here: name, topics, "
+        "service, delivery, dlq, circuit_breaker, dead_letter_guard",
     ),
     ("unknown top-level key", top(kafak={"x": 1}), "kafak", "unknown field"),
     (

@@ -28,6 +28,7 @@ from consumer_proxy.core.tracker import PartitionTracker
 from consumer_proxy.flow import Breaker
 from consumer_proxy.proto.v1 import handler_pb2
 from tests.sim.world import Clock
+from tests.support.records import Rec
 
 C = grpc.StatusCode
 CLASSIFY = Classifier()
@@ -35,40 +36,6 @@ ACK = CLASSIFY.from_response(handler_pb2.HandleMessageResponse())
 FAIL = CLASSIFY.from_status(C.INTERNAL, "flaky")
 BACKOFF = BackoffConfig(initial_ms=10, max_ms=100, jitter=0.0)
 HOUR_MS = 3_600_000
-
-
-class Rec:
-    """A fetched record (confluent_kafka.Message's accessors)."""
-
-    def __init__(
-        self, topic: str, offset: int, epoch: int = 0, headers: Any = None, value: bytes = b"v"
-    ) -> None:
-        self._topic, self._offset, self._epoch = topic, offset, epoch
-        self._headers, self._value = headers, value
-
-    def topic(self) -> str:
-        return self._topic
-
-    def partition(self) -> int:
-        return 0
-
-    def offset(self) -> int:
-        return self._offset
-
-    def key(self) -> bytes | None:
-        return None
-
-    def value(self) -> bytes | None:
-        return self._value
-
-    def headers(self) -> Any:
-        return self._headers
-
-    def timestamp(self) -> tuple[int, int]:
-        return (1, 7)
-
-    def leader_epoch(self) -> int | None:
-        return self._epoch
 
 
 class Rig:

@@ -28,6 +28,7 @@ from consumer_proxy.dlq import (
 )
 from consumer_proxy.group import GroupRunner
 from consumer_proxy.metrics import ProxyMetrics
+from tests.support.records import Rec
 from tests.support.scrape import parse
 from tests.support.waiting import async_wait_until
 
@@ -378,7 +379,7 @@ async def test_a_lost_partitions_dlq_write_is_cancelled_and_its_message_given_ba
     runner.writer = runner._parking.sink = writer
     core = runner.partitions
     core.assign("t", 0, 0, "")
-    core.intake(_Record("t", 0))
+    core.intake(Rec("t", 0))
     delivery = runner._ready.get_nowait()
     assert core.begin(delivery)
     poison = Classifier().from_status(grpc.StatusCode.INVALID_ARGUMENT, "poison")
@@ -397,34 +398,3 @@ async def test_a_lost_partitions_dlq_write_is_cancelled_and_its_message_given_ba
         write.cancel()
         await asyncio.gather(write, return_exceptions=True)
         await writer.close(timeout_s=1.0)
-
-
-class _Record:
-    """A fetched record (confluent_kafka.Message's accessors)."""
-
-    def __init__(self, topic: str, offset: int) -> None:
-        self._topic, self._offset = topic, offset
-
-    def topic(self) -> str:
-        return self._topic
-
-    def partition(self) -> int:
-        return 0
-
-    def offset(self) -> int:
-        return self._offset
-
-    def key(self) -> bytes | None:
-        return b"k"
-
-    def value(self) -> bytes | None:
-        return b"v"
-
-    def headers(self) -> None:
-        return None
-
-    def timestamp(self) -> tuple[int, int]:
-        return (1, 7)
-
-    def leader_epoch(self) -> int | None:
-        return None

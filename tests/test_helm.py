@@ -372,6 +372,28 @@ def test_kafka_credentials_come_from_the_secret_and_reach_kafka_client(
     assert config.kafka.client["security.protocol"] == "SASL_SSL"
 
 
+def test_the_admin_token_comes_from_an_existing_secret_and_reaches_the_proxy(
+    helm: Helm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given the admin token in an existing Secret
+    values = {"admin": {"existingSecret": "proxy-admin", "tokenKey": "admin-token"}}
+    manifests = helm.render("-f", values_file(tmp_path, values))
+    # Then the proxy's environment references it (never a value), and no Secret is rendered
+    by_name = {e["name"]: e for e in proxy_container(manifests)["env"]}
+    entry = by_name["CONSUMER_PROXY_ADMIN__TOKEN"]
+    assert "value" not in entry
+    assert entry["valueFrom"]["secretKeyRef"] == {"name": "proxy-admin", "key": "admin-token"}
+    assert "Secret" not in {m["kind"] for m in manifests}
+    # and the proxy loads it as admin.token, as the kubelet would set it
+    config_path = materialise_config(manifests, tmp_path)
+    monkeypatch.setenv("CONSUMER_PROXY_ADMIN__TOKEN", "a-token-from-the-secret")
+    token = load_config(config_path).admin.token
+    assert token is not None and token.get_secret_value() == "a-token-from-the-secret"
+    # Without a Secret there is no such variable (admin actions are off)
+    default_env = proxy_container(helm.render()).get("env") or []
+    assert "CONSUMER_PROXY_ADMIN__TOKEN" not in {e["name"] for e in default_env}
+
+
 def test_tls_material_is_mounted_read_only_from_existing_secrets(
     example_manifests: Manifests,
 ) -> None:

@@ -28,7 +28,7 @@ STEPS = 150
 
 @pytest.fixture(autouse=True)
 def _quiet() -> Iterator[None]:
-    logging.disable(logging.WARNING)  # thousands of state-change lines otherwise
+    logging.disable(logging.ERROR)  # thousands of state-change lines otherwise
     yield
     logging.disable(logging.NOTSET)
 
@@ -58,6 +58,10 @@ def test_thousands_of_random_schedules_keep_every_invariant() -> None:
     assert total.stale_readings > 10_000 and total.silent_truncations > 300
     assert total.handover_truncations > 200 and total.long_tier_schedules > 40
     assert total.garbled > 300
+    # ... and bad deploys that reject every message: the dead-letter guard trips, holds, and
+    # is released by a probe's ack or by an operator (issue 32)
+    assert total.bad_deploys > 100 and total.guard_trips > 50
+    assert total.guard_held > 1000 and total.guard_releases > 5
 
 
 def _revert_positions_after_a_cut(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -98,6 +102,14 @@ def _revert_tier_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(PartitionSet, "assign", old_assign)
 
 
+def _revert_guard_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(PartitionSet, "_guard_holds", lambda self, d, decision, status: False)
+
+
+def _revert_guard_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(PartitionSet, "_probe_acked", lambda self: None)
+
+
 def _revert_protocol_error_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     classify = batching.classify_batch
 
@@ -119,9 +131,11 @@ def _revert_protocol_error_rule(monkeypatch: pytest.MonkeyPatch) -> None:
         _revert_stale_bytes,
         _revert_tier_budget,
         _revert_protocol_error_rule,
+        _revert_guard_hold,
+        _revert_guard_probe,
     ],
 )
-def test_the_schedules_find_each_fix_of_the_review_reverted(
+def test_the_schedules_find_each_fix_reverted(
     revert: Callable[[pytest.MonkeyPatch], None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given one of issue 28's fixes put back to the old behaviour

@@ -31,6 +31,9 @@ class Action(enum.Enum):
     DEAD_LETTER = "dead_letter"
     TIER = "tier"
     """Move to a retry tier: write to ``<group>.retry.<tier>``, done once confirmed."""
+    HOLD = "hold"
+    """Held by the dead-letter guard (``core/guard.py``): it waits in its window instead of
+    going to the DLQ, until a probe's ack or an operator releases the guard."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,9 +24,10 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..config import DeliveryConfig
+from ..config import DeadLetterGuardConfig, DeliveryConfig
 from .codec import CodecError, decode
 from .decision import Action, Decision, Evidence, Policy, decide, unblock
+from .guard import DeadLetterGuard, GuardView
 from .ordering import PARTITION_LANE, KeyGate
 from .outcomes import Classification, Outcome
 from .records import (
@@ -45,6 +46,7 @@ SOURCE_PRIMARY = 1  # handler.proto DeliverySource values (the core does not imp
 SOURCE_REDRIVE = 2
 SOURCE_RETRY = 3
 _ACKED = Decision(Action.ACK)
+_HOLD = Decision(Action.HOLD, reason="held by the dead-letter guard")
 _NO_HEADERS: dict[str, str] = {}  # read only
 
 
@@ -126,6 +128,7 @@ class PartitionState:
     out: dict[int, Delivery] = field(default_factory=dict)  # pushes under way, by offset
     retrying: dict[int, tuple[Delivery, Handle]] = field(default_factory=dict)  # in memory
     due: dict[int, tuple[Delivery, Handle]] = field(default_factory=dict)  # tier, not yet due
+    held: dict[int, Held] = field(default_factory=dict)  # by the dead-letter guard
 
     @property
     def tp(self) -> TP:
@@ -156,6 +159,7 @@ class Delivery:
     due_at_ms: int = 0  # with Action.TIER: when the tier record is due (epoch ms)
     moved: bool = False  # moved aside as it blocked its partition: a late result is ignored
     alone: bool = False  # batch mode: goes in a batch of its own (its batch's answer was bad)
+    guard_probe: bool = False  # retried to probe a held dead-letter guard: its ack releases it
 
     @property
     def stale(self) -> bool:
@@ -167,6 +171,15 @@ class Delivery:
         if part.epoch == self.epoch:
             return False
         return any(self.offset >= cut for epoch, cut in part.cuts if epoch > self.epoch)
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """A message the dead-letter guard holds: what it would have been written with."""
+
+    delivery: Delivery
+    decision: Decision  # the DEAD_LETTER decision it would have had
+    status: str  # the status of its last attempt (cp-status, if an operator releases it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +212,7 @@ class Counters:
     unblocks: int = 0
     over_budget: int = 0
     resets: int = 0
+    held: int = 0  # dead-letter decisions the guard held (each time one was held)
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +245,7 @@ class PartitionSet:
         rng: random.Random | None = None,
         retry_topics: Sequence[str] = (),
         clock: Callable[[], float] = time.time,
+        guard: DeadLetterGuardConfig | None = None,
     ) -> None:
         self.group = group
         self.parts: dict[TP, PartitionState] = {}
@@ -270,6 +285,9 @@ class PartitionSet:
         self._emit = emit
         self._schedule = schedule
         self._on_idle = on_idle
+        self.guard = DeadLetterGuard(guard) if guard is not None and guard.enabled else None
+        self._held: deque[Held] = deque()  # what the guard holds, oldest first (probes)
+        self._probe: Handle | None = None
         self._rng = rng or random.Random()
         # The ordering hooks are chosen once: with ordering none the per-message path is the
         # same as without a gate (``_admit`` is ``emit``, ``_complete`` is ``_done``).
@@ -349,6 +367,9 @@ class PartitionSet:
         part.timers.clear()
         part.retrying.clear()
         part.due.clear()
+        if part.held:
+            part.held.clear()
+            self._held = deque(h for h in self._held if h.delivery.part is not part)
         part.budget.held -= part.bytes
         part.bytes = 0
         part.backlog.clear()
@@ -401,12 +422,17 @@ class PartitionSet:
         # their bytes back now, and their offsets free for the new records' entries. Those
         # in the ready queue or in a call give them back when they come out (``drop_stale``,
         # ``finish``).
-        for held in (part.retrying, part.due):
-            for o in [o for o in held if o >= offset]:
-                delivery, handle = held.pop(o)
+        for timed in (part.retrying, part.due):
+            for o in [o for o in timed if o >= offset]:
+                delivery, handle = timed.pop(o)
                 handle.cancel()
                 part.timers.discard(handle)
                 self._release(delivery)
+        cut_held = [part.held.pop(o) for o in [o for o in part.held if o >= offset]]
+        if cut_held:
+            for held in cut_held:
+                self._release(held.delivery)
+            self._held = deque(h for h in self._held if h not in cut_held)
         if part.gate is not None:
             # Messages cut from the log no longer hold their key back, and those waiting
             # are forgotten (their records come again with the new fetches).
@@ -571,6 +597,8 @@ class PartitionSet:
         if result.outcome is Outcome.ACK and not delivery.stale:
             # The common case, once per message at batch rates: nothing to weigh.
             self.counters.ack += 1
+            if delivery.guard_probe:
+                self._probe_acked()
             self._complete(delivery)
             return _ACKED
         breaker = self._breaker
@@ -603,6 +631,8 @@ class PartitionSet:
             counters.drop += 1
             self._complete(delivery)
         elif action is Action.DEAD_LETTER:
+            if self.guard is not None and self._guard_holds(delivery, decision, result.status):
+                return _HOLD
             counters.dead_letter += 1
             part.calls += 1  # the DLQ write: the partition's revoke waits for it too
         elif action is Action.TIER:
@@ -698,6 +728,8 @@ class PartitionSet:
             unblocks.append(now_s)
             part.head = (head, now_s)
             decision = unblock(delivery.counted_here, delivery.tier, self._policy, waited)
+            if decision.action is Action.DEAD_LETTER and self.guard is not None and self.guard.held:
+                continue  # a dead letter waits while the guard holds (its call goes on)
             if retrying is not None and retrying[0] is delivery:
                 retrying[1].cancel()
                 part.timers.discard(retrying[1])
@@ -767,6 +799,141 @@ class PartitionSet:
             self._emit(nxt)
         self._done(delivery)
 
+    # -- the dead-letter guard (core/guard.py) ----------------------------------------------
+
+    def _finished(self) -> tuple[int, int]:
+        """The group's finished messages and the dead-letter decisions among them, so far."""
+        c = self.counters
+        dead = c.dead_letter + c.held
+        return c.ack + c.drop + dead, dead
+
+    def _guard_tick(self) -> None:
+        assert self.guard is not None
+        if self.guard.observe(self._clock(), *self._finished()):
+            self._tripped()
+
+    def _guard_holds(self, delivery: Delivery, decision: Decision, status: str) -> bool:
+        """A dead-letter decision: True when the guard holds it (it holds, or this one tripped
+        it); the message then waits in its window, its partition paused, no attempt spent."""
+        guard = self.guard
+        assert guard is not None
+        finished, dead = self._finished()
+        if guard.observe(self._clock(), finished + 1, dead + 1):
+            self._tripped()
+        if not guard.held:
+            return False
+        self.counters.held += 1
+        held = Held(delivery, decision, status)
+        delivery.part.held[delivery.offset] = held
+        self._held.append(held)
+        return True
+
+    def _tripped(self) -> None:
+        guard = self.guard
+        assert guard is not None
+        log.error(
+            "group %s: dead-letter guard held: %.0f%% of the last %d finished messages were "
+            "dead letters; messages that would be dead-lettered wait in their partitions "
+            "(paused) until a probe (one every %.1fs) is acked, or an operator runs "
+            "'consumer-proxy guard release'",
+            self.group,
+            guard.ratio * 100,
+            guard.finished,
+            guard.probe_interval_s,
+        )
+        self._schedule_probe()
+
+    def _schedule_probe(self) -> None:
+        assert self.guard is not None
+        if self._probe is None:
+            self._probe = self._schedule(self.guard.probe_interval_s, self._probe_due)
+
+    def _live_held(self) -> Iterable[Held]:
+        """The held messages still owned and not cut from their log, oldest first."""
+        for held in self._held:
+            delivery = held.delivery
+            if delivery.part.held.get(delivery.offset) is held:
+                yield held
+
+    def _probe_due(self) -> None:
+        """Retry the oldest held message: its ack releases the guard; a dead-letter decision
+        holds it again (at the back)."""
+        self._probe = None
+        guard = self.guard
+        if guard is None or not guard.held or guard.by_operator:
+            return
+        for held in self._live_held():
+            delivery = held.delivery
+            del delivery.part.held[delivery.offset]
+            self._held = deque(h for h in self._held if h is not held)
+            delivery.guard_probe = True
+            self._emit(delivery)
+            break
+        self._schedule_probe()
+
+    def _probe_acked(self) -> None:
+        guard = self.guard
+        if guard is None or not guard.held or guard.by_operator:
+            return
+        held = list(self._live_held())
+        for entry in held:
+            delivery = entry.delivery
+            del delivery.part.held[delivery.offset]
+            self._emit(delivery)  # attempts counted from where they were
+        since = guard.since or self._clock()
+        self._held.clear()
+        guard.release()
+        log.warning(
+            "group %s: dead-letter guard released after %.1fs: a held message was acked (the "
+            "service was fixed or rolled back); %d held messages are retried",
+            self.group,
+            self._clock() - since,
+            len(held),
+        )
+
+    def guard_hold(self) -> bool:
+        """An operator holds the group's dead letters by hand (no probe releases it); False
+        when there is no guard or it is held by hand already."""
+        guard = self.guard
+        if guard is None or not guard.hold(self._clock()):
+            return False
+        log.warning("group %s: dead-letter guard held by an operator", self.group)
+        return True
+
+    def guard_release(self) -> list[Held]:
+        """An operator releases the guard: the dead letters are real. Returns the held
+        messages, each to be written to the DLQ as decided (``dead_lettered`` once
+        confirmed, like any dead letter)."""
+        guard = self.guard
+        if guard is None or not guard.held:
+            return []
+        released = list(self._live_held())
+        for held in released:
+            delivery = held.delivery
+            del delivery.part.held[delivery.offset]
+            delivery.part.calls += 1  # the DLQ write
+        self.counters.dead_letter += len(released)
+        self._held.clear()
+        since = guard.since or self._clock()
+        guard.release()
+        if self._probe is not None:
+            self._probe.cancel()
+            self._probe = None
+        log.warning(
+            "group %s: dead-letter guard released by an operator after %.1fs; %d held "
+            "messages go to the DLQ",
+            self.group,
+            self._clock() - since,
+            len(released),
+        )
+        return released
+
+    def guard_state(self) -> tuple[GuardView, int] | None:
+        """The guard's state and how many messages it holds (None: no guard)."""
+        if self.guard is None:
+            return None
+        return self.guard.view(), sum(len(part.held) for part in self.parts.values())
+
     def key_backlog(self) -> KeyBacklog:
         """The ordering gates' backlog over the owned partitions (for the metrics)."""
         keys = longest = held = 0
@@ -792,6 +959,8 @@ class PartitionSet:
         librdkafka keeps a pause across revoke and re-assign) always gets an explicit call.
         """
         breaker_open = self._breaker.is_open
+        if self.guard is not None:
+            self._guard_tick()
         pause: list[TP] = []
         resume: list[TP] = []
         paused = 0
@@ -807,6 +976,7 @@ class PartitionSet:
                 or (tracker is not None and self._full(part))
                 or (part.meta_over_budget and tracker is not None and not tracker.restoring)
                 or bool(part.due)
+                or bool(part.held)
             )
             if want is not part.paused:
                 (pause if want else resume).append(part.tp)

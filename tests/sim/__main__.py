@@ -22,7 +22,7 @@ def main() -> int:
         "--total-steps", type=int, default=1_000_000, help="stop a soak after this many events"
     )
     args = parser.parse_args()
-    logging.disable(logging.WARNING)  # the core logs state changes; a soak has thousands
+    logging.disable(logging.ERROR)  # the core logs state changes; a soak has thousands
     seeds = [args.seed] if args.seed is not None else range(args.first_seed, 2**31)
     total = Stats()
     started = time.monotonic()

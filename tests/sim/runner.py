@@ -56,6 +56,7 @@ import grpc
 from consumer_proxy.config import (
     BackoffConfig,
     CircuitBreakerConfig,
+    DeadLetterGuardConfig,
     DeliveryConfig,
     RetryTopicConfig,
 )
@@ -116,6 +117,10 @@ class Stats:
     handover_truncations: int = 0  # ... while a restored ack state described the cut range
     long_tier_schedules: int = 0
     garbled: int = 0  # messages that make any batch answer have the wrong length
+    bad_deploys: int = 0  # spells of a service that rejects every message (INVALID_ARGUMENT)
+    guard_trips: int = 0
+    guard_held: int = 0  # dead-letter decisions the guard held
+    guard_releases: int = 0  # by an operator (a probe's ack releases it too)
 
 
 @dataclass
@@ -128,6 +133,8 @@ class Truth:
     dlq: list[int] = field(default_factory=list)
     dup_ok: set[int] = field(default_factory=set)  # may be delivered again (crash, budget)
     attempts: dict[int, int] = field(default_factory=dict)
+    rejected: set[int] = field(default_factory=set)  # rejected by a bad deploy at least once
+    released: set[int] = field(default_factory=set)  # held, then sent to the DLQ by an operator
 
 
 class Member:
@@ -153,6 +160,7 @@ class Member:
             head_block_ms=sim.head_block_ms,
             max_unblock_per_minute=sim.max_unblock,
         )
+        guard = DeadLetterGuardConfig(min_messages=20, window_ms=10_000, probe_interval_ms=500)
         self.core = PartitionSet(
             "g",
             config,
@@ -163,6 +171,7 @@ class Member:
             rng=random.Random(sim.rng.random()),
             retry_topics=[f"g.retry.{n}" for n in range(1, len(sim.tier_delays_ms) + 1)],
             clock=sim.clock,
+            guard=guard,
         )
 
 
@@ -230,6 +239,7 @@ class Simulation:
         self.last_commit: dict[TP, int] = {}
         self.consumer = Consumer(self.logs, self.commits)
         self.outage: str | None = None  # None | "unavailable" | "hung" | "unimplemented"
+        self.bad_deploy = False  # the service rejects every message (it answers)
         self.dlq_down = False
         self.next_ident = 0
         self.step_no = 0
@@ -322,6 +332,7 @@ class Simulation:
         for part in core.parts.values():
             places.append([d for d, _ in part.retrying.values()])
             places.append([d for d, _ in part.due.values()])
+            places.append([held.delivery for held in part.held.values()])
             if part.gate is not None:
                 places.append(list(part.gate.waiting_items()))
         for place in places:
@@ -575,6 +586,9 @@ class Simulation:
         behaviour = truth.behaviour[ident]
         if self.outage == "unavailable":
             return grpc.StatusCode.UNAVAILABLE, 0
+        if self.bad_deploy:
+            truth.rejected.add(ident)
+            return grpc.StatusCode.INVALID_ARGUMENT, 0
         if behaviour.startswith("timeout:") and self._tries(ident) <= int(behaviour[8:]):
             # The service's own per-message deadline inside the call (a slow message does
             # not hold its batch): the same status as a unary deadline.
@@ -596,9 +610,17 @@ class Simulation:
             truth.acked.add(ident)
             truth.done.add(ident)
             self.stats.acked += 1
+            guard = self.member.core.guard
+            if delivery.guard_probe and guard is not None and guard.held and not guard.by_operator:
+                self.fail(f"message {ident}, a probe of the guard, was acked: still held")
         elif action is Action.DROP:
             truth.done.add(ident)
+        elif action is Action.HOLD:
+            self.stats.guard_held += 1
         elif action is Action.DEAD_LETTER:
+            guard = self.member.core.guard
+            if guard is not None and guard.held:
+                self.fail(f"message {ident} dead-lettered while the dead-letter guard holds")
             past_tiers = bool(self.tier_delays_ms) and (
                 "last retry tier" in decision.reason or "blocked the head" in decision.reason
             )
@@ -607,6 +629,7 @@ class Simulation:
             if not (
                 truth.behaviour[ident].startswith(("poison", "timeout:", "garbled"))
                 or (past_tiers and truth.behaviour[ident].startswith("flaky:"))
+                or ident in truth.rejected  # by a bad deploy, before the guard tripped
             ):
                 self.fail(f"message {ident} ({truth.behaviour[ident]}) dead-lettered")
             self._write_dlq(delivery, ident)
@@ -638,6 +661,9 @@ class Simulation:
         ):
             result = self.classifier.from_status(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline")
             latency = TIMEOUT_S
+        elif self.bad_deploy:
+            truth.rejected.add(ident)
+            result = self.classifier.from_status(grpc.StatusCode.INVALID_ARGUMENT, "bad deploy")
         elif behaviour == "poison":
             result = self.classifier.from_status(grpc.StatusCode.INVALID_ARGUMENT, "poison")
         elif behaviour == "drop":
@@ -658,6 +684,31 @@ class Simulation:
             self._decided(delivery, ident, member.core.finish(delivery, result, probe))
 
         member.calls[(delivery,)] = self.clock.call_later(latency, done)
+
+    def _only_real_poison_held(self) -> bool:
+        """Every message the guard holds fails on its own next time too: no probe can
+        release it (an operator must)."""
+        for part in self.member.core.parts.values():
+            for held in part.held.values():
+                ident = int(dict(held.delivery.headers)["id"])
+                behaviour = self.truth.behaviour[ident]
+                if behaviour.startswith(("poison", "garbled")):
+                    continue
+                if behaviour.startswith(("flaky:", "timeout:")) and self._tries(ident) < int(
+                    behaviour.split(":")[1]
+                ):
+                    continue
+                return False
+        return True
+
+    def operator_release(self) -> None:
+        """An operator releases a held guard: the held messages go to the DLQ."""
+        released = self.member.core.guard_release()
+        self.stats.guard_releases += bool(released)
+        for held in released:
+            ident = int(dict(held.delivery.headers)["id"])
+            self.truth.released.add(ident)
+            self._write_dlq(held.delivery, ident)
 
     def _write_dlq(self, delivery: Delivery, ident: int) -> None:
         member = self.member
@@ -758,6 +809,7 @@ class Simulation:
         for timer in [*self.member.calls.values(), *self.member.dlq_writes.values()]:
             timer.cancel()
         self.consumer = Consumer(self.logs, self.commits)  # a new process: no pause flags
+        self._count_trips()
         self.member = Member(self, self.rng.choice([64, 4000]))
         self.reading = 0  # ... and its own position readings
         self.positions = {}
@@ -819,6 +871,11 @@ class Simulation:
             self.stats.outages += self.outage is not None
         elif x < 0.585:
             self.dlq_down = not self.dlq_down
+        elif x < 0.588:
+            self.bad_deploy = not self.bad_deploy
+            self.stats.bad_deploys += self.bad_deploy
+        elif x < 0.5885:
+            self.operator_release()
         else:
             self.clock.run_until(self.clock.now + self.rng.uniform(0.0, 0.3))
         self.dispatch()
@@ -837,8 +894,11 @@ class Simulation:
         records are due too. While nothing is under way the clock jumps to the next timer."""
         self.outage = None
         self.dlq_down = False
+        self.bad_deploy = False  # rolled back: a probe's ack releases a held guard
         if not self.consumer.assigned:
             self._assign(self.all_tps)
+        operator_at = self.clock.now + 60.0  # ... unless every held one is real poison
+        recoverable_since: float | None = None
         source_deadline = self.clock.now + DRAIN_LIMIT_S
         # (a message may go through every tier after the source drained)
         deadline = source_deadline + sum(self.tier_delays_ms) / 1000.0 + DRAIN_LIMIT_S
@@ -849,6 +909,17 @@ class Simulation:
             self.commit()
             if self._drained(self.all_tps):
                 break
+            guard = self.member.core.guard
+            if guard is not None and guard.held and not self._only_real_poison_held():
+                # It holds a message the service now acks: a probe (every 0.5 s) releases
+                # the guard within seconds.
+                recoverable_since = recoverable_since or self.clock.now
+                if self.clock.now - recoverable_since >= 30.0:
+                    self.fail("the dead-letter guard still holds 30 s after the service recovered")
+            else:
+                recoverable_since = None
+                if self.clock.now >= operator_at:
+                    self.operator_release()
             if not sources_drained:
                 sources_drained = self._drained(self.tps)
                 if not sources_drained and self.clock.now >= source_deadline:
@@ -871,6 +942,11 @@ class Simulation:
                 if msg.ident not in self.truth.done:
                     self.fail(f"message {msg.ident} at {tp}@{o} was never done")
         self.stats.resets = self.member.core.counters.resets
+        self._count_trips()
+
+    def _count_trips(self) -> None:
+        guard = self.member.core.guard
+        self.stats.guard_trips += guard.trips if guard is not None else 0
 
 
 def run(seed: int, steps: int) -> Stats:

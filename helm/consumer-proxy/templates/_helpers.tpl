@@ -232,8 +232,16 @@ The proxy's environment: Kafka secrets as CONSUMER_PROXY_KAFKA__CLIENT__* from t
 Secret, then extraEnv and extraEnvFrom. Shared by the proxy, the init container and the test.
 */}}
 {{- define "consumer-proxy.proxyEnv" -}}
-{{- if or .Values.kafka.secretProperties .Values.extraEnv }}
+{{- if or .Values.kafka.secretProperties .Values.extraEnv .Values.admin.existingSecret }}
 env:
+  {{- with .Values.admin.existingSecret }}
+  # The admin token (consumer-proxy guard release|hold), from an existing Secret.
+  - name: CONSUMER_PROXY_ADMIN__TOKEN
+    valueFrom:
+      secretKeyRef:
+        name: {{ . }}
+        key: {{ $.Values.admin.tokenKey }}
+  {{- end }}
   {{- range $prop, $key := .Values.kafka.secretProperties }}
   # librdkafka {{ $prop }}, merged into kafka.client by the proxy.
   - name: CONSUMER_PROXY_KAFKA__CLIENT__{{ $prop }}

@@ -1,0 +1,48 @@
+"""A fetched record for tests of the pure core: what ``core.partitions.Record`` reads of a
+confluent_kafka.Message, with the values a test gives it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class Rec:
+    """A record at ``offset`` of ``topic`` (partition ``partition``)."""
+
+    def __init__(
+        self,
+        topic: str,
+        offset: int,
+        *,
+        partition: int = 0,
+        epoch: int | None = None,
+        headers: Any = None,
+        key: bytes | None = None,
+        value: bytes | None = b"v",
+    ) -> None:
+        self._topic, self._offset, self._partition = topic, offset, partition
+        self._epoch, self._headers, self._key, self._value = epoch, headers, key, value
+
+    def topic(self) -> str:
+        return self._topic
+
+    def partition(self) -> int:
+        return self._partition
+
+    def offset(self) -> int:
+        return self._offset
+
+    def key(self) -> bytes | None:
+        return self._key
+
+    def value(self) -> bytes | None:
+        return self._value
+
+    def headers(self) -> Any:
+        return self._headers
+
+    def timestamp(self) -> tuple[int, int]:
+        return (1, 7)
+
+    def leader_epoch(self) -> int | None:
+        return self._epoch
