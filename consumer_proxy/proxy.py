@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from .adapters import RealEdges
 from .config import ProxyConfig
 from .dlq import SharedProducers
 from .group import GroupRunner
@@ -30,16 +31,9 @@ class Proxy:
         # One DLQ producer for every group (per distinct producer configuration): an idle
         # group then holds no producer client, threads or connections of its own.
         self.producers = SharedProducers()
+        edges = RealEdges(config.kafka, self.metrics, consumer_overrides, self.producers)
         self.runners = [
-            GroupRunner(
-                config.kafka,
-                g,
-                self.metrics,
-                consumer_overrides,
-                config.shutdown_grace_s,
-                producers=self.producers,
-            )
-            for g in config.groups
+            GroupRunner(g, self.metrics, edges, config.shutdown_grace_s) for g in config.groups
         ]
         self._stop = asyncio.Event()
         self._finished = asyncio.Event()

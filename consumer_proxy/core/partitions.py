@@ -867,6 +867,17 @@ class PartitionSet:
         """The states of those of ``tps`` this member owns."""
         return [self.parts[tp] for tp in tps if tp in self.parts]
 
+    @staticmethod
+    def leave(parts: Iterable[PartitionState]) -> None:
+        """These partitions are being revoked: calls in flight may finish, no new push
+        starts (``begin`` refuses them)."""
+        for part in parts:
+            part.leaving = True
+
+    def commit_confirmed(self, ok: bool) -> None:
+        """The outcome of the last commit sent to Kafka (``commits_failing`` follows it)."""
+        self.commits_failing = not ok
+
 
 def _key_lane(delivery: Delivery) -> Hashable:
     return delivery.key  # None: the partition's no-key lane
