@@ -1,20 +1,19 @@
 """One group from intake to commit: the GroupRunner shell.
 
-The decisions live in the pure core (``core.partitions.PartitionSet``: intake, windows,
-backlog, byte budget, results, retries, pause plan, commit plan; ``core.decision``: what a
-result means; ``core.cadence``: when to poll and when to commit). The shell's jobs are
-objects of their own, one module each; ``GroupRunner`` owns the lifecycle (building them,
-the tasks, the shutdown order) and the rebalance callbacks:
+Every decision is the pure core's (``core.partitions.PartitionSet``: intake, windows, backlog,
+byte budget, results, retries, pause and commit plans; ``core.decision``: what a result means;
+``core.cadence``: when to poll and commit). The shell's jobs are objects, one module each;
+``GroupRunner`` builds them, owns their tasks, the rebalance callbacks and the shutdown order:
 
     intake.Intake: consume -> PartitionSet.intake -> ready queue (batch: a ReadyDeque)
-    push.UnaryPush / push.BatchPush: workers -> push -> PartitionSet.finish -> push.Tally
+    push.UnaryPush / BatchPush: workers -> push -> PartitionSet.finish -> parking.Tally
     finish says: done | retry (a timer, then the ready queue) | dead letter or retry tier
     (a write by ``parking.Parking``, then PartitionSet.dead_lettered / tier_written) ;
-    committer.Committer: every commit_interval_ms, soon after a partition goes idle, on
+    committer.Committer: every commit_interval_ms, soon after a partition goes idle and at
     shutdown -> PartitionSet.commit_plan; on revoke -> PartitionSet.final_commit
 
-Its I/O edges (consumer, pusher, DLQ sink, clock: ``ports``) are built, when it runs, by the
-``ports.OpenEdges`` factory it is given (``adapters.RealEdges`` builds the real ones).
+Its I/O edges (consumer, pusher, DLQ sink, clock: ``ports``) are built when it runs by the
+``ports.OpenEdges`` it is given (``adapters.RealEdges`` builds the real ones).
 
 Shutdown order (``Proxy.shutdown`` / SIGTERM): stop intake -> let in-flight calls finish
 within the grace period, then cancel them -> commit what is done -> close the consumer
@@ -39,15 +38,14 @@ from confluent_kafka import KafkaException, TopicPartition
 
 from .committer import Committer
 from .config import GroupConfig
-from .core.batching import BatchLimits
 from .core.partitions import TP, Delivery, PartitionSet, PartitionState
-from .flow import AdaptiveLimiter, Breaker, ConcurrencyLimiter, RateLimiter, StaticLimiter
+from .flow import Breaker, RateLimiter, group_limiter
 from .health import KafkaLink
 from .intake import Intake
 from .metrics import ProxyMetrics
-from .parking import Parking
+from .parking import Parking, Tally
 from .ports import Clock, DeadLetterSink, EdgeHooks, MessageSource, OpenEdges, Pusher
-from .push import BatchPush, PushParts, Tally, UnaryPush
+from .push import BatchPush, PushParts, UnaryPush, build_push
 from .readyq import ReadyDeque
 
 log = logging.getLogger(__name__)
@@ -88,14 +86,9 @@ class GroupRunner:
         self.dispatcher: Pusher | None = None
         self.writer: DeadLetterSink | None = None
         self.push: UnaryPush | BatchPush | None = None  # built when the group runs
-        workers = d.concurrency if isinstance(d.concurrency, int) else d.adaptive.max
-        self._workers = workers
+        self._workers = d.concurrency if isinstance(d.concurrency, int) else d.adaptive.max
         limit_gauge = metrics.concurrency_limit.labels(self.name)
-        self.limiter: ConcurrencyLimiter = (
-            AdaptiveLimiter(d.adaptive, on_change=limit_gauge.set)
-            if d.concurrency == "adaptive"
-            else StaticLimiter(workers)
-        )
+        self.limiter = group_limiter(d, limit_gauge.set)
         self.rate = RateLimiter(d.rate_limit_per_s) if d.rate_limit_per_s else None
         self.breaker = Breaker(self.name, group.circuit_breaker, self._breaker_changed)
         self.partitions = PartitionSet(
@@ -139,22 +132,35 @@ class GroupRunner:
         self.writer = self._parking.sink = edges.sink
         self._clock = edges.clock
         self.committer.attach(edges.source, edges.clock)
-        push = self.push = self._build_push(edges.pusher, edges.clock)
+        parts = PushParts(
+            self.name,
+            self.partitions,
+            edges.pusher,
+            self.breaker,
+            self.limiter,
+            self.rate,
+            self._tally,
+            self.metrics,
+            edges.clock,
+            self._call_ended,
+        )
+        d = self.group.delivery
+        push = self.push = build_push(
+            parts, self.ready, self._workers, d.batch, self._health_changed
+        )
         committer = self.committer
         intake = Intake(
             self.name,
-            self.group.delivery,
+            d,
             self.partitions,
             edges.source,
             self.breaker,
             self._tally,
             self.metrics,
             edges.clock,
-            ready_low=push.ready_low,
-            committer_due=lambda: committer.due,
-            committer_quiet=lambda: committer.quiet,
-            wake_committer=committer.wake,
-            on_started=self._consumer_started,
+            committer,
+            push.ready_low,
+            self._consumer_started,
         )
         try:
             await edges.source.start()
@@ -174,28 +180,6 @@ class GroupRunner:
             await self._shutdown()
         if self._failure is not None:
             raise self._failure
-
-    def _build_push(self, pusher: Pusher, clock: Clock) -> UnaryPush | BatchPush:
-        parts = PushParts(
-            self.name,
-            self.partitions,
-            pusher,
-            self.breaker,
-            self.limiter,
-            self.rate,
-            self._tally,
-            self.metrics,
-            clock,
-            self._call_ended,
-        )
-        if isinstance(self.ready, asyncio.Queue):
-            return UnaryPush(parts, self.ready, self._workers)
-        batch = self.group.delivery.batch
-        assert batch is not None
-        limits = BatchLimits(batch.max_messages, batch.max_bytes)
-        return BatchPush(
-            parts, self.ready, self._workers, limits, batch.linger_ms, self._health_changed
-        )
 
     def _consumer_started(self) -> None:
         self.started.set()  # the consumer is up (joined, or joining, the group)
@@ -250,9 +234,7 @@ class GroupRunner:
         for task in remaining:
             task.cancel()
         await asyncio.gather(*remaining, return_exceptions=True)
-        for part in self.partitions.parts.values():
-            for timer in part.timers:
-                timer.cancel()
+        self.partitions.cancel_timers()
         if self.fetcher is not None:
             with contextlib.suppress(KafkaException):
                 await self.commit()
@@ -308,12 +290,7 @@ class GroupRunner:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(deadline - clock()):  # not wait_for (3.11)
                     await self._call_ended.wait()
-        leaving = set(parts)
-        writes = self._parking.of(leaving)
-        for task in writes:
-            task.cancel()
-        if writes:
-            await asyncio.gather(*writes, return_exceptions=True)
+        await self._parking.cancel(set(parts))
         offsets = []
         for part in parts:
             final = self.partitions.final_commit(part)
@@ -339,18 +316,14 @@ class GroupRunner:
         cancel their DLQ and retry tier writes at once: the new owner makes them again, and a
         write that went on retrying here would add a copy outside the documented bound."""
         parts = self.partitions.owned([(tp.topic, tp.partition) for tp in partitions])
-        writes = self._parking.of(set(parts))
-        for task in writes:
-            task.cancel()
-        if writes:
-            await asyncio.gather(*writes, return_exceptions=True)
+        writes = await self._parking.cancel(set(parts))
         for part in parts:
             self._forget(part)
         log.warning(
             "group %s: lost %d partitions (no commit possible; %d DLQ/tier writes cancelled)",
             self.name,
             len(partitions),
-            len(writes),
+            writes,
         )
 
     def _forget(self, part: PartitionState) -> None:

@@ -5,7 +5,8 @@ core (``PartitionSet.intake``), a log truncation to ``PartitionSet.truncated``, 
 consumer's positions to ``skip_unfetchable``, moves aside the messages that block their
 partition's commit (``PartitionSet.unblock``, with ``head_block_ms``), and executes the
 core's pause plan (``pause_plan`` -> ``set_paused``). How long the next poll may wait is
-``core.cadence.poll_wait``'s choice. The first poll says the consumer is up (``on_started``).
+``core.cadence.poll_wait``'s choice, from the workers' supply and the ``Committer``'s
+schedule. The first poll says the consumer is up (``on_started``).
 """
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ from collections.abc import Callable
 
 from confluent_kafka import KafkaError, KafkaException
 
+from .committer import Committer
 from .config import DeliveryConfig
 from .core.cadence import FETCH_WAIT_S, poll_wait, quiet_polls
 from .core.decision import HEAD_BLOCKED, Action
 from .core.partitions import PartitionSet
 from .flow import Breaker
 from .metrics import ProxyMetrics
+from .parking import Tally
 from .ports import Clock, MessageSource
-from .push import Tally
 
 log = logging.getLogger(__name__)
 
@@ -41,16 +43,13 @@ class Intake:
         tally: Tally,
         metrics: ProxyMetrics,
         clock: Clock,
-        *,
+        committer: Committer,
         ready_low: Callable[[], bool],
-        committer_due: Callable[[], bool],
-        committer_quiet: Callable[[], bool],
-        wake_committer: Callable[[], None],
         on_started: Callable[[], None],
     ) -> None:
-        """``ready_low``: the workers are about to run dry; ``committer_due``: a commit is
-        due or under way; ``committer_quiet``: the committer ticks slowly (traffic wakes it
-        with ``wake_committer``); ``on_started`` is told after the first poll."""
+        """``committer``: its schedule shapes the polls, and traffic after a quiet spell
+        wakes it; ``ready_low``: the workers are about to run dry; ``on_started`` is told
+        after the first poll."""
         self.name = name
         self._fetch_batch = delivery.fetch_batch
         self._unblocking = delivery.head_block_ms is not None
@@ -60,10 +59,8 @@ class Intake:
         self._tally = tally
         self._metrics = metrics
         self._clock = clock
+        self._committer = committer
         self._ready_low = ready_low
-        self._committer_due = committer_due
-        self._committer_quiet = committer_quiet
-        self._wake_committer = wake_committer
         self._on_started = on_started
 
     async def run(self, stopping: asyncio.Event) -> None:
@@ -74,6 +71,7 @@ class Intake:
         paused = self._metrics.partitions_paused.labels(self.name)
         timeout_s = FETCH_WAIT_S
         quiet = 0  # polls in a row that found the group holding nothing
+        committer = self._committer
         started = False
         while not stopping.is_set():
             messages = await source.consume(batch, timeout_s)
@@ -99,15 +97,15 @@ class Intake:
             if plan.pause or plan.resume:
                 await source.set_paused(plan.pause, plan.resume)
             paused.set(plan.paused)
-            if messages and self._committer_quiet():
-                self._wake_committer()  # traffic after a quiet spell: the usual cadence
+            if messages and committer.quiet:
+                committer.wake()  # traffic after a quiet spell: the committer's usual cadence
             busy = bool(messages) or bool(plan.paused) or partitions.holding()
             quiet = quiet_polls(quiet, busy)
             waiting = bool(plan.paused) and not self._breaker.is_open
             timeout_s = poll_wait(
                 waiting=waiting,
                 ready_low=waiting and self._ready_low(),
-                commit_due=not waiting and self._committer_due(),
+                commit_due=not waiting and committer.due,
                 quiet=quiet,
                 commits_failing=partitions.commits_failing,
             )

@@ -5,7 +5,8 @@ Each owns the group's workers (in batch mode, call slots), the calls themselves 
 each answer to the core: the breaker hears the call (``core.ejection.breaker_hears``, the
 one rule for an instance out of rotation and a probe, in both modes), then
 ``PartitionSet.finish`` decides each message, and ``Tally.settled`` counts the decision and
-starts a DLQ or retry tier write (``parking.Parking``) when the message leaves its partition.
+starts a DLQ or retry tier write (``parking.Parking``) when the message leaves its
+partition.
 
     unary: ready queue -> worker -> rate, limiter, breaker -> PartitionSet.begin -> push
            -> breaker -> PartitionSet.finish -> Tally
@@ -24,42 +25,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .config import BatchConfig
 from .core.batching import NOT_IMPLEMENTED_REASON, BatchLimits, BatchOutcome, take
-from .core.decision import Action, Decision
+from .core.decision import Action
 from .core.ejection import breaker_hears
 from .core.outcomes import Classification
 from .core.partitions import Delivery, PartitionSet
 from .flow import Breaker, ConcurrencyLimiter, RateLimiter
 from .metrics import ProxyMetrics
+from .parking import Tally
 from .ports import Clock, Pusher
 from .readyq import ReadyDeque
 from .wire import batch_request, unary_request
 
 log = logging.getLogger(__name__)
-
-Park = Callable[[Delivery, Decision, str, str], None]
-"""Starts the DLQ or retry tier write of a message: (delivery, decision, status, endpoint)."""
-
-
-class Tally:
-    """Counts each decided outcome once (``consumer_proxy_messages_total``) and starts the
-    write of a message the core moved out of its partition (dead letter, retry tier)."""
-
-    def __init__(self, name: str, metrics: ProxyMetrics, park: Park) -> None:
-        self._counters = {action: metrics.messages.labels(name, action.value) for action in Action}
-        self._acks = self._counters[Action.ACK]
-        self._park = park
-
-    def settled(self, delivery: Delivery, decision: Decision, status: str, endpoint: str) -> None:
-        """One message decided (by a call's answer, or moved aside by head_block_ms)."""
-        action = decision.action
-        self._counters[action].inc()
-        if action is Action.DEAD_LETTER or action is Action.TIER:
-            self._park(delivery, decision, status, endpoint)
-
-    def acked(self, count: int) -> None:
-        """``count`` messages of one batch acked (counted together: one metric call)."""
-        self._acks.inc(count)
 
 
 @dataclass(frozen=True)
@@ -319,3 +298,19 @@ class BatchPush(_Push):
                 target,
                 outcome.protocol_error,
             )
+
+
+def build_push(
+    parts: PushParts,
+    ready: asyncio.Queue[Delivery] | ReadyDeque,
+    workers: int,
+    batch: BatchConfig | None,
+    on_problem: Callable[[], None],
+) -> UnaryPush | BatchPush:
+    """The group's push: unary with a ready queue, batch mode (``batch``) with a deque."""
+    if batch is None:
+        assert isinstance(ready, asyncio.Queue)
+        return UnaryPush(parts, ready, workers)
+    assert isinstance(ready, ReadyDeque)
+    limits = BatchLimits(batch.max_messages, batch.max_bytes)
+    return BatchPush(parts, ready, workers, limits, batch.linger_ms, on_problem)

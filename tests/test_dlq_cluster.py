@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from consumer_proxy import dlq
 from consumer_proxy.cli import main
+from consumer_proxy.core import records as dlq_records
 from tests.support.kafka import Broker, consume_all, create_topic, produce, unique_name
 from tests.support.spark_cluster import (
     ClusterError,
@@ -129,18 +129,18 @@ def test_report_and_merge_on_a_standalone_cluster_match_local(
     # Then the cluster wrote exactly what the local run selected
     wanted = [
         r for r in dlq_group["records"]
-        if dict(r["headers"])[dlq.H_STATUS] in (b"INVALID_ARGUMENT", b"DATA_LOSS")
-        and int(dict(r["headers"])[dlq.H_ATTEMPT]) >= 2
+        if dict(r["headers"])[dlq_records.H_STATUS] in (b"INVALID_ARGUMENT", b"DATA_LOSS")
+        and int(dict(r["headers"])[dlq_records.H_ATTEMPT]) >= 2
     ]  # fmt: skip
     assert local_merge["selected"] == cluster_merge["written"] == cluster_merge["merged"]
     assert cluster_merge["written"] == len(wanted)
     for field in ("in_range", "selected", "by_partition", "by_status"):
         assert cluster_merge[field] == local_merge[field], field
     sent = Counter(
-        dlq.split_headers(m.headers())[1][dlq.H_OFFSET]
+        dlq_records.split_headers(m.headers())[1][dlq_records.H_OFFSET]
         for m in consume_all(dlq_group["bootstrap"], f"{group}.redrive")
     )
-    assert sent == Counter(dict(r["headers"])[dlq.H_OFFSET].decode() for r in wanted)
+    assert sent == Counter(dict(r["headers"])[dlq_records.H_OFFSET].decode() for r in wanted)
     # and the merge mark records them: a local rerun finds nothing left to merge
     prefixes = merge_marks(dlq_group["bootstrap"], group)
     assert set(prefixes) == {r["partition"] for r in wanted}  # 1 and 2: attempt 1 in 0

@@ -341,6 +341,12 @@ class PartitionSet:
             return None
         return Commit(part, offset, meta)
 
+    def cancel_timers(self) -> None:
+        """Shutdown: no retry timer fires any more (the messages are redelivered later)."""
+        for part in self.parts.values():
+            for timer in part.timers:
+                timer.cancel()
+
     def forget(self, part: PartitionState) -> None:
         """Drop a partition (revoked or lost): its timers, backlog and bytes go with it."""
         part.revoked = True
