@@ -1,7 +1,8 @@
 """The proxy process: one GroupRunner per onboarded group, health, metrics and signals.
 
 ``Proxy.run`` starts every group and returns after the full shutdown of all of them; a group
-that fails stops the others. See ``group.py`` for what one group does.
+that fails stops the others. See ``group.py`` for what one group does, and
+docs/architecture.md for how the pieces fit.
 """
 
 from __future__ import annotations

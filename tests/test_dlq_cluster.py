@@ -29,7 +29,9 @@ from tests.support.spark_cluster import (
 )
 from tests.test_dlq_tools import BASE_MS, dead_letter, group_config, merge_marks
 
-pytestmark = [pytest.mark.kafka, pytest.mark.spark]
+# ``slow``: a Spark standalone master and worker, and a JVM per CLI run (make test-fast
+# leaves it out).
+pytestmark = [pytest.mark.kafka, pytest.mark.spark, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parent.parent
 STATUSES = ["INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "FAILED_PRECONDITION", "DATA_LOSS"]

@@ -3,8 +3,9 @@
 Assignment and revocation with restored ack state, intake into the tracker windows (with a
 backlog when a window is full), the byte budget, results (through ``decision.decide``),
 retries on an injected scheduler, DLQ writes pending, the pause plan and the commit plan.
-Pure: no asyncio, no Kafka client, no gRPC I/O. The shell (``group.py``) feeds it records
-and results and executes what it returns; the simulation (``tests/sim``) feeds it the same
+Pure: no asyncio, no Kafka client, no gRPC I/O. The shell (``group.py`` and its objects:
+``intake``, ``push``, ``committer``, ``parking``) feeds it records and results and executes
+what it returns; the simulation (``tests/sim``) feeds it the same
 way on a virtual clock.
 
 Follow one message: ``intake`` -> (backlog ->) (ordering gate ->) ``emit`` (ready for a
