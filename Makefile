@@ -19,7 +19,10 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[dev,pipeline]"
+	@# setuptools says "Editable installation ... folders with the same name may take
+	@# precedence" on every editable build: an InformationOnly notice, not a deprecation
+	@# (pypa/packaging-problems#558); it is silenced so that real warnings stand out.
+	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q -e ".[dev,pipeline]"
 	@rm -f $(VENV)/.installed-* && touch $@
 
 install: $(STAMP)
