@@ -3,6 +3,8 @@
 #   make test   - ruff, mypy --strict (package, tests, benches), stale-stub (Python, Go) and
 #                 stale-chart-schema checks and the whole pytest suite (real Kafka; builds and
 #                 runs the Go example)
+#   make test-fast - the same checks and the suite without the tests marked slow (the Helm
+#                 chart tests, the Spark standalone cluster), for a quicker local run
 #   make bench  - the benchmarks in bench/ (not part of the test suite)
 #   make simulate - the long soak of the core's deterministic simulation (1M steps)
 
@@ -12,12 +14,15 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install test lint typecheck demo bench simulate protos kafka-start kafka-stop clean
+.PHONY: install test test-fast lint typecheck demo bench simulate protos kafka-start kafka-stop clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[dev,pipeline]"
+	@# setuptools says "Editable installation ... folders with the same name may take
+	@# precedence" on every editable build: an InformationOnly notice, not a deprecation
+	@# (pypa/packaging-problems#558); it is silenced so that real warnings stand out.
+	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q -e ".[dev,pipeline]"
 	@rm -f $(VENV)/.installed-* && touch $@
 
 install: $(STAMP)
@@ -34,6 +39,9 @@ test: lint typecheck
 	$(PY) scripts/gen_values_schema.py --check
 	$(PY) scripts/gen_go.py --check
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: PYTEST_ARGS += -m "not slow"
+test-fast: test
 
 demo: install
 	$(PY) scripts/demo.py $(DEMO_ARGS)

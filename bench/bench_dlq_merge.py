@@ -32,8 +32,8 @@ import yaml
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
 from bench.common import Result, base_parser, broker, create_topic, rate, unique_name
-from consumer_proxy import dlq
 from consumer_proxy.cli import main as cli_main
+from consumer_proxy.core import records as dlq_records
 from consumer_proxy.tools import spark
 from tests.support.kafka import end_offsets
 from tests.support.proxy import make_config
@@ -58,8 +58,8 @@ def produce_dlq(bootstrap: str, topic: str, n: int) -> float:
     now = int(time.time() * 1000)
     started = time.monotonic()
     for i in range(n):
-        origin = dlq.Origin("orders", i % 12, i, now - 60_000, 1)
-        headers = dlq.dlq_headers(
+        origin = dlq_records.Origin("orders", i % 12, i, now - 60_000, 1)
+        headers = dlq_records.dlq_headers(
             [("trace-id", b"%016d" % i)],
             origin,
             attempt=1,

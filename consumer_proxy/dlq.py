@@ -25,55 +25,17 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 )
 
 from .config import GroupConfig, KafkaConfig
-from .core.records import (
-    CP_PREFIX,
-    H_ATTEMPT,
-    H_DEAD_LETTERED_AT,
-    H_ENDPOINT,
-    H_GROUP,
-    H_OFFSET,
-    H_PARTITION,
-    H_REASON,
-    H_STATUS,
-    H_TIMESTAMP,
-    H_TOPIC,
-    PROXY_HEADERS,
-    Headers,
-    Origin,
-    UserHeaders,
-    dlq_headers,
-    origin_from_headers,
-    split_headers,
-)
+from .core.records import Headers
 from .errors import DeadLetterWriteError, TopicSetupError
 from .kafka_log import KafkaLogGate
 from .metrics import ProxyMetrics
 
-# The record format lives in the core; re-exported here for the writer's callers.
 __all__ = [
-    "CP_PREFIX",
-    "H_ATTEMPT",
-    "H_DEAD_LETTERED_AT",
-    "H_ENDPOINT",
-    "H_GROUP",
-    "H_OFFSET",
-    "H_PARTITION",
-    "H_REASON",
-    "H_STATUS",
-    "H_TIMESTAMP",
-    "H_TOPIC",
-    "PROXY_HEADERS",
     "DeadLetterWriter",
-    "Headers",
-    "Origin",
     "SharedProducer",
     "SharedProducers",
-    "UserHeaders",
-    "dlq_headers",
     "ensure_topics",
-    "origin_from_headers",
     "producer_config",
-    "split_headers",
 ]
 
 log = logging.getLogger(__name__)

@@ -16,12 +16,13 @@ import queue
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from .config import KafkaConfig
 from .kafka_log import KafkaLogGate
+from .ports import RebalanceListener
 
 log = logging.getLogger(__name__)
 
@@ -33,21 +34,6 @@ CONSUME_CHUNK_S = 2.0
 """The longest single wait inside ``consume()``: a longer wait is served in chunks of this on
 the consumer thread, and ends after the chunk in which another call was queued (a commit, a
 pause, ``close``) or a rebalance callback ran, so no call waits longer than this for its turn."""
-
-
-class RebalanceListener(Protocol):
-    """What the group runner does when partitions come and go (runs on the event loop)."""
-
-    async def partitions_assigned(self, committed: Sequence[TopicPartition]) -> None:
-        """New partitions with their committed offsets and metadata."""
-
-    async def partitions_revoked(
-        self, partitions: Sequence[TopicPartition]
-    ) -> list[TopicPartition]:
-        """Partitions leaving; return the final offsets to commit for them."""
-
-    async def partitions_lost(self, partitions: Sequence[TopicPartition]) -> None:
-        """Partitions taken away without a chance to commit."""
 
 
 def consumer_config(

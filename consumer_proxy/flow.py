@@ -26,7 +26,7 @@ from typing import Protocol
 
 import pybreaker
 
-from .config import AdaptiveConfig, CircuitBreakerConfig
+from .config import AdaptiveConfig, CircuitBreakerConfig, DeliveryConfig
 from .core.outcomes import Classification
 
 log = logging.getLogger(__name__)
@@ -484,3 +484,11 @@ class RateLimiter:
         wait = self.bucket.reserve(self._clock(), count)
         if wait > 0:
             await asyncio.sleep(wait)
+
+
+def group_limiter(delivery: DeliveryConfig, on_change: Callable[[int], None]) -> ConcurrencyLimiter:
+    """The concurrency limiter ``delivery.concurrency`` asks for (``on_change``: the adaptive
+    limit's gauge)."""
+    if delivery.concurrency == "adaptive":
+        return AdaptiveLimiter(delivery.adaptive, on_change=on_change)
+    return StaticLimiter(delivery.concurrency)

@@ -7,8 +7,9 @@ write holds the partition's commit at that message and nothing is committed past
 cancelled (revocation, shutdown) gives the message back (``dead_letter_abandoned`` /
 ``tier_abandoned``): the next owner pushes it again.
 
-The shell (``group.GroupRunner``) starts a write with ``Parking.start`` and waits on
-``Parking.tasks`` at revocation and shutdown.
+``Tally`` counts every decided outcome once (the workers' and ``head_block_ms``'s) and starts
+the write of a message that leaves its partition (``Parking.start``). The runner cancels a
+leaving partition's writes with ``Parking.cancel`` and waits on ``Parking.tasks`` at shutdown.
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ from typing import Any
 from .config import GroupConfig
 from .core.decision import Action, Decision
 from .core.partitions import Delivery, PartitionSet, PartitionState
-from .core.records import retry_headers
-from .dlq import dlq_headers
+from .core.records import dlq_headers, retry_headers
 from .metrics import ProxyMetrics
 from .ports import DeadLetterSink
 
@@ -70,6 +70,16 @@ class Parking:
     def of(self, parts: set[PartitionState]) -> list[asyncio.Task[Any]]:
         """The writes under way for these partitions."""
         return [task for task, part in self.tasks.items() if part in parts]
+
+    async def cancel(self, parts: set[PartitionState]) -> int:
+        """Cancel the writes under way for these partitions (each gives its message back) and
+        wait for them to end; returns how many there were."""
+        writes = self.of(parts)
+        for task in writes:
+            task.cancel()
+        if writes:
+            await asyncio.gather(*writes, return_exceptions=True)
+        return len(writes)
 
     async def _write_dead_letter(
         self, delivery: Delivery, status: str, reason: str, endpoint: str
@@ -157,3 +167,28 @@ class Parking:
             delivery.attempt,
             status,
         )
+
+
+Park = Callable[[Delivery, Decision, str, str], None]
+"""Starts the write of a message out of its partition: (delivery, decision, status, endpoint)."""
+
+
+class Tally:
+    """Counts each decided outcome once (``consumer_proxy_messages_total``) and starts the
+    write of a message the core moved out of its partition (dead letter, retry tier)."""
+
+    def __init__(self, name: str, metrics: ProxyMetrics, park: Park) -> None:
+        self._counters = {action: metrics.messages.labels(name, action.value) for action in Action}
+        self._acks = self._counters[Action.ACK]
+        self._park = park
+
+    def settled(self, delivery: Delivery, decision: Decision, status: str, endpoint: str) -> None:
+        """One message decided (by a call's answer, or moved aside by head_block_ms)."""
+        action = decision.action
+        self._counters[action].inc()
+        if action is Action.DEAD_LETTER or action is Action.TIER:
+            self._park(delivery, decision, status, endpoint)
+
+    def acked(self, count: int) -> None:
+        """``count`` messages of one batch acked (counted together: one metric call)."""
+        self._acks.inc(count)

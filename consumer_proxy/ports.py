@@ -1,14 +1,19 @@
-"""The I/O edges of a group, as small Protocols: what the shell (``group.py``) needs of them.
+"""The I/O edges of a group, as small Protocols: what the shell (``group.py`` and the objects
+it runs) needs of them.
 
 ``Fetcher`` (Kafka consumer), ``Dispatcher`` (gRPC to the service instances) and
-``DeadLetterWriter`` (the DLQ producer) implement them; mypy checks that they do. Decisions
-never sit behind these: they are in ``core/``.
+``DeadLetterWriter`` (the DLQ and retry tier producer) implement them; mypy checks that they
+do. ``GroupRunner`` is given an ``OpenEdges`` factory and builds none of them itself:
+``adapters.RealEdges`` builds the real ones. Decisions never sit behind these: they are in
+``core/``.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from confluent_kafka import TopicPartition
 
@@ -16,6 +21,28 @@ from .core.batching import BatchOutcome
 from .core.outcomes import Classification
 from .core.partitions import TP
 from .core.records import Headers
+
+if TYPE_CHECKING:
+    from .config import GroupConfig
+    from .health import KafkaLink
+
+Clock = Callable[[], float]
+"""Monotonic seconds (the event loop's clock for the real group)."""
+
+
+class RebalanceListener(Protocol):
+    """What the group runner does when partitions come and go (runs on the event loop)."""
+
+    async def partitions_assigned(self, committed: Sequence[TopicPartition]) -> None:
+        """New partitions with their committed offsets and metadata."""
+
+    async def partitions_revoked(
+        self, partitions: Sequence[TopicPartition]
+    ) -> list[TopicPartition]:
+        """Partitions leaving; return the final offsets to commit for them."""
+
+    async def partitions_lost(self, partitions: Sequence[TopicPartition]) -> None:
+        """Partitions taken away without a chance to commit."""
 
 
 class MessageSource(Protocol):
@@ -31,15 +58,6 @@ class MessageSource(Protocol):
     async def position(self, tp: TP) -> int | None: ...
     async def watermarks(self, partitions: Sequence[TP]) -> dict[TP, int]: ...
     async def close(self) -> None: ...
-
-
-class Instance(Protocol):
-    """One service instance as the shell sees it."""
-
-    @property
-    def target(self) -> str: ...
-    @property
-    def ejected(self) -> bool: ...
 
 
 class Pusher(Protocol):
@@ -65,3 +83,34 @@ class DeadLetterSink(Protocol):
     ) -> int: ...
     async def close(self, timeout_s: float = 10.0) -> None: ...
     def refusal(self) -> str | None: ...
+
+
+@dataclass(frozen=True)
+class Edges:
+    """A running group's I/O edges."""
+
+    source: MessageSource
+    pusher: Pusher
+    sink: DeadLetterSink
+    clock: Clock
+
+
+@dataclass(frozen=True)
+class EdgeHooks:
+    """What a group gives the factory of its edges."""
+
+    listener: RebalanceListener
+    """Told of rebalances (the consumer's callbacks)."""
+    link: KafkaLink
+    """The consumer's view of Kafka, for health."""
+    stopping: asyncio.Event
+    """Set when the group stops: a factory still waiting (for topics) gives up."""
+    health_changed: Callable[[], None]
+    """Told when something health reads changed (the DLQ refuses, Kafka is unreachable)."""
+
+
+class OpenEdges(Protocol):
+    """Builds a group's edges when it runs (None: the group stopped meanwhile). The runner
+    starts the source (``MessageSource.start``) and closes all three at shutdown."""
+
+    async def __call__(self, group: GroupConfig, hooks: EdgeHooks) -> Edges | None: ...

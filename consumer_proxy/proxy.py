@@ -1,7 +1,8 @@
 """The proxy process: one GroupRunner per onboarded group, health, metrics and signals.
 
 ``Proxy.run`` starts every group and returns after the full shutdown of all of them; a group
-that fails stops the others. See ``group.py`` for what one group does.
+that fails stops the others. See ``group.py`` for what one group does, and
+docs/architecture.md for how the pieces fit.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from .adapters import RealEdges
 from .config import ProxyConfig
 from .dlq import SharedProducers
 from .group import GroupRunner
@@ -30,16 +32,9 @@ class Proxy:
         # One DLQ producer for every group (per distinct producer configuration): an idle
         # group then holds no producer client, threads or connections of its own.
         self.producers = SharedProducers()
+        edges = RealEdges(config.kafka, self.metrics, consumer_overrides, self.producers)
         self.runners = [
-            GroupRunner(
-                config.kafka,
-                g,
-                self.metrics,
-                consumer_overrides,
-                config.shutdown_grace_s,
-                producers=self.producers,
-            )
-            for g in config.groups
+            GroupRunner(g, self.metrics, edges, config.shutdown_grace_s) for g in config.groups
         ]
         self._stop = asyncio.Event()
         self._finished = asyncio.Event()
@@ -61,13 +56,13 @@ class Proxy:
         runner = next((r for r in self.runners if r.name == name), None)
         if runner is None:
             return "404 Not Found", "no such group in this proxy"
-        if runner.partitions.guard is None:
+        if not runner.guard.enabled:
             return "409 Conflict", f"group {name}: the dead-letter guard is disabled"
         if verb == "release":
-            count = runner.guard_release()
+            count = runner.guard.release()
             return "200 OK", f"group {name}: guard released; {count} held messages go to the DLQ"
         if verb == "hold":
-            changed = runner.guard_hold()
+            changed = runner.guard.hold()
             return "200 OK", f"group {name}: guard held" + ("" if changed else " (already)")
         return "404 Not Found", "unknown guard action; use release or hold"
 

@@ -17,7 +17,7 @@ import pytest
 from confluent_kafka import Producer
 from grpc import aio
 
-from consumer_proxy import dlq
+from consumer_proxy.core import records as dlq_records
 from consumer_proxy.core.tracker import PartitionTracker
 from consumer_proxy.proto.v1 import handler_pb2
 from tests.support.kafka import (
@@ -137,12 +137,12 @@ async def _odd_records(bootstrap: str) -> None:
     # and each poison pill is in the DLQ with its key, value and headers intact
     dead = await asyncio.to_thread(consume_all, bootstrap, dlq_topic)
     for message in dead:
-        user, ours = dlq.split_headers(message.headers())
+        user, ours = dlq_records.split_headers(message.headers())
         sent = by_id[Ledger.id_of(user)]
         assert message.key() == sent.get("key")
         assert message.value() == sent.get("value")
         assert tuple(user) == _expected_headers(sent)
-        assert ours[dlq.H_REASON] == "\u2603 rejected"
+        assert ours[dlq_records.H_REASON] == "\u2603 rejected"
     ledger.observe(service.deliveries)
     ledger.observe_dlq(dead)
     assert ledger.dead_lettered() == poison
@@ -462,8 +462,8 @@ async def _garbage(bootstrap: str) -> None:
         await junk.wait_closed()
     dead = await asyncio.to_thread(consume_all, bootstrap, f"{group}.dlq")
     for message in dead:
-        _, ours = dlq.split_headers(message.headers())
-        assert len(ours[dlq.H_REASON].encode()) <= 1024
+        _, ours = dlq_records.split_headers(message.headers())
+        assert len(ours[dlq_records.H_REASON].encode()) <= 1024
     ledger.observe(service.seen)
     ledger.observe_dlq(dead)
     expected_dead = {

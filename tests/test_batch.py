@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import pytest
 
-from consumer_proxy import dlq
+from consumer_proxy.core import records as dlq_records
 from consumer_proxy.proto.v1 import handler_pb2, handler_pb2_grpc
 from tests.support.kafka import (
     Broker,
@@ -80,8 +80,8 @@ def _dead(bootstrap: str, group: str) -> dict[str, tuple[str, str]]:
     """{value: (cp-status, cp-reason)} of the group's DLQ."""
     out = {}
     for m in consume_all(bootstrap, f"{group}.dlq"):
-        _, ours = dlq.split_headers(m.headers())
-        out[(m.value() or b"").decode()] = (ours[dlq.H_STATUS], ours[dlq.H_REASON])
+        _, ours = dlq_records.split_headers(m.headers())
+        out[(m.value() or b"").decode()] = (ours[dlq_records.H_STATUS], ours[dlq_records.H_REASON])
     return out
 
 

@@ -20,9 +20,10 @@ import grpc
 import pytest
 import yaml
 
-from consumer_proxy import __version__, dlq
+from consumer_proxy import __version__
 from consumer_proxy.cli import main
 from consumer_proxy.config import ProxyConfig
+from consumer_proxy.core import records as dlq_records
 from consumer_proxy.proto.v1 import handler_pb2
 from tests.support.kafka import (
     Broker,
@@ -249,11 +250,11 @@ def test_dlq_inspect_json_decodes_the_cp_headers(finished_run: dict[str, Any]) -
     assert sorted(r["value"] for r in report["sample"]) == ["poison 0", "poison 10", "poison 20"]
     for record in report["sample"]:
         cp = record["cp"]
-        assert cp[dlq.H_TOPIC] == topic
-        assert cp[dlq.H_STATUS] == "INVALID_ARGUMENT"
-        assert cp[dlq.H_REASON] == "cannot parse"
-        assert (cp[dlq.H_GROUP], cp[dlq.H_ATTEMPT]) == (group, "1")
-        assert int(cp[dlq.H_OFFSET]) >= 0 and int(cp[dlq.H_DEAD_LETTERED_AT]) > 0
+        assert cp[dlq_records.H_TOPIC] == topic
+        assert cp[dlq_records.H_STATUS] == "INVALID_ARGUMENT"
+        assert cp[dlq_records.H_REASON] == "cannot parse"
+        assert (cp[dlq_records.H_GROUP], cp[dlq_records.H_ATTEMPT]) == (group, "1")
+        assert int(cp[dlq_records.H_OFFSET]) >= 0 and int(cp[dlq_records.H_DEAD_LETTERED_AT]) > 0
         # user headers kept apart, as an ordered list (a key may repeat)
         assert [h["key"] for h in record["headers"]] == ["trace-id"]
         assert record["headers"][0]["value"].startswith("t")

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from consumer_proxy import dlq
 from consumer_proxy.cli import main
+from consumer_proxy.core import records as dlq_records
 from tests.support.kafka import Broker, consume_all, create_topic, produce, unique_name
 from tests.support.spark_cluster import (
     ClusterError,
@@ -29,7 +29,9 @@ from tests.support.spark_cluster import (
 )
 from tests.test_dlq_tools import BASE_MS, dead_letter, group_config, merge_marks
 
-pytestmark = [pytest.mark.kafka, pytest.mark.spark]
+# ``slow``: a Spark standalone master and worker, and a JVM per CLI run (make test-fast
+# leaves it out).
+pytestmark = [pytest.mark.kafka, pytest.mark.spark, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parent.parent
 STATUSES = ["INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "FAILED_PRECONDITION", "DATA_LOSS"]
@@ -129,18 +131,18 @@ def test_report_and_merge_on_a_standalone_cluster_match_local(
     # Then the cluster wrote exactly what the local run selected
     wanted = [
         r for r in dlq_group["records"]
-        if dict(r["headers"])[dlq.H_STATUS] in (b"INVALID_ARGUMENT", b"DATA_LOSS")
-        and int(dict(r["headers"])[dlq.H_ATTEMPT]) >= 2
+        if dict(r["headers"])[dlq_records.H_STATUS] in (b"INVALID_ARGUMENT", b"DATA_LOSS")
+        and int(dict(r["headers"])[dlq_records.H_ATTEMPT]) >= 2
     ]  # fmt: skip
     assert local_merge["selected"] == cluster_merge["written"] == cluster_merge["merged"]
     assert cluster_merge["written"] == len(wanted)
     for field in ("in_range", "selected", "by_partition", "by_status"):
         assert cluster_merge[field] == local_merge[field], field
     sent = Counter(
-        dlq.split_headers(m.headers())[1][dlq.H_OFFSET]
+        dlq_records.split_headers(m.headers())[1][dlq_records.H_OFFSET]
         for m in consume_all(dlq_group["bootstrap"], f"{group}.redrive")
     )
-    assert sent == Counter(dict(r["headers"])[dlq.H_OFFSET].decode() for r in wanted)
+    assert sent == Counter(dict(r["headers"])[dlq_records.H_OFFSET].decode() for r in wanted)
     # and the merge mark records them: a local rerun finds nothing left to merge
     prefixes = merge_marks(dlq_group["bootstrap"], group)
     assert set(prefixes) == {r["partition"] for r in wanted}  # 1 and 2: attempt 1 in 0

@@ -26,9 +26,9 @@ import pytest
 import yaml
 from confluent_kafka import KafkaException, Producer
 
-from consumer_proxy import dlq
 from consumer_proxy.cli import main
 from consumer_proxy.config import KafkaConfig, ProxyConfig
+from consumer_proxy.core import records as dlq_records
 from consumer_proxy.tools import commands, render
 from consumer_proxy.tools import spark as tool_spark
 from tests.support.kafka import (
@@ -113,8 +113,8 @@ def dead_letter(
     partition: int | None = None,
 ) -> dict[str, Any]:
     """A DLQ record as the proxy writes it: user headers, then the cp-* headers."""
-    origin = dlq.Origin("orders", original_partition, 1000 + i, ts - 5000, attempt)
-    headers = dlq.dlq_headers(
+    origin = dlq_records.Origin("orders", original_partition, 1000 + i, ts - 5000, attempt)
+    headers = dlq_records.dlq_headers(
         [("trace", f"t{i}".encode())],
         origin,
         attempt=attempt,
@@ -131,7 +131,7 @@ def dead_letter(
 
 
 def cp_of(message: Any) -> dict[str, str]:
-    return dlq.split_headers(message.headers())[1]
+    return dlq_records.split_headers(message.headers())[1]
 
 
 # -- merge back through the real proxy, then purge --------------------------------------------
@@ -202,7 +202,11 @@ async def _merge_round_trip(
 
     # ... with its original coordinates, key, value, user headers and the attempt carried on
     by_origin = {
-        (cp[dlq.H_TOPIC], int(cp[dlq.H_PARTITION]), int(cp[dlq.H_OFFSET])): m
+        (
+            cp[dlq_records.H_TOPIC],
+            int(cp[dlq_records.H_PARTITION]),
+            int(cp[dlq_records.H_OFFSET]),
+        ): m
         for m in dead
         if (cp := cp_of(m))
     }
@@ -210,8 +214,8 @@ async def _merge_round_trip(
     for d in redriven():
         original = by_origin[d.coordinates]
         assert (d.key, d.value) == (original.key(), original.value())
-        assert d.headers == tuple(dlq.split_headers(original.headers())[0])
-        assert d.attempt == int(cp_of(original)[dlq.H_ATTEMPT]) + 1 == 2
+        assert d.headers == tuple(dlq_records.split_headers(original.headers())[0])
+        assert d.attempt == int(cp_of(original)[dlq_records.H_ATTEMPT]) + 1 == 2
         assert service.count(*d.coordinates) == 2  # first delivery + the redrive, no more
     ends = end_offsets(bootstrap, dlq_topic)
     assert sum(ends.values()) == 8  # nothing went back to the DLQ
@@ -230,7 +234,7 @@ async def _merge_round_trip(
     assert (seen["total"], seen["not_merged"]) == (8, 0)
     assert {p["partition"]: p["merged_to"] for p in seen["partitions"]} == ends
     assert {r["value"] for r in seen["sample"]} == {value_of(m).decode() for m in dead}
-    assert all(r["cp"][dlq.H_STATUS] == "INVALID_ARGUMENT" for r in seen["sample"])
+    assert all(r["cp"][dlq_records.H_STATUS] == "INVALID_ARGUMENT" for r in seen["sample"])
 
     # When the merged range is purged
     code, out, err = cli(capsys, "dlq", "purge", "--config", path, "--group", group,
@@ -349,10 +353,12 @@ def test_merge_writes_exactly_the_selected_records_unchanged(
     assert code == 0, err
     assert out.startswith(f"merged {len(wanted)} of 90 records into {group}.redrive"), out
     written = consume_all(bootstrap, f"{group}.redrive")
-    assert sorted(int(cp_of(m)[dlq.H_OFFSET]) for m in written) == sorted(wanted)
-    source = {int(cp_of(m)[dlq.H_OFFSET]): m for m in consume_all(bootstrap, f"{group}.dlq")}
+    assert sorted(int(cp_of(m)[dlq_records.H_OFFSET]) for m in written) == sorted(wanted)
+    source = {
+        int(cp_of(m)[dlq_records.H_OFFSET]): m for m in consume_all(bootstrap, f"{group}.dlq")
+    }
     for m in written:
-        original = source[int(cp_of(m)[dlq.H_OFFSET])]
+        original = source[int(cp_of(m)[dlq_records.H_OFFSET])]
         assert (m.key(), m.value(), m.headers()) == (
             original.key(), original.value(), original.headers()
         )  # fmt: skip
@@ -417,10 +423,10 @@ def test_report_counts_match_a_direct_count_and_the_chart_is_a_png(
         status, why = rng.choice(statuses), reason()
         origin, ts = rng.randrange(6), BASE_MS + rng.randrange(5 * HOUR_MS)
         headers: list[tuple[str, str | bytes | None]] = [
-            (dlq.H_TOPIC, b"orders"), (dlq.H_PARTITION, str(origin).encode()),
-            (dlq.H_OFFSET, str(i).encode()), (dlq.H_ATTEMPT, b"1"),
-            (dlq.H_STATUS, status.encode()), (dlq.H_REASON, why.encode()),
-            (dlq.H_DEAD_LETTERED_AT, str(ts).encode()),
+            (dlq_records.H_TOPIC, b"orders"), (dlq_records.H_PARTITION, str(origin).encode()),
+            (dlq_records.H_OFFSET, str(i).encode()), (dlq_records.H_ATTEMPT, b"1"),
+            (dlq_records.H_STATUS, status.encode()), (dlq_records.H_REASON, why.encode()),
+            (dlq_records.H_DEAD_LETTERED_AT, str(ts).encode()),
         ]  # fmt: skip
         while True:
             try:
@@ -687,7 +693,7 @@ def test_librdkafka_security_settings_become_the_java_clients(tmp_path: Path) ->
 
 def _held_offsets(bootstrap: str, topic: str) -> list[int]:
     """cp-original-offset of every record still in ``topic``."""
-    return sorted(int(cp_of(m)[dlq.H_OFFSET]) for m in consume_all(bootstrap, topic))
+    return sorted(int(cp_of(m)[dlq_records.H_OFFSET]) for m in consume_all(bootstrap, topic))
 
 
 def test_merge_by_status_then_another_then_purge_never_deletes_an_unmerged_record(
@@ -745,7 +751,7 @@ def test_merge_by_status_then_another_then_purge_never_deletes_an_unmerged_recor
     assert (rerun["selected"], rerun["merged"]) == (0, 0)
     assert purged["merged_kept"] == 0 and _held_offsets(bootstrap, dlq_topic) == []
     # and across the three merges every dead letter was sent back exactly once
-    sent = Counter(int(cp_of(m)[dlq.H_OFFSET]) for m in consume_all(bootstrap, redrive))
+    sent = Counter(int(cp_of(m)[dlq_records.H_OFFSET]) for m in consume_all(bootstrap, redrive))
     assert sent == Counter(list(status_of))
 
 
@@ -831,7 +837,7 @@ def test_inspect_json_keeps_headers_as_an_ordered_list_with_repeated_keys(
     group = unique_name("dlqhdr")
     create_topic(kafka.bootstrap, f"{group}.dlq")
     record = dead_letter(0, status="INTERNAL", value=b"v", key=b"k", ts=BASE_MS)
-    ours = [h for h in record["headers"] if h[0].startswith(dlq.CP_PREFIX)]
+    ours = [h for h in record["headers"] if h[0].startswith(dlq_records.CP_PREFIX)]
     record["headers"] = [("trace", b"a"), ("tag", b"x"), ("trace", b"b"), *ours]
     produce(kafka.bootstrap, f"{group}.dlq", [record])
     path = group_config(kafka.bootstrap, tmp_path, group)
@@ -844,7 +850,7 @@ def test_inspect_json_keeps_headers_as_an_ordered_list_with_repeated_keys(
         {"key": "trace", "value": "a"}, {"key": "tag", "value": "x"},
         {"key": "trace", "value": "b"},
     ]  # fmt: skip
-    assert sample["cp"][dlq.H_STATUS] == "INTERNAL"
+    assert sample["cp"][dlq_records.H_STATUS] == "INTERNAL"
 
 
 def test_an_unreachable_broker_is_one_line_naming_it_and_exit_1(tmp_path: Path) -> None:
@@ -945,7 +951,9 @@ def test_a_merge_whose_mark_would_overflow_writes_what_fits_and_loses_nothing(
     # Then everything went back exactly once, and purge --merged may delete it all
     assert second["written"] == counts["DATA_LOSS"] and second["deferred"] == 0
     assert third["written"] == first["deferred"] and third["deferred"] == 0
-    sent = Counter(int(cp_of(m)[dlq.H_OFFSET]) for m in consume_all(bootstrap, f"{group}.redrive"))
+    sent = Counter(
+        int(cp_of(m)[dlq_records.H_OFFSET]) for m in consume_all(bootstrap, f"{group}.redrive")
+    )
     assert sent == Counter(list(status_of))
     code, out, err = cli(capsys, "dlq", "purge", "--config", path, "--group", group,
                          "--merged", "--dry-run", "--json")  # fmt: skip

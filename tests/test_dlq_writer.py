@@ -16,6 +16,7 @@ import grpc
 import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
+from consumer_proxy.adapters import RealEdges
 from consumer_proxy.config import GroupConfig, KafkaConfig
 from consumer_proxy.core.decision import Action
 from consumer_proxy.core.outcomes import Classifier
@@ -373,14 +374,15 @@ async def test_a_lost_partitions_dlq_write_is_cancelled_and_its_message_given_ba
         service={"endpoints": ["127.0.0.1:1"]},
     )
     metrics = ProxyMetrics()
-    runner = GroupRunner(kafka, group, metrics)
+    runner = GroupRunner(group, metrics, RealEdges(kafka, metrics))
     loop = asyncio.get_running_loop()
     writer = DeadLetterWriter(producer_config(kafka, 1000), loop, group="lost", metrics=metrics)
     runner.writer = runner._parking.sink = writer
     core = runner.partitions
     core.assign("t", 0, 0, "")
     core.intake(Rec("t", 0))
-    delivery = runner._ready.get_nowait()
+    assert isinstance(runner.ready, asyncio.Queue)
+    delivery = runner.ready.get_nowait()
     assert core.begin(delivery)
     poison = Classifier().from_status(grpc.StatusCode.INVALID_ARGUMENT, "poison")
     decision = core.finish(delivery, poison, probe=False)

@@ -14,9 +14,9 @@ import pytest
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
+from consumer_proxy.committer import shielded
 from consumer_proxy.config import KafkaConfig
 from consumer_proxy.fetcher import Fetcher, consumer_config
-from consumer_proxy.group import shielded
 from tests.support.kafka import Broker, admin, create_topic, produce, unique_name
 from tests.support.proxy import FAST_CONSUMER
 from tests.support.waiting import async_wait_until

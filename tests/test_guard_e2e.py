@@ -207,7 +207,7 @@ async def test_an_operator_releases_the_guard_and_the_held_messages_go_to_the_dl
             # (the guard trips again on the rest, and is released again)
             async def everything_dead_lettered() -> bool:
                 if guard.held:
-                    runner.guard_release()
+                    runner.guard.release()
                 return await caught_up(bootstrap, group, topic)
 
             await async_wait_until(everything_dead_lettered, timeout=90, interval=0.5)

@@ -45,8 +45,9 @@ RELEASE, NAMESPACE = "payments-proxy", "payments"
 HELM_TIMEOUT_S = 120
 
 # The first test to ask for helm may wait for its build (minutes on two cores, once); every
-# helm call below has its own timeout, so a hang is still caught.
-pytestmark = pytest.mark.timeout(1800)
+# helm call below has its own timeout, so a hang is still caught. ``slow``: left out of
+# ``make test-fast``.
+pytestmark = [pytest.mark.timeout(1800), pytest.mark.slow]
 
 Manifests = list[dict[str, Any]]
 

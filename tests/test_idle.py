@@ -134,7 +134,7 @@ async def test_a_group_that_goes_idle_commits_before_its_long_wait(
     # A commit queued behind an idle wait waits for the wait's chunk to end; the chunks are
     # made 120 s long here, so a commit left behind one would not happen within the test.
     monkeypatch.setattr("consumer_proxy.fetcher.CONSUME_CHUNK_S", 120.0)
-    monkeypatch.setattr("consumer_proxy.group.IDLE_FETCH_WAIT_S", 120.0)
+    monkeypatch.setattr("consumer_proxy.core.cadence.IDLE_FETCH_WAIT_S", 120.0)
     bootstrap = kafka.bootstrap
     topic, group = unique_name("idlecommit"), unique_name("idlecommit")
     create_topic(bootstrap, topic, partitions=1)
@@ -167,7 +167,7 @@ async def test_a_group_that_goes_idle_commits_before_its_long_wait(
 
         monkeypatch.setattr(fetcher, "consume", watched)
         # Given the committer held up (the test holds its lock) while the last messages are acked
-        async with runner._commit_lock:
+        async with runner.committer.lock:
             await asyncio.to_thread(produce, bootstrap, topic, [f"m{i}" for i in range(20)])
             await async_wait_until(lambda: len(service.counts) == 20, timeout=60)
             # When the intake has polled a few times with nothing held (a long wait, if it

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from consumer_proxy import dlq
 from consumer_proxy import handler as cp
+from consumer_proxy.core import records as dlq_records
 from consumer_proxy.core.outcomes import Classification
 from tests.support.kafka import Broker, consume_all, create_topic, produce, unique_name
 from tests.support.proxy import caught_up, make_config, start_proxy
@@ -126,7 +126,7 @@ async def test_a_record_too_large_for_the_service_is_dead_lettered_as_such_not_s
     dead = await asyncio.to_thread(consume_all, bootstrap, f"{group}.dlq")
     assert sorted(m.value() or b"" for m in dead) == too_big
     for message in dead:
-        _, ours = dlq.split_headers(message.headers())
+        _, ours = dlq_records.split_headers(message.headers())
         assert ours["cp-status"] == "RESOURCE_EXHAUSTED"
         assert ours["cp-attempt"] == "3"
         reason = ours["cp-reason"]

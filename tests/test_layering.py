@@ -48,3 +48,59 @@ def test_grpc_is_used_in_the_core_for_its_status_codes_only() -> None:
             and node.value.id == "grpc"
         }
         assert uses <= {"StatusCode"}, f"{path.name} uses grpc.{uses}"
+
+
+PACKAGE = CORE.parent
+SHELL_OBJECTS = {"push", "intake", "committer", "parking"}
+"""The group shell's jobs: each is given the callbacks and ports it needs, so none imports the
+runner, the process, or a concrete adapter (those are built by ``adapters`` and handed in)."""
+ABOVE_THE_OBJECTS = {"group", "proxy", "cli", "adapters", "fetcher", "dispatcher", "dlq"}
+
+
+def _package_imports(path: Path) -> set[str]:
+    """The package's modules ``path`` imports at run time (not under TYPE_CHECKING)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+        for inner in ast.walk(node)
+    }
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only or not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level == 1 and path.parent == PACKAGE and node.module:
+            names.add(node.module.split(".")[0])
+        elif node.level == 1 and path.parent == PACKAGE:
+            names |= {alias.name for alias in node.names}
+    return names
+
+
+def test_the_shell_objects_import_neither_the_runner_nor_an_adapter() -> None:
+    for name in sorted(SHELL_OBJECTS | {"ports"}):
+        path = PACKAGE / f"{name}.py"
+        assert path.exists(), name
+        imported = _package_imports(path)
+        assert not imported & ABOVE_THE_OBJECTS, f"{name}.py imports {imported & ABOVE_THE_OBJECTS}"
+    # and the poll and commit cadences they follow are pure core
+    assert (CORE / "cadence.py").exists()
+
+
+def test_the_package_has_no_import_cycle() -> None:
+    graph = {
+        path.stem: _package_imports(path) & {p.stem for p in PACKAGE.glob("*.py")}
+        for path in PACKAGE.glob("*.py")
+    }
+    done: set[str] = set()
+
+    def visit(module: str, trail: tuple[str, ...]) -> None:
+        assert module not in trail, " -> ".join((*trail, module))
+        if module in done:
+            return
+        for imported in graph[module]:
+            visit(imported, (*trail, module))
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, ())

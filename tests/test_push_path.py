@@ -9,7 +9,7 @@ from collections.abc import Awaitable
 import grpc
 import pytest
 
-from consumer_proxy import dlq
+from consumer_proxy.core import records as dlq_records
 from consumer_proxy.core.decision import Decision
 from consumer_proxy.core.outcomes import Classification
 from consumer_proxy.core.partitions import Delivery, PartitionSet
@@ -32,16 +32,16 @@ from tests.support.waiting import async_wait_until
 pytestmark = pytest.mark.kafka
 
 CP_HEADERS = {
-    dlq.H_TOPIC,
-    dlq.H_PARTITION,
-    dlq.H_OFFSET,
-    dlq.H_TIMESTAMP,
-    dlq.H_ATTEMPT,
-    dlq.H_STATUS,
-    dlq.H_REASON,
-    dlq.H_ENDPOINT,
-    dlq.H_GROUP,
-    dlq.H_DEAD_LETTERED_AT,
+    dlq_records.H_TOPIC,
+    dlq_records.H_PARTITION,
+    dlq_records.H_OFFSET,
+    dlq_records.H_TIMESTAMP,
+    dlq_records.H_ATTEMPT,
+    dlq_records.H_STATUS,
+    dlq_records.H_REASON,
+    dlq_records.H_ENDPOINT,
+    dlq_records.H_GROUP,
+    dlq_records.H_DEAD_LETTERED_AT,
 }
 
 
@@ -90,13 +90,17 @@ async def _mixed_run(bootstrap: str) -> None:
     dead = await asyncio.to_thread(consume_all, bootstrap, f"{group}.dlq")
     assert sorted(value_of(m).decode() for m in dead) == sorted(f"{p} poison" for p in poison)
     for m in dead:
-        _, ours = dlq.split_headers(m.headers())
+        _, ours = dlq_records.split_headers(m.headers())
         assert set(ours) == CP_HEADERS
-        assert ours[dlq.H_STATUS] == "INVALID_ARGUMENT"
-        assert ours[dlq.H_GROUP] == group
-        assert ours[dlq.H_TOPIC] == topic
-        assert ours[dlq.H_REASON] == "bad payload"
-        original = (ours[dlq.H_TOPIC], int(ours[dlq.H_PARTITION]), int(ours[dlq.H_OFFSET]))
+        assert ours[dlq_records.H_STATUS] == "INVALID_ARGUMENT"
+        assert ours[dlq_records.H_GROUP] == group
+        assert ours[dlq_records.H_TOPIC] == topic
+        assert ours[dlq_records.H_REASON] == "bad payload"
+        original = (
+            ours[dlq_records.H_TOPIC],
+            int(ours[dlq_records.H_PARTITION]),
+            int(ours[dlq_records.H_OFFSET]),
+        )
         assert service.count(*original) == 1  # a poison pill is not retried
     # and no message was delivered more often than its failures explain
     assert all(n <= 2 for n in service.counts.values())

@@ -269,7 +269,7 @@ def test_while_commits_fail_a_partition_stops_a_window_past_its_last_commit() ->
         sim.dispatch()
         sim.clock.run_until(sim.clock.now + 0.1)
     sim.commit()
-    core.commits_failing = True
+    core.commit_confirmed(False)
     # When far more messages arrive and are acked than one window
     for _ in range(400):
         sim.produce()
@@ -283,7 +283,7 @@ def test_while_commits_fail_a_partition_stops_a_window_past_its_last_commit() ->
         lag = part.tracker.committable() - part.last_commit[0]
         assert lag <= sim.max_in_flight + 5, (part.tp, lag)
     # and once commits succeed again, everything drains
-    core.commits_failing = False
+    core.commit_confirmed(True)
     sim.drain()
 
 

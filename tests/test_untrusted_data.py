@@ -21,9 +21,9 @@ import grpc
 import pytest
 from confluent_kafka import Producer
 
-from consumer_proxy import dlq
 from consumer_proxy.cli import main
 from consumer_proxy.config import KafkaConfig
+from consumer_proxy.core import records as dlq_records
 from consumer_proxy.proto.v1 import handler_pb2
 from consumer_proxy.tools import commands, render
 from consumer_proxy.tools import spark as tool_spark
@@ -76,24 +76,24 @@ async def test_user_headers_named_cp_arrive_at_the_service_and_in_the_dlq_copy(
     [dead] = await asyncio.to_thread(consume_all, bootstrap, dlq_topic)
     headers = dead.headers()
     assert isinstance(headers, list)
-    user, ours = dlq.split_headers(headers)
+    user, ours = dlq_records.split_headers(headers)
     assert user == [*user_headers, ("verdict", b"poison")]
-    assert [v for k, v in headers if k == dlq.H_ATTEMPT] == [b"1"]
-    assert [v for k, v in headers if k == dlq.H_REASON] == [b"rejected"]
-    assert ours[dlq.H_STATUS] == "INVALID_ARGUMENT"
+    assert [v for k, v in headers if k == dlq_records.H_ATTEMPT] == [b"1"]
+    assert [v for k, v in headers if k == dlq_records.H_REASON] == [b"rejected"]
+    assert ours[dlq_records.H_STATUS] == "INVALID_ARGUMENT"
 
 
 def test_only_the_proxys_own_header_names_are_taken_out_of_a_record() -> None:
     # Given a record with every name the proxy owns and user names sharing its prefix
     user = [("cp-tenant", b"acme"), ("CP-Attempt", b"x"), ("cp-", b""), ("cp-originaltopic", b"y")]
-    proxy_owned = [(name, b"1") for name in sorted(dlq.PROXY_HEADERS)]
+    proxy_owned = [(name, b"1") for name in sorted(dlq_records.PROXY_HEADERS)]
 
     # When it is split
-    got_user, got_ours = dlq.split_headers([*user, *proxy_owned])
+    got_user, got_ours = dlq_records.split_headers([*user, *proxy_owned])
 
     # Then the user's stay the user's, and only the proxy's names are the proxy's
     assert got_user == user
-    assert set(got_ours) == dlq.PROXY_HEADERS
+    assert set(got_ours) == dlq_records.PROXY_HEADERS
 
 
 # --------------------------------------------------------------------------- JAAS quoting
@@ -226,7 +226,8 @@ def hostile_dlq(kafka: Broker, tmp_path_factory: pytest.TempPathFactory) -> tupl
 
     asyncio.run(dead_letter_all())
     [reason] = {
-        dlq.split_headers(m.headers())[1][dlq.H_REASON] for m in consume_all(bootstrap, dlq_topic)
+        dlq_records.split_headers(m.headers())[1][dlq_records.H_REASON]
+        for m in consume_all(bootstrap, dlq_topic)
     }
     assert reason == HOSTILE_REASON  # the DLQ keeps the data as it came
     path = tmp_path_factory.mktemp("term") / "proxy.json"
@@ -355,4 +356,4 @@ async def test_a_header_name_that_is_not_utf8_does_not_stop_the_intake(kafka: Br
     assert seen[b"k1"] == shown
     [dead] = await asyncio.to_thread(consume_all, bootstrap, dlq_topic)
     assert dead.key() == b"k1"
-    assert tuple(dlq.split_headers(dead.headers())[0]) == shown
+    assert tuple(dlq_records.split_headers(dead.headers())[0]) == shown

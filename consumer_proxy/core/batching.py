@@ -1,10 +1,11 @@
 """Batch push decisions: what goes into the next call, and what a batch answer means.
 
-Pure: no asyncio, no gRPC I/O. The shell (``group.py``) takes a batch from its ready deque
-with :func:`take` when a call slot is free, sends it with ``Dispatcher.push_batch``, which
-maps the answer onto one classification per message with :func:`classify_batch`, and then
-records :attr:`BatchOutcome.call` in the breaker once (one call, one breaker record) before
-finishing every message with its own classification.
+Pure: no asyncio, no gRPC I/O. The shell (``push.BatchPush``) takes a batch from its ready
+deque with :func:`take` when a call slot is free, sends it with ``Dispatcher.push_batch``,
+which maps the answer onto one classification per message with :func:`classify_batch`, and
+then records the call in the breaker once (one call, one breaker record; what it records is
+``core.ejection.breaker_hears``'s rule) before finishing every message with its own
+classification.
 
 The rules:
 

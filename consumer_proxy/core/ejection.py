@@ -38,6 +38,7 @@ __all__ = [
     "Ejection",
     "Instance",
     "Verdict",
+    "breaker_hears",
 ]
 
 EJECT_AFTER_FAILURES = 5
@@ -218,3 +219,15 @@ class Ejection:
 
     def _rotation_changed(self) -> None:
         self._live = tuple(i for i, instance in enumerate(self.instances) if not instance.ejected)
+
+
+def breaker_hears(failure: bool | None, ejected: bool) -> bool | None:
+    """What the circuit breaker records of one call (unary or batch): ``failure`` is whether
+    the call failed for the service's sake (None: it says nothing about the service's health,
+    e.g. a batch protocol error). None means the breaker records nothing (a probe is given
+    back): a service failure of an instance out of rotation is ejection's business, not a
+    group outage; the breaker hears from the instances still in rotation (the last one is
+    never ejected)."""
+    if failure is None or (failure and ejected):
+        return None
+    return failure

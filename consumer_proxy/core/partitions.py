@@ -3,8 +3,9 @@
 Assignment and revocation with restored ack state, intake into the tracker windows (with a
 backlog when a window is full), the byte budget, results (through ``decision.decide``),
 retries on an injected scheduler, DLQ writes pending, the pause plan and the commit plan.
-Pure: no asyncio, no Kafka client, no gRPC I/O. The shell (``group.py``) feeds it records
-and results and executes what it returns; the simulation (``tests/sim``) feeds it the same
+Pure: no asyncio, no Kafka client, no gRPC I/O. The shell (``group.py`` and its objects:
+``intake``, ``push``, ``committer``, ``parking``) feeds it records and results and executes
+what it returns; the simulation (``tests/sim``) feeds it the same
 way on a virtual clock.
 
 Follow one message: ``intake`` -> (backlog ->) (ordering gate ->) ``emit`` (ready for a
@@ -358,6 +359,12 @@ class PartitionSet:
         if part.last_commit == (offset, meta):
             return None
         return Commit(part, offset, meta)
+
+    def cancel_timers(self) -> None:
+        """Shutdown: no retry timer fires any more (the messages are redelivered later)."""
+        for part in self.parts.values():
+            for timer in part.timers:
+                timer.cancel()
 
     def forget(self, part: PartitionState) -> None:
         """Drop a partition (revoked or lost): its timers, backlog and bytes go with it."""
@@ -1036,6 +1043,17 @@ class PartitionSet:
     def owned(self, tps: Sequence[TP]) -> list[PartitionState]:
         """The states of those of ``tps`` this member owns."""
         return [self.parts[tp] for tp in tps if tp in self.parts]
+
+    @staticmethod
+    def leave(parts: Iterable[PartitionState]) -> None:
+        """These partitions are being revoked: calls in flight may finish, no new push
+        starts (``begin`` refuses them)."""
+        for part in parts:
+            part.leaving = True
+
+    def commit_confirmed(self, ok: bool) -> None:
+        """The outcome of the last commit sent to Kafka (``commits_failing`` follows it)."""
+        self.commits_failing = not ok
 
 
 def _key_lane(delivery: Delivery) -> Hashable:

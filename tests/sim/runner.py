@@ -388,8 +388,7 @@ class Simulation:
         member = self.member
         core = member.core
         parts = core.owned(tps)
-        for part in parts:
-            part.leaving = True
+        core.leave(parts)
         # The revoke grace (longer than the call timeout): in-flight calls finish.
         deadline = self.clock.now + TIMEOUT_S + 0.5
         while (

@@ -1,0 +1,168 @@
+"""A group's commits: the ``Committer``.
+
+It owns the commit lock (a commit is sent to the consumer thread by one caller at a time),
+the wake-ups (a partition went idle, a retry tier write released a commit, traffic after a
+quiet spell: ``wake()``), the commit itself (``PartitionSet.commit_plan`` -> the consumer ->
+``PartitionSet.committed``, shielded from cancellation), the lag gauges, and its schedule:
+every ``commit_interval_ms``, soon after a wake-up, and slowly while the group is quiet
+(``core.cadence.CommitCadence``). The runner also commits on revoke (``final_commit``) and
+once more at shutdown (``commit()``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+from confluent_kafka import KafkaException, TopicPartition
+
+from .config import DeliveryConfig
+from .core.cadence import CommitCadence
+from .core.partitions import Commit, PartitionSet
+from .metrics import ProxyMetrics
+from .ports import Clock, MessageSource
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+async def shielded(call: Awaitable[T]) -> T:
+    """``call`` shielded from the caller's cancellation (a commit under way on the consumer
+    thread finishes either way). A failure after the caller went is retrieved here: shutdown
+    cancels the committer mid-commit, and asyncio would otherwise log that commit's failure
+    (a routine ILLEGAL_GENERATION during a rebalance) as an error with a traceback."""
+    task = asyncio.ensure_future(call)
+    task.add_done_callback(_retrieve)
+    return await asyncio.shield(task)
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+class Committer:
+    """Commits one group's done prefixes and ack state, and reads its lag."""
+
+    def __init__(
+        self,
+        name: str,
+        delivery: DeliveryConfig,
+        partitions: PartitionSet,
+        metrics: ProxyMetrics,
+    ) -> None:
+        """``source`` (the group's consumer) and ``clock`` are set when the group runs."""
+        self.name = name
+        self._interval_s = delivery.commit_interval_ms / 1000.0
+        self._budget_bytes = delivery.metadata_budget_bytes
+        self._partitions = partitions
+        self._metrics = metrics
+        self.source: MessageSource | None = None
+        self.clock: Clock | None = None
+        self.lock = asyncio.Lock()
+        """Held while a commit is planned and sent; the intake polls briefly while it is."""
+        self._wake = asyncio.Event()  # commit soon (a partition went idle, a tier write ended)
+        self.quiet = False
+        """The committer ticks slowly (the group held nothing): traffic must wake it."""
+
+    def attach(self, source: MessageSource, clock: Clock) -> None:
+        """The group's consumer and clock, once the group runs."""
+        self.source = source
+        self.clock = clock
+
+    def wake(self) -> None:
+        """Commit soon (a partition went idle, or its commit was released)."""
+        self._wake.set()
+
+    @property
+    def due(self) -> bool:
+        """A commit is due or on its way to the consumer thread."""
+        return self._wake.is_set() or self.lock.locked()
+
+    async def run(self) -> None:
+        """Commit every interval and soon after each wake-up, until cancelled."""
+        clock = self.clock
+        assert clock is not None
+        cadence = CommitCadence.starting(clock(), self._interval_s)
+        gap = cadence.gap_s
+        wake = self._wake
+        while True:
+            # A partition that went idle is committed soon (fewer duplicates after a crash);
+            # otherwise every interval. Never more often than every ``gap``.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(cadence.wait_s(clock())):
+                    await wake.wait()
+            wake.clear()
+            committed = 0
+            try:
+                committed = await self.commit()
+            except KafkaException as exc:
+                log.warning("group %s: commit failed, will retry: %s", self.name, exc)
+            if cadence.committed(clock(), committed, self._partitions.holding()):
+                await self._update_lag()
+            self.quiet = cadence.slow
+            await asyncio.sleep(gap)
+
+    async def commit(self) -> int:
+        """Commit every partition's done prefix and ack state; returns partitions committed."""
+        source = self.source
+        assert source is not None
+        partitions = self._partitions
+        async with self.lock:
+            plan, over = partitions.commit_plan()
+            for part in over:
+                self._metrics.metadata_over_budget.labels(self.name).inc()
+                log.warning(
+                    "group %s: %s[%d]: ack state above offset %d exceeds the %d-byte "
+                    "metadata budget; pausing the partition until it fits (done messages "
+                    "beyond the encoded range would be redelivered after a crash)",
+                    self.name,
+                    part.topic,
+                    part.partition,
+                    part.tracker.committable() if part.tracker is not None else -1,
+                    self._budget_bytes,
+                )
+            if not plan:
+                return 0
+
+            def still_owned() -> list[TopicPartition]:
+                # Runs on the consumer thread after any queued rebalance callback.
+                return [
+                    TopicPartition(c.part.topic, c.part.partition, c.offset, metadata=c.metadata)
+                    for c in plan
+                    if not c.part.revoked
+                ]
+
+            try:
+                await shielded(source.commit(still_owned))
+            except KafkaException:
+                self._metrics.commits.labels(self.name, "error").inc()
+                partitions.commit_confirmed(False)
+                raise
+            partitions.commit_confirmed(True)
+            self._metrics.commits.labels(self.name, "ok").inc()
+            kept: list[Commit] = partitions.committed(plan)
+            for c in kept:
+                labels = (self.name, c.part.topic, str(c.part.partition))
+                self._metrics.committed_offset.labels(*labels).set(c.offset)
+            return len(plan)
+
+    async def _update_lag(self) -> None:
+        source = self.source
+        assert source is not None
+        metrics = self._metrics
+        parts = list(self._partitions.parts.values())
+        highs = await source.watermarks([p.tp for p in parts])
+        for part in parts:
+            if part.revoked:
+                continue
+            labels = (self.name, part.topic, str(part.partition))
+            if part.tracker is not None:
+                metrics.uncommitted.labels(*labels).set(part.tracker.in_flight)
+            high = highs.get(part.tp)
+            if high is not None and part.last_commit is not None:
+                metrics.lag.labels(*labels).set(max(0, high - part.last_commit[0]))
+        metrics.key_backlog(self.name, self._partitions.key_backlog())

@@ -1,0 +1,127 @@
+"""A group's intake: the ``Intake`` loop from the consumer into the core.
+
+It owns the polls: each ``consume()`` of the ``ports.MessageSource`` hands its records to the
+core (``PartitionSet.intake``), a log truncation to ``PartitionSet.truncated``, the
+consumer's positions to ``skip_unfetchable``, moves aside the messages that block their
+partition's commit (``PartitionSet.unblock``, with ``head_block_ms``), and executes the
+core's pause plan (``pause_plan`` -> ``set_paused``). How long the next poll may wait is
+``core.cadence.poll_wait``'s choice, from the workers' supply and the ``Committer``'s
+schedule. The first poll says the consumer is up (``on_started``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from confluent_kafka import KafkaError, KafkaException
+
+from .committer import Committer
+from .config import DeliveryConfig
+from .core.cadence import FETCH_WAIT_S, poll_wait, quiet_polls
+from .core.decision import HEAD_BLOCKED, Action
+from .core.partitions import PartitionSet
+from .flow import Breaker
+from .metrics import ProxyMetrics
+from .parking import Tally
+from .ports import Clock, MessageSource
+
+log = logging.getLogger(__name__)
+
+
+class Intake:
+    """Polls one group's consumer until ``stopping`` is set."""
+
+    def __init__(
+        self,
+        name: str,
+        delivery: DeliveryConfig,
+        partitions: PartitionSet,
+        source: MessageSource,
+        breaker: Breaker,
+        tally: Tally,
+        metrics: ProxyMetrics,
+        clock: Clock,
+        committer: Committer,
+        ready_low: Callable[[], bool],
+        on_started: Callable[[], None],
+    ) -> None:
+        """``committer``: its schedule shapes the polls, and traffic after a quiet spell
+        wakes it; ``ready_low``: the workers are about to run dry; ``on_started`` is told
+        after the first poll."""
+        self.name = name
+        self._fetch_batch = delivery.fetch_batch
+        self._unblocking = delivery.head_block_ms is not None
+        self._partitions = partitions
+        self._source = source
+        self._breaker = breaker
+        self._tally = tally
+        self._metrics = metrics
+        self._clock = clock
+        self._committer = committer
+        self._ready_low = ready_low
+        self._on_started = on_started
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        """Poll until ``stopping`` is set; a fatal consumer error raises."""
+        source = self._source
+        partitions = self._partitions
+        batch = self._fetch_batch
+        paused = self._metrics.partitions_paused.labels(self.name)
+        timeout_s = FETCH_WAIT_S
+        quiet = 0  # polls in a row that found the group holding nothing
+        committer = self._committer
+        started = False
+        while not stopping.is_set():
+            messages = await source.consume(batch, timeout_s)
+            if not started:
+                started = True
+                self._on_started()  # the consumer is up (joined, or joining, the group)
+            for message in messages:
+                error = message.error()
+                if error is None:
+                    partitions.intake(message)
+                elif error.fatal():
+                    raise KafkaException(error)
+                elif error.code() == KafkaError._LOG_TRUNCATION:
+                    log.warning("group %s: %s", self.name, error.str())
+                    tp = (message.topic() or "", message.partition() or 0)
+                    partitions.truncated(tp, await source.position(tp))
+                elif error.code() != KafkaError._PARTITION_EOF:
+                    log.warning("group %s: consumer error: %s", self.name, error)
+            partitions.skip_unfetchable(source.positions, source.positions_read)
+            if self._unblocking:
+                self._unblock()
+            plan = partitions.pause_plan()
+            if plan.pause or plan.resume:
+                await source.set_paused(plan.pause, plan.resume)
+            paused.set(plan.paused)
+            if messages and committer.quiet:
+                committer.wake()  # traffic after a quiet spell: the committer's usual cadence
+            busy = bool(messages) or bool(plan.paused) or partitions.holding()
+            quiet = quiet_polls(quiet, busy)
+            waiting = bool(plan.paused) and not self._breaker.is_open
+            timeout_s = poll_wait(
+                waiting=waiting,
+                ready_low=waiting and self._ready_low(),
+                commit_due=not waiting and committer.due,
+                quiet=quiet,
+                commits_failing=partitions.commits_failing,
+            )
+
+    def _unblock(self) -> None:
+        """Move aside the messages that block their partition's commit (head_block_ms)."""
+        for delivery, decision in self._partitions.unblock(self._clock()):
+            tier = str(decision.tier) if decision.action is Action.TIER else "dlq"
+            self._metrics.head_unblocks.labels(self.name, tier).inc()
+            log.warning(
+                "group %s: %s[%d]@%d %s; moving it to %s",
+                self.name,
+                delivery.origin.topic,
+                delivery.origin.partition,
+                delivery.origin.offset,
+                decision.reason,
+                f"retry tier {tier}" if decision.action is Action.TIER else "the DLQ",
+            )
+            self._tally.settled(delivery, decision, HEAD_BLOCKED, "")

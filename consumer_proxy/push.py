@@ -1,0 +1,316 @@
+"""Pushing a group's messages to its service: ``UnaryPush`` and ``BatchPush``.
+
+Each owns the group's workers (in batch mode, call slots), the calls themselves (through the
+``ports.Pusher``), the calls in flight (``pushing``, which shutdown waits on) and handing
+each answer to the core: the breaker hears the call (``core.ejection.breaker_hears``, the
+one rule for an instance out of rotation and a probe, in both modes), then
+``PartitionSet.finish`` decides each message, and ``Tally.settled`` counts the decision and
+starts a DLQ or retry tier write (``parking.Parking``) when the message leaves its
+partition.
+
+    unary: ready queue -> worker -> rate, limiter, breaker -> PartitionSet.begin -> push
+           -> breaker -> PartitionSet.finish -> Tally
+    batch: ReadyDeque -> call slot -> limiter, breaker, linger -> core.batching.take
+           -> PartitionSet.begin each -> push_batch -> breaker once -> finish each -> Tally
+
+What a result means is the core's (``core.decision``, ``core.batching``); these classes only
+run the calls. A worker stops once ``draining`` is set (shutdown).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .config import BatchConfig
+from .core.batching import NOT_IMPLEMENTED_REASON, BatchLimits, BatchOutcome, take
+from .core.decision import Action
+from .core.ejection import breaker_hears
+from .core.outcomes import Classification
+from .core.partitions import Delivery, PartitionSet
+from .flow import Breaker, ConcurrencyLimiter, RateLimiter
+from .metrics import ProxyMetrics
+from .parking import Tally
+from .ports import Clock, Pusher
+from .readyq import ReadyDeque
+from .wire import batch_request, unary_request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PushParts:
+    """What both modes are built from."""
+
+    name: str
+    partitions: PartitionSet
+    pusher: Pusher
+    breaker: Breaker
+    limiter: ConcurrencyLimiter
+    rate: RateLimiter | None
+    tally: Tally
+    metrics: ProxyMetrics
+    clock: Clock
+    call_ended: asyncio.Event
+    """Set after every call (revocation waits on it)."""
+
+
+class _Push:
+    """What both modes share: the flow objects, the call bookkeeping, the breaker rule."""
+
+    def __init__(self, parts: PushParts) -> None:
+        self.name = parts.name
+        self.partitions = parts.partitions
+        self.pusher = parts.pusher
+        self.breaker = parts.breaker
+        self.limiter = parts.limiter
+        self.rate = parts.rate
+        self.tally = parts.tally
+        self._metrics = parts.metrics
+        self._clock = parts.clock
+        self._call_ended = parts.call_ended
+        self.pushing: set[asyncio.Task[Any]] = set()
+        """The workers with a call under way (shutdown gives them the grace period)."""
+        self.draining = False
+        """Shutdown began: workers take nothing more."""
+        self.last_failure = ""
+        """The latest service-level failure, said when the breaker opens."""
+        self._m_push = parts.metrics.push_duration.labels(parts.name)
+        self._m_in_flight = parts.metrics.in_flight.labels(parts.name)
+
+    def _tier_delivered(self, delivery: Delivery) -> None:
+        self._metrics.retry_tier_deliveries.labels(self.name, str(delivery.tier)).inc()
+
+    def _tell_breaker(self, failure: bool | None, endpoint: Any, probe: bool) -> None:
+        # ``ejected`` is read only for a service failure, the one case the rule looks at it.
+        heard = breaker_hears(failure, failure is True and endpoint.ejected)
+        if heard is None:
+            if probe:
+                self.breaker.abandon_probe()
+        else:
+            self.breaker.record(heard, probe)
+
+
+class UnaryPush(_Push):
+    """Unary mode: ``workers`` workers, each pushing one message at a time."""
+
+    def __init__(self, parts: PushParts, ready: asyncio.Queue[Delivery], workers: int) -> None:
+        super().__init__(parts)
+        self.ready = ready
+        self.workers = workers
+
+    def ready_low(self) -> bool:
+        """Fewer messages are ready than the workers can take in one round."""
+        return self.ready.qsize() < self.workers
+
+    async def worker(self) -> None:
+        """One worker: take a ready message, push it, hand the answer to the core."""
+        ready = self.ready
+        me = asyncio.current_task()
+        assert me is not None
+        clock = self._clock
+        partitions = self.partitions
+        while not self.draining:
+            delivery = await ready.get()
+            if partitions.drop_stale(delivery):
+                continue
+            if self.rate is not None:
+                await self.rate.acquire()
+            await self.limiter.acquire()
+            # The breaker comes last, right before the push: a worker that waited for a slot
+            # must not push on an admission the breaker has withdrawn since (it opened). The
+            # price: workers held by an open breaker keep the rate token they took, so the
+            # rate cap may be exceeded once, by at most the worker count, when it closes.
+            probe = False
+            result: Classification | None = None
+            rtt = 0.0
+            began = False
+            try:
+                probe = await self.breaker.acquire()
+                began = partitions.begin(delivery)
+                if began:
+                    if delivery.tier:
+                        self._tier_delivered(delivery)
+                    self.pushing.add(me)
+                    started = clock()
+                    result = await self._deliver(delivery, probe)
+                    rtt = clock() - started  # one timing feeds the histogram and limiter
+                    self._m_push.observe(rtt)
+            finally:
+                self.pushing.discard(me)
+                if probe and result is None:
+                    self.breaker.abandon_probe()
+                if began and result is None:
+                    partitions.abandon(delivery)
+                self.limiter.release(rtt, result)
+
+    async def _deliver(self, delivery: Delivery, probe: bool) -> Classification:
+        endpoint = self.pusher.pick()
+        request = unary_request(delivery, self.name)
+        self._m_in_flight.inc()
+        try:
+            result = await self.pusher.push(request, endpoint)
+        finally:
+            self._m_in_flight.dec()
+            self._call_ended.set()
+        if result.service_failure:
+            self.last_failure = f"{result.status} from {endpoint.target}: {result.reason}"
+        self._tell_breaker(result.service_failure, endpoint, probe)
+        decision = self.partitions.finish(delivery, result, probe)
+        if decision is not None:
+            self.tally.settled(delivery, decision, result.status, endpoint.target)
+        return result
+
+
+class BatchPush(_Push):
+    """Batch mode: ``workers`` call slots, each sending what is ready in one call."""
+
+    def __init__(
+        self,
+        parts: PushParts,
+        ready: ReadyDeque,
+        workers: int,
+        limits: BatchLimits,
+        linger_ms: int,
+        on_problem: Callable[[], None],
+    ) -> None:
+        """``on_problem`` is told when ``service_problem`` changes (health re-reads it)."""
+        super().__init__(parts)
+        self.ready = ready
+        self.workers = workers
+        self.limits = limits
+        self._linger_s = linger_ms / 1000.0
+        self._on_problem = on_problem
+        self.service_problem = ""  # said by /readyz while set (the batch method is missing)
+        self._m_batch_size = self._metrics.batch_size.labels(self.name)
+        self._m_unsupported = self._metrics.batch_unsupported.labels(self.name)
+        self._m_protocol_errors = self._metrics.batch_protocol_errors.labels(self.name)
+
+    def ready_low(self) -> bool:
+        """Fewer messages are ready than two batches."""
+        return len(self.ready.items) < self.limits.max_messages * 2
+
+    async def worker(self) -> None:
+        """One call slot of batch mode: wait for anything ready, then send what is ready."""
+        ready = self.ready
+        limits = self.limits
+        linger_s = self._linger_s
+        me = asyncio.current_task()
+        assert me is not None
+        clock = self._clock
+        partitions = self.partitions
+        while not self.draining:
+            await ready.wait()
+            await self.limiter.acquire()
+            probe = False
+            outcome: BatchOutcome | None = None
+            began: list[Delivery] = []
+            rtt = 0.0
+            try:
+                probe = await self.breaker.acquire()
+                if linger_s and len(ready.items) < limits.max_messages:
+                    await asyncio.sleep(linger_s)
+                # From here to begin() nothing awaits: a taken message is always begun.
+                batch = take(ready.items, limits, partitions.drop_stale)
+                if ready.items:
+                    ready.wake()  # more is ready than this call takes: another slot goes
+                began = [d for d in batch if partitions.begin(d)]
+                for d in began:
+                    if d.tier:
+                        self._tier_delivered(d)
+                if began:
+                    self.pushing.add(me)
+                    if self.rate is not None:
+                        await self.rate.acquire(len(began))
+                    started = clock()
+                    outcome = await self._deliver(began, probe)
+                    rtt = clock() - started
+                    self._m_push.observe(rtt)
+            finally:
+                self.pushing.discard(me)
+                if probe and outcome is None:
+                    self.breaker.abandon_probe()
+                if outcome is None:
+                    for delivery in began:
+                        partitions.abandon(delivery)
+                self.limiter.release(rtt, outcome.call if outcome is not None else None)
+
+    async def _deliver(self, batch: list[Delivery], probe: bool) -> BatchOutcome:
+        endpoint = self.pusher.pick()
+        payload = batch_request(batch, self.name)
+        count = len(batch)
+        self._m_in_flight.inc()  # calls, as in unary mode
+        try:
+            outcome = await self.pusher.push_batch(payload, count, endpoint)
+        finally:
+            self._m_in_flight.dec()
+            self._call_ended.set()
+        self._m_batch_size.observe(count)
+        self._answered(outcome, endpoint.target)
+        # A protocol error (breaker None) says nothing about the service's health.
+        self._tell_breaker(outcome.breaker, endpoint, probe)
+        finish = self.partitions.finish
+        settled = self.tally.settled
+        target = endpoint.target
+        acks = 0
+        for delivery, result in zip(batch, outcome.results, strict=True):
+            decision = finish(delivery, result, probe)
+            if decision is None:
+                continue
+            if decision.action is Action.ACK:
+                acks += 1
+                continue
+            settled(delivery, decision, result.status, target)
+        if acks:
+            self.tally.acked(acks)
+        return outcome
+
+    def _answered(self, outcome: BatchOutcome, target: str) -> None:
+        """Logs, metrics and health for what a batch call's answer says about the service."""
+        call = outcome.call
+        if outcome.breaker:
+            self.last_failure = f"{call.status} from {target}: {call.reason}"
+        if outcome.unimplemented:
+            if not self.service_problem:
+                self.service_problem = f"{NOT_IMPLEMENTED_REASON} ({target} answered UNIMPLEMENTED)"
+                self._m_unsupported.set(1)
+                log.error(
+                    "group %s: %s; delivery.batch is configured, so messages wait (no fallback "
+                    "to HandleMessage, nothing is dead-lettered) until the service implements "
+                    "it or the group's batch setting is removed",
+                    self.name,
+                    self.service_problem,
+                )
+                self._on_problem()
+        elif self.service_problem and outcome.breaker is False:
+            self.service_problem = ""
+            self._m_unsupported.set(0)
+            log.warning("group %s: %s answers HandleMessageBatch again", self.name, target)
+            self._on_problem()
+        if outcome.protocol_error:
+            self._m_protocol_errors.inc()
+            log.warning(
+                "group %s: protocol error from %s: %s; the batch is retried (no attempt counted)",
+                self.name,
+                target,
+                outcome.protocol_error,
+            )
+
+
+def build_push(
+    parts: PushParts,
+    ready: asyncio.Queue[Delivery] | ReadyDeque,
+    workers: int,
+    batch: BatchConfig | None,
+    on_problem: Callable[[], None],
+) -> UnaryPush | BatchPush:
+    """The group's push: unary with a ready queue, batch mode (``batch``) with a deque."""
+    if batch is None:
+        assert isinstance(ready, asyncio.Queue)
+        return UnaryPush(parts, ready, workers)
+    assert isinstance(ready, ReadyDeque)
+    limits = BatchLimits(batch.max_messages, batch.max_bytes)
+    return BatchPush(parts, ready, workers, limits, batch.linger_ms, on_problem)

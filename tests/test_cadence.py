@@ -1,0 +1,88 @@
+"""The shell's cadences, driven without a broker: the intake's poll wait, the commit ticks."""
+
+from __future__ import annotations
+
+import pytest
+
+from consumer_proxy.core.cadence import (
+    FETCH_WAIT_S,
+    IDLE_COMMIT_GAP_S,
+    IDLE_FETCH_WAIT_S,
+    QUIET_TICKS,
+    STARVED_POLL_S,
+    WAITING_POLL_S,
+    CommitCadence,
+    poll_wait,
+    quiet_polls,
+)
+from consumer_proxy.core.ejection import breaker_hears
+
+
+def wait(
+    *,
+    waiting: bool = False,
+    ready_low: bool = False,
+    commit_due: bool = False,
+    quiet: int = 0,
+    commits_failing: bool = False,
+) -> float:
+    return poll_wait(
+        waiting=waiting,
+        ready_low=ready_low,
+        commit_due=commit_due,
+        quiet=quiet,
+        commits_failing=commits_failing,
+    )
+
+
+def test_a_partition_waiting_for_its_window_is_polled_briefly() -> None:
+    # Given a partition paused for its window: the poll is short, shortest while little is ready
+    assert wait(waiting=True, ready_low=True) == STARVED_POLL_S
+    assert wait(waiting=True, ready_low=False) == WAITING_POLL_S
+    # and that wins over an idle group's long wait
+    assert wait(waiting=True, quiet=5) == WAITING_POLL_S
+
+
+def test_a_commit_due_or_under_way_is_never_held_up_by_a_long_poll() -> None:
+    assert wait(commit_due=True, quiet=5) == STARVED_POLL_S
+
+
+def test_only_a_group_quiet_for_two_polls_with_commits_working_waits_long() -> None:
+    assert wait(quiet=0) == FETCH_WAIT_S
+    assert wait(quiet=1) == FETCH_WAIT_S
+    assert wait(quiet=2) == IDLE_FETCH_WAIT_S
+    assert wait(quiet=2, commits_failing=True) == FETCH_WAIT_S
+
+
+def test_quiet_polls_count_polls_in_a_row_that_found_nothing() -> None:
+    quiet = 0
+    for _ in range(3):
+        quiet = quiet_polls(quiet, busy=False)
+    assert quiet == 3
+    assert quiet_polls(quiet, busy=True) == 0
+
+
+def test_a_quiet_group_ticks_every_quiet_ticks_intervals_and_wakes_on_traffic() -> None:
+    # Given a cadence of 1 s ticks
+    cadence = CommitCadence.starting(0.0, 1.0)
+    assert cadence.gap_s == pytest.approx(min(IDLE_COMMIT_GAP_S, 1.0))
+    assert cadence.wait_s(0.25) == pytest.approx(0.75)
+    # A commit round before the tick is no tick
+    assert cadence.committed(0.5, committed=1, holding=False) is False
+    # When two ticks pass with nothing held or committed: both read the lag, then it slows
+    assert cadence.committed(1.0, committed=0, holding=False) is True
+    assert cadence.committed(2.0, committed=0, holding=False) is True
+    assert cadence.slow and cadence.next_tick == pytest.approx(2.0 + QUIET_TICKS)
+    # and a quiet tick reads no lag (it cannot have changed)
+    assert cadence.committed(12.0, committed=0, holding=False) is False
+    # When the group holds a message again between ticks, the usual cadence returns
+    assert cadence.committed(12.5, committed=0, holding=True) is False
+    assert not cadence.slow and cadence.next_tick == pytest.approx(13.5)
+
+
+def test_the_breaker_hears_neither_an_ejected_instances_failure_nor_a_protocol_error() -> None:
+    assert breaker_hears(True, ejected=False) is True
+    assert breaker_hears(False, ejected=False) is False
+    assert breaker_hears(False, ejected=True) is False  # a success counts, ejected or not
+    assert breaker_hears(True, ejected=True) is None
+    assert breaker_hears(None, ejected=False) is None
