@@ -53,6 +53,8 @@ class RealEdges:
             group.service,
             Classifier(group.delivery.status_overrides),
             on_ejected=metrics.endpoints_ejected.labels(name).set,
+            auto_batch=group.delivery.batch is not None and group.delivery.batch.mode == "auto",
+            on_batch_support=lambda counts: metrics.batch_instances(name, counts),
         )
         dispatcher.start()
         producer_conf = producer_config(kafka, group.dlq.write_timeout_ms)

@@ -196,6 +196,13 @@ class BatchConfig(BaseModel):
     """Batch push: several messages per ``HandleMessageBatch`` call (the throughput path)."""
 
     model_config = _FROZEN
+    mode: Literal["always", "auto"] = Field(
+        "always",
+        description="always: every call is HandleMessageBatch (a service without it is an "
+        "outage). auto: each instance is asked with its first call; batches where it serves "
+        "HandleMessageBatch, unary calls where it answers UNIMPLEMENTED (asked again after "
+        "its connection drops, and every minute).",
+    )
     max_messages: int = Field(
         100, ge=1, le=10_000, description="Most messages in one HandleMessageBatch call."
     )
@@ -289,9 +296,11 @@ class DeliveryConfig(BaseModel):
         "partition). partition: one message per partition in flight, in offset order.",
     )
     batch: BatchConfig | None = Field(
-        None,
-        description="Push several messages per HandleMessageBatch call; present (even {}) "
-        "turns batching on. Concurrency then counts calls, max_in_flight still messages.",
+        default_factory=lambda: BatchConfig(mode="auto"),
+        description="'auto' (the default: batches to the instances that serve "
+        "HandleMessageBatch, unary calls to the others), 'off' (unary calls only), or a "
+        "section: written without mode (even {}) it means batches always. Concurrency then "
+        "counts calls, max_in_flight still messages.",
     )
     retry_topics: list[RetryTopicConfig] = Field(
         default_factory=list,
@@ -321,6 +330,23 @@ class DeliveryConfig(BaseModel):
         le=100_000,
         description="At most this many head-of-line moves per partition in any minute.",
     )
+
+    @field_validator("batch", mode="before")
+    @classmethod
+    def _batch_forms(cls, value: Any) -> Any:
+        # "off" is YAML 1.1's false: PyYAML reads `batch: off` as False.
+        if value is None or value is False or value == "off":
+            return None
+        if value == "auto":
+            return BatchConfig(mode="auto")
+        if value == "always":
+            return BatchConfig()
+        if isinstance(value, str | bool):
+            # ValueError, not TypeError: pydantic reports only the former as a bad value.
+            raise ValueError(  # noqa: TRY004
+                "must be 'auto', 'off', or a section (mode, max_messages, ...)"
+            )
+        return value
 
     @field_validator("concurrency", mode="before")
     @classmethod

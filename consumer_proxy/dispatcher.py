@@ -46,6 +46,7 @@ from .core.ejection import (
     Verdict,
 )
 from .core.outcomes import Classification, Classifier
+from .core.support import BatchSupport, Learnt
 from .proto.v1 import handler_pb2, handler_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,8 @@ class Dispatcher:
         classifier: Classifier,
         *,
         on_ejected: Callable[[int], None] | None = None,
+        auto_batch: bool = False,
+        on_batch_support: Callable[[dict[str, int]], None] | None = None,
         health_interval_s: float = HEALTH_INTERVAL_S,
         ejected_check_interval_s: float = EJECTED_CHECK_INTERVAL_S,
         health_timeout_s: float = HEALTH_TIMEOUT_S,
@@ -151,6 +154,11 @@ class Dispatcher:
         )
         self._health_task: asyncio.Task[None] | None = None
         self._health_wake: asyncio.Event | None = None
+        # delivery.batch auto: which instances serve HandleMessageBatch (None: not asked;
+        # every batch call is a batch, as delivery.batch always wants).
+        self._support = BatchSupport(len(service.endpoints), time.monotonic) if auto_batch else None
+        self._on_batch_support = on_batch_support
+        self._watches: list[asyncio.Task[None]] = []
         options = list(_CHANNEL_OPTIONS)
         creds = None
         if service.tls is not None:
@@ -180,7 +188,15 @@ class Dispatcher:
     # -- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the active health checks (needs a running loop; a no-op for one instance)."""
+        """Start the active health checks (needs a running loop; a no-op for one instance)
+        and, with ``auto_batch``, the watch on each channel's connection."""
+        if self._support is not None and not self._watches:
+            loop = asyncio.get_running_loop()
+            self._watches = [
+                loop.create_task(self._watch(e), name=f"{self._group}:watch-{e.index}")
+                for e in self.endpoints
+            ]
+            self._report_support()
         if self._health_task is not None or len(self.endpoints) < 2:
             return
         self._health_wake = asyncio.Event()
@@ -201,12 +217,13 @@ class Dispatcher:
             )
 
     async def close(self) -> None:
-        """Stop the health checks and close every channel."""
+        """Stop the health checks and channel watches, and close every channel."""
         task, self._health_task = self._health_task, None
-        if task is not None:
-            task.cancel()
+        watches, self._watches = self._watches, []
+        for t in [*watches, *([task] if task is not None else [])]:
+            t.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await task
+                await t
         for endpoint in self.endpoints:
             await endpoint.channel.close()
 
@@ -262,10 +279,32 @@ class Dispatcher:
             self._changed(change)
         return result
 
+    def batches(self, endpoint: Endpoint) -> bool:
+        """Whether the next call to ``endpoint`` is a batch (always, unless ``auto_batch``
+        found that it does not serve ``HandleMessageBatch``)."""
+        return self._support is None or self._support.batches(endpoint.index)
+
+    def batch_support(self) -> str:
+        """What ``auto_batch`` knows of the instances, for /readyz ('' without it)."""
+        support = self._support
+        if support is None:
+            return ""
+        parts = []
+        for mode, label in (("batch", "HandleMessageBatch"), ("unary", "HandleMessage")):
+            targets = [e.target for e in self.endpoints if support.modes[e.index] == mode]
+            if targets:
+                parts.append(f"{label} to {', '.join(targets)}")
+        unknown = support.counts()["unknown"]
+        if unknown:
+            parts.append(f"{unknown} instance{'s' if unknown > 1 else ''} not asked yet")
+        return "push: " + "; ".join(parts)
+
     async def push_batch(self, payload: bytes, count: int, endpoint: Endpoint) -> BatchOutcome:
         """One ``HandleMessageBatch`` call carrying ``count`` messages (``payload`` is the
         encoded ``HandleMessageBatchRequest``); never raises for a failed call. Endpoint
-        ejection hears one result per call, like the breaker."""
+        ejection hears one result per call, like the breaker. With ``auto_batch`` the answer
+        also tells whether the instance serves batches, and an UNIMPLEMENTED answer is no
+        failure of the instance: the caller pushes the batch again, unary."""
         call = self._batch_calls.get(endpoint)
         if call is None:
             call = endpoint.channel.unary_unary(
@@ -276,9 +315,11 @@ class Dispatcher:
             self._batch_calls[endpoint] = call
         endpoint.outstanding += 1
         endpoint.calls += 1
+        status = "OK"
         try:
             response = await call(payload, timeout=self._timeout_s)
         except aio.AioRpcError as exc:
+            status = exc.code().name
             outcome = classify_failed_call(self._classifier, exc.code(), exc.details(), count)
         else:
             outcome = classify_batch(
@@ -288,6 +329,12 @@ class Dispatcher:
             )
         finally:
             endpoint.outstanding -= 1
+        if self._support is not None:
+            learnt = self._support.answered(endpoint.index, status)
+            if learnt is not None:
+                self._learnt(learnt)
+            if outcome.unimplemented:
+                return outcome  # not the instance's failure: it serves HandleMessage
         call_result = outcome.call
         change = self._ejection.observe(
             endpoint.index, call_result.service_failure, call_result.status
@@ -295,6 +342,50 @@ class Dispatcher:
         if change is not None:
             self._changed(change)
         return outcome
+
+    def _learnt(self, learnt: Learnt) -> None:
+        target = self.endpoints[learnt.index].target
+        if learnt.mode == "batch":
+            log.info(
+                "group %s: instance %s %s: batches from now on", self._group, target, learnt.reason
+            )
+        else:
+            log.warning(
+                "group %s: instance %s %s: unary calls (HandleMessage) to it from now on; it "
+                "is asked again when it disconnects, and every minute%s",
+                self._group,
+                target,
+                learnt.reason,
+                "" if learnt.before == "unknown" else " (it served batches before)",
+            )
+        self._report_support()
+
+    def _report_support(self) -> None:
+        if self._support is not None and self._on_batch_support is not None:
+            self._on_batch_support(self._support.counts())
+
+    async def _watch(self, endpoint: Endpoint) -> None:
+        """Tell ``auto_batch`` each time ``endpoint``'s channel loses its connection: the
+        instance stopped, and may come back as a build that serves other methods."""
+        assert self._support is not None
+        support = self._support
+        channel = endpoint.channel
+        state = channel.get_state(try_to_connect=False)
+        while True:
+            await channel.wait_for_state_change(state)
+            was, state = state, channel.get_state(try_to_connect=False)
+            if was != grpc.ChannelConnectivity.READY or state == was:
+                continue
+            before = support.modes[endpoint.index]
+            support.disconnected(endpoint.index)
+            if before != support.modes[endpoint.index]:
+                log.info(
+                    "group %s: instance %s disconnected; its next call asks for "
+                    "HandleMessageBatch again",
+                    self._group,
+                    endpoint.target,
+                )
+                self._report_support()
 
     def _changed(self, *changes: Change) -> None:
         """Log each change of the rotation, report the count, and wake the health loop."""

@@ -124,6 +124,12 @@ class GroupRunner:
         """Said by /readyz while set (batch mode: the service lacks the batch method)."""
         return self.push.service_problem if isinstance(self.push, BatchPush) else ""
 
+    @property
+    def push_detail(self) -> str:
+        """What /readyz adds on how the group pushes ('' but for ``delivery.batch: auto``:
+        which instances get batches, which unary calls)."""
+        return self.dispatcher.batch_support() if self.dispatcher is not None else ""
+
     # -- lifecycle -----------------------------------------------------------------------
 
     async def run(self) -> None:

@@ -140,7 +140,8 @@ def group_verdict(group: GroupView) -> tuple[bool, str]:
     refusal = group.writer.refusal() if group.writer is not None else None
     if refusal is not None:
         return False, refusal
-    return True, "consumer up, Kafka reachable, circuit closed"
+    detail = getattr(group, "push_detail", "")  # delivery.batch auto: batch or unary
+    return True, "consumer up, Kafka reachable, circuit closed" + (f"; {detail}" if detail else "")
 
 
 class ProxyHealth:
@@ -172,10 +173,14 @@ class ProxyHealth:
 
     def ready(self) -> tuple[bool, str]:
         """The /readyz answer: ready when every group is serving; else what is not."""
-        failing = [f"{name}: {why}" for name, (ok, why) in self.verdicts().items() if not ok]
+        verdicts = self.verdicts()
+        failing = [f"{name}: {why}" for name, (ok, why) in verdicts.items() if not ok]
         if failing:
             return False, "; ".join(failing)
-        return True, "ready"
+        pushing = [
+            f"{g.name}: {detail}" for g in self._groups if (detail := getattr(g, "push_detail", ""))
+        ]
+        return True, "; ".join(["ready", *pushing])
 
     def changed(self) -> None:
         """A group's state changed: publish soon (callable from the event loop only)."""

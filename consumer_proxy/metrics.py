@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -162,6 +162,14 @@ class ProxyMetrics:
             ["group"],
             registry=r,
         )
+        self.push_instances = Gauge(
+            "consumer_proxy_push_instances",
+            "delivery.batch auto: service instances by how they are pushed to (batch: they "
+            "serve HandleMessageBatch; unary: they answered UNIMPLEMENTED to it; unknown: not "
+            "asked yet).",
+            ["group", "mode"],
+            registry=r,
+        )
         self.batch_protocol_errors = Counter(
             "consumer_proxy_batch_protocol_errors",
             "Batch answers with the wrong number of results (the batch is retried).",
@@ -214,6 +222,11 @@ class ProxyMetrics:
         """Set the ordering gauges (updated every commit interval)."""
         self.keys_backlogged.labels(group).set(backlog.keys)
         self.key_backlog_longest.labels(group).set(backlog.longest)
+
+    def batch_instances(self, group: str, counts: Mapping[str, int]) -> None:
+        """delivery.batch auto: how many of the group's instances are pushed to how."""
+        for mode, count in counts.items():
+            self.push_instances.labels(group, mode).set(count)
 
     def forget_partition(self, group: str, topic: str, partition: int) -> None:
         """Drop a revoked partition's series so label sets stay bounded by the assignment."""

@@ -13,6 +13,12 @@ partition.
     batch: ReadyDeque -> call slot -> limiter, breaker, linger -> core.batching.take
            -> PartitionSet.begin each -> push_batch -> breaker once -> finish each -> Tally
 
+In batch mode ``auto`` (``delivery.batch: auto``) a call slot picks its instance first: one
+that does not serve ``HandleMessageBatch`` (``Pusher.batches``, ``core.support``) gets one
+message in a unary call; an UNIMPLEMENTED answer to a batch call (the instance's first call,
+or a rolling deploy) sends the same messages again at once as unary calls to that instance,
+in the same slot, with nothing counted for the failed batch call.
+
 What a result means is the core's (``core.decision``, ``core.batching``); these classes only
 run the calls. A worker stops once ``draining`` is set (shutdown).
 """
@@ -26,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import BatchConfig
-from .core.batching import NOT_IMPLEMENTED_REASON, BatchLimits, BatchOutcome, take
+from .core.batching import NOT_IMPLEMENTED_REASON, BatchLimits, BatchOutcome, summarize, take
 from .core.decision import Action
 from .core.ejection import breaker_hears
 from .core.outcomes import Classification
@@ -176,12 +182,16 @@ class BatchPush(_Push):
         limits: BatchLimits,
         linger_ms: int,
         on_problem: Callable[[], None],
+        auto: bool = False,
     ) -> None:
-        """``on_problem`` is told when ``service_problem`` changes (health re-reads it)."""
+        """``on_problem`` is told when ``service_problem`` changes (health re-reads it);
+        ``auto``: unary calls to the instances that do not serve ``HandleMessageBatch``."""
         super().__init__(parts)
         self.ready = ready
         self.workers = workers
         self.limits = limits
+        self.auto = auto
+        self._one = BatchLimits(1, limits.max_bytes)
         self._linger_s = linger_ms / 1000.0
         self._on_problem = on_problem
         self.service_problem = ""  # said by /readyz while set (the batch method is missing)
@@ -211,10 +221,12 @@ class BatchPush(_Push):
             rtt = 0.0
             try:
                 probe = await self.breaker.acquire()
-                if linger_s and len(ready.items) < limits.max_messages:
+                endpoint = self.pusher.pick()
+                whole = self.pusher.batches(endpoint)  # auto: False for a unary instance
+                if whole and linger_s and len(ready.items) < limits.max_messages:
                     await asyncio.sleep(linger_s)
                 # From here to begin() nothing awaits: a taken message is always begun.
-                batch = take(ready.items, limits, partitions.drop_stale)
+                batch = take(ready.items, limits if whole else self._one, partitions.drop_stale)
                 if ready.items:
                     ready.wake()  # more is ready than this call takes: another slot goes
                 began = [d for d in batch if partitions.begin(d)]
@@ -226,7 +238,11 @@ class BatchPush(_Push):
                     if self.rate is not None:
                         await self.rate.acquire(len(began))
                     started = clock()
-                    outcome = await self._deliver(began, probe)
+                    outcome = await (
+                        self._deliver(began, probe, endpoint)
+                        if whole
+                        else self._deliver_unary(began, probe, endpoint)
+                    )
                     rtt = clock() - started
                     self._m_push.observe(rtt)
             finally:
@@ -238,8 +254,7 @@ class BatchPush(_Push):
                         partitions.abandon(delivery)
                 self.limiter.release(rtt, outcome.call if outcome is not None else None)
 
-    async def _deliver(self, batch: list[Delivery], probe: bool) -> BatchOutcome:
-        endpoint = self.pusher.pick()
+    async def _deliver(self, batch: list[Delivery], probe: bool, endpoint: Any) -> BatchOutcome:
         payload = batch_request(batch, self.name)
         count = len(batch)
         self._m_in_flight.inc()  # calls, as in unary mode
@@ -248,8 +263,41 @@ class BatchPush(_Push):
         finally:
             self._m_in_flight.dec()
             self._call_ended.set()
+        if outcome.unimplemented and self.auto:
+            # The instance serves HandleMessage only (the pusher now knows): the same
+            # messages go again at once, unary; the batch call counted for nothing.
+            return await self._deliver_unary(batch, probe, endpoint)
         self._m_batch_size.observe(count)
         self._answered(outcome, endpoint.target)
+        return self._finished(batch, outcome, probe, endpoint)
+
+    async def _deliver_unary(
+        self, batch: list[Delivery], probe: bool, endpoint: Any
+    ) -> BatchOutcome:
+        """``batch`` as unary calls to ``endpoint``, all at once; one breaker record."""
+        name = self.name
+        push = self.pusher.push
+        self._m_in_flight.inc()
+        try:
+            if len(batch) == 1:
+                results = [await push(unary_request(batch[0], name), endpoint)]
+            else:
+                results = list(
+                    await asyncio.gather(*(push(unary_request(d, name), endpoint) for d in batch))
+                )
+        finally:
+            self._m_in_flight.dec()
+            self._call_ended.set()
+        outcome = summarize(results)
+        if outcome.breaker:
+            call = outcome.call
+            self.last_failure = f"{call.status} from {endpoint.target}: {call.reason}"
+        return self._finished(batch, outcome, probe, endpoint)
+
+    def _finished(
+        self, batch: list[Delivery], outcome: BatchOutcome, probe: bool, endpoint: Any
+    ) -> BatchOutcome:
+        """The breaker hears the call once, then the core decides each message."""
         # A protocol error (breaker None) says nothing about the service's health.
         self._tell_breaker(outcome.breaker, endpoint, probe)
         finish = self.partitions.finish
@@ -307,10 +355,12 @@ def build_push(
     batch: BatchConfig | None,
     on_problem: Callable[[], None],
 ) -> UnaryPush | BatchPush:
-    """The group's push: unary with a ready queue, batch mode (``batch``) with a deque."""
+    """The group's push: unary with a ready queue, batch mode (``batch``, always or auto)
+    with a deque."""
     if batch is None:
         assert isinstance(ready, asyncio.Queue)
         return UnaryPush(parts, ready, workers)
     assert isinstance(ready, ReadyDeque)
     limits = BatchLimits(batch.max_messages, batch.max_bytes)
-    return BatchPush(parts, ready, workers, limits, batch.linger_ms, on_problem)
+    auto = batch.mode == "auto"
+    return BatchPush(parts, ready, workers, limits, batch.linger_ms, on_problem, auto)

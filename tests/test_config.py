@@ -674,3 +674,45 @@ def test_the_config_reference_in_the_docs_is_current() -> None:
         timeout=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    ("written", "mode"),
+    [
+        (None, "auto"),  # not written: the default
+        ("batch: auto", "auto"),
+        ("batch: off", None),  # YAML 1.1 reads off as false
+        ("batch: 'off'", None),
+        ("batch: null", None),
+        ("batch: {}", "always"),  # a section, as before: batches always
+        ("batch: {max_messages: 10}", "always"),
+        ("batch: {mode: auto, max_messages: 10}", "auto"),
+        ("batch: always", "always"),
+    ],
+)
+def test_delivery_batch_is_auto_by_default_and_keeps_the_old_forms(
+    tmp_path: Path, written: str | None, mode: str | None
+) -> None:
+    # Given a group whose delivery section says (or does not say) batch, as YAML reads it
+    path = _with_delivery(tmp_path, written)
+    # When it is loaded
+    batch = load_config(path).groups[0].delivery.batch
+    # Then the batch mode is as written, and auto has the section's limits
+    assert (batch.mode if batch is not None else None) == mode
+    if batch is not None and "max_messages" not in (written or ""):
+        assert (batch.max_messages, batch.max_bytes, batch.linger_ms) == (100, 1024 * 1024, 0)
+
+
+@pytest.mark.parametrize("written", ["batch: on", "batch: 'yes please'", "batch: 3"])
+def test_a_bad_batch_form_is_refused(tmp_path: Path, written: str) -> None:
+    with pytest.raises(ConfigError, match="batch"):
+        load_config(_with_delivery(tmp_path, written))
+
+
+def _with_delivery(tmp_path: Path, written: str | None) -> Path:
+    config = copy.deepcopy(BASE)
+    if written is not None:
+        config["groups"][0]["delivery"] = yaml.safe_load(written)
+    path = tmp_path / "proxy.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path

@@ -156,7 +156,13 @@ def classify_batch(
         )
         return BatchOutcome([retry] * count, retry, None, protocol_error=reason)
     from_response = classifier.from_response
-    results = [from_response(answer) for answer in answers]
+    return summarize([from_response(answer) for answer in answers])
+
+
+def summarize(results: Sequence[Classification]) -> BatchOutcome:
+    """The outcome of a call's messages classified one by one (an OK batch answer, or the
+    unary calls that carried a batch to an instance without ``HandleMessageBatch``)."""
+    count = len(results)
     failures = 0
     slow: Classification | None = None
     for result in results:

@@ -39,12 +39,17 @@ def config_dict(
     """A one-group configuration as the YAML file holds it; the one builder behind
     :func:`make_config`, :func:`write_config` and the benches.
 
-    Test-friendly defaults: a 5 s service deadline, and with ``fast_delivery`` commits every
+    Test-friendly defaults: unary delivery (``batch: off``, unless ``delivery`` says
+    otherwise), a 5 s service deadline, and with ``fast_delivery`` commits every
     200 ms and a 20-200 ms backoff (``delivery`` overrides each). ``client`` is the librdkafka
     passthrough; metrics are off unless ``metrics_port`` is given. ``group_extra`` adds group
     sections (``dlq``, ``circuit_breaker``, ...).
     """
     kafka: dict[str, Any] = {"bootstrap_servers": bootstrap}
+    # The tests written for unary delivery keep it: delivery.batch defaults to auto, which
+    # sends batches to every service here that serves them (TestService does). The batch
+    # tests say `batch` in ``delivery``.
+    off = {"batch": "off"}
     if client is not None:
         kafka["client"] = client
     fast = {"commit_interval_ms": 200, "backoff": {"initial_ms": 20, "max_ms": 200}}
@@ -61,7 +66,7 @@ def config_dict(
                 "name": group,
                 "topics": list(topics),
                 "service": {"endpoints": list(endpoints), "timeout_ms": 5000, **(service or {})},
-                "delivery": {**(fast if fast_delivery else {}), **(delivery or {})},
+                "delivery": {**off, **(fast if fast_delivery else {}), **(delivery or {})},
                 **group_extra,
             }
         ],
