@@ -90,6 +90,12 @@ def _range(field: FieldInfo) -> str:
     return ", ".join(parts)
 
 
+# Fields whose written forms a field validator widens beyond the annotation: (type, default).
+WRITTEN_FORMS = {
+    "groups[].delivery.batch": ('"auto" \\| "off" \\| section \\| null', '`"auto"`'),
+}
+
+
 def rows(model: type[BaseModel], prefix: str = "", env: str | None = ENV_PREFIX) -> Iterator[str]:
     """One table row per field, depth first (sections before their fields)."""
     for name, field in model.model_fields.items():
@@ -98,9 +104,11 @@ def rows(model: type[BaseModel], prefix: str = "", env: str | None = ENV_PREFIX)
         is_list = typing.get_origin(field.annotation) is list
         env_name = f"`{env}{name.upper()}`" if env is not None else "—"
         description = (field.description or "").replace("|", "\\|")
+        type_name, default = WRITTEN_FORMS.get(
+            path, (_type_name(field.annotation), _default(field))
+        )
         yield (
-            f"| `{path}` | {_type_name(field.annotation)} | {_default(field)} | "
-            f"{_range(field)} | {description} | {env_name} |"
+            f"| `{path}` | {type_name} | {default} | {_range(field)} | {description} | {env_name} |"
         )
         if sub is not None:
             # List items (groups) cannot be overridden one by one from the environment.

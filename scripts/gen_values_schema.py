@@ -139,6 +139,13 @@ def group_schema() -> dict[str, Any]:
         {"type": "integer", "minimum": 1, "maximum": 10_000},
         {"const": "adaptive"},
     ]
+    # DeliveryConfig._batch_forms: 'auto', 'off' (YAML 1.1 reads a bare off as false),
+    # 'always' or null besides the section; the section's keywords apply to objects only.
+    batch = delivery["properties"]["batch"]
+    batch["type"] = ["object", "string", "boolean", "null"]
+    batch["pattern"] = "^(auto|off|always)$"
+    batch["not"] = {"const": True}
+    batch["default"] = "auto"
     overrides = delivery["properties"]["status_overrides"]
     overrides["propertyNames"] = {"enum": sorted(STATUS_NAMES - {"OK"})}
     return schema
