@@ -31,8 +31,8 @@ var (
 )
 
 type billing struct {
-	pb.UnimplementedMessageHandlerServer // HandleMessageBatch answers UNIMPLEMENTED
-	db                                   Store
+	pb.UnimplementedMessageHandlerServer
+	db Store
 }
 
 func (b *billing) HandleMessage(ctx context.Context, req *pb.HandleMessageRequest) (*pb.HandleMessageResponse, error) {
@@ -54,4 +54,20 @@ func (b *billing) HandleMessage(ctx context.Context, req *pb.HandleMessageReques
 		return nil, status.Error(codes.AlreadyExists, "charged before") // a redelivery: ack
 	}
 	return &pb.HandleMessageResponse{}, nil // ack
+}
+
+// HandleMessageBatch charges several trips, one result per message in order: the proxy sends
+// batches to a service that serves this (delivery.batch: auto, the default). A message's error
+// becomes its result's status_code, which the proxy reads like a unary call's status.
+func (b *billing) HandleMessageBatch(ctx context.Context, req *pb.HandleMessageBatchRequest) (*pb.HandleMessageBatchResponse, error) {
+	results := make([]*pb.HandleMessageResponse, 0, len(req.GetMessages()))
+	for _, m := range req.GetMessages() {
+		res, err := b.HandleMessage(ctx, &pb.HandleMessageRequest{Message: m})
+		if err != nil {
+			st := status.Convert(err)
+			res = &pb.HandleMessageResponse{StatusCode: int32(st.Code()), Reason: st.Message()}
+		}
+		results = append(results, res)
+	}
+	return &pb.HandleMessageBatchResponse{Results: results}, nil
 }

@@ -55,3 +55,27 @@ func TestBillingAnswersInTheContractsTerms(t *testing.T) {
 		}
 	}
 }
+
+func TestBillingBatchAnswersEachMessageAsItsUnaryCallWould(t *testing.T) {
+	trip := []byte(`{"id": "t1", "amount_cents": 1250}`)
+	store := &fakeStore{charged: map[int64]bool{2: true}}
+	b := &billing{db: store}
+	req := &pb.HandleMessageBatchRequest{Messages: []*pb.Message{
+		{Topic: "trips", Offset: 1, Value: trip},
+		{Topic: "trips", Offset: 2, Value: trip},
+		{Topic: "trips", Offset: 3, Value: []byte("not json")},
+	}}
+	got, err := b.HandleMessageBatch(context.Background(), req)
+	if err != nil {
+		t.Fatalf("batch failed: %v", err)
+	}
+	want := []codes.Code{codes.OK, codes.AlreadyExists, codes.InvalidArgument}
+	if len(got.GetResults()) != len(want) {
+		t.Fatalf("%d results for %d messages", len(got.GetResults()), len(want))
+	}
+	for i, res := range got.GetResults() {
+		if codes.Code(res.GetStatusCode()) != want[i] {
+			t.Errorf("message %d: status_code %v, want %v", i, codes.Code(res.GetStatusCode()), want[i])
+		}
+	}
+}
