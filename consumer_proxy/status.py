@@ -106,7 +106,22 @@ def _group_status(consumer: Consumer, group: GroupConfig) -> dict[str, Any]:
         "dlq_depth": dlq_depth if dlq_parts else None,
         "retry_tiers": [_tier_status(consumer, group, n) for n in range(len(group.retry_topics))],
         "missing_topics": missing,
+        "push": _push(group),
     }
+
+
+def _push(group: GroupConfig) -> str:
+    """How the group pushes, as configured (the running proxy's /readyz and
+    ``consumer_proxy_push_instances`` say which instances get batches under ``auto``)."""
+    batch = group.delivery.batch
+    if batch is None:
+        return "unary calls (delivery.batch off)"
+    if batch.mode == "auto":
+        return (
+            "delivery.batch auto: batches to the instances that serve HandleMessageBatch, "
+            "unary calls to the others (which: /readyz, consumer_proxy_push_instances)"
+        )
+    return "batches always (delivery.batch section)"
 
 
 HEAD_READ_TIMEOUT_S = 10.0
@@ -176,6 +191,8 @@ def render_status(report: dict[str, Any]) -> str:
                 f"  retry tier {tier['tier']} {tier['topic']} ({tier['delay_ms']} ms): depth "
                 f"{depth}, oldest due {_when(tier['oldest_due_at_ms'])}"
             )
+        if group.get("push"):
+            lines.append(f"  push: {group['push']}")
         if group["missing_topics"]:
             lines.append(f"  missing topics: {', '.join(group['missing_topics'])}")
         lines.append(

@@ -231,6 +231,7 @@ def test_status_prints_a_table_and_rejects_an_unknown_group(
 
     assert table.returncode == 0, table.stderr
     assert table.stdout.startswith(f"group {group}: lag 0, DLQ {group}.dlq depth 3\n")
+    assert "  push: unary calls (delivery.batch off)\n" in table.stdout
     assert finished_run["topic"] in table.stdout
     assert unknown.returncode == 2
     assert "unknown group 'nobody'; configured groups: " + group in unknown.stderr
