@@ -25,8 +25,10 @@ from pydantic import (
     ConfigDict,
     Field,
     SecretStr,
+    SerializerFunctionWrapHandler,
     ValidationError,
     field_validator,
+    model_serializer,
     model_validator,
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
@@ -330,6 +332,14 @@ class DeliveryConfig(BaseModel):
         le=100_000,
         description="At most this many head-of-line moves per partition in any minute.",
     )
+
+    @model_serializer(mode="wrap")
+    def _batch_off_written(self, handler: SerializerFunctionWrapHandler) -> Any:
+        # batch None is "off", and absent is "auto": a dump (even with exclude_none) says off.
+        data = handler(self)
+        if self.batch is None and isinstance(data, dict):
+            data["batch"] = "off"
+        return data
 
     @field_validator("batch", mode="before")
     @classmethod

@@ -716,3 +716,13 @@ def _with_delivery(tmp_path: Path, written: str | None) -> Path:
     path = tmp_path / "proxy.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+@pytest.mark.parametrize("written", ["batch: off", "batch: auto", "batch: {}"])
+def test_a_dumped_config_loads_back_with_the_same_batch_mode(tmp_path: Path, written: str) -> None:
+    # Given a loaded configuration, dumped as tools do (None values left out)
+    config = load_config(_with_delivery(tmp_path, written))
+    dumped = tmp_path / "dumped.yaml"
+    dumped.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
+    # When it is loaded again, then "off" is still off (absent would mean auto)
+    assert load_config(dumped).groups[0].delivery.batch == config.groups[0].delivery.batch
