@@ -93,6 +93,8 @@ async def test_a_bad_deploy_holds_instead_of_flooding_the_dlq_and_a_rollback_ack
             await async_wait_until(lambda: guard.held, timeout=60)
             await async_wait_until(lambda: "dead-letter guard: held" in proxy.ready()[1], 10)
             assert proxy.http is not None
+            # (the DLQ writes decided before it tripped complete: acks=all takes a moment)
+            await async_wait_until(lambda: not runner._parking.tasks, timeout=30)
             written = len(await _dlq(bootstrap, group))
             # ... having dead-lettered at most min_messages plus the calls in flight
             assert 0 < written <= 100 + CONCURRENCY, written
