@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from confluent_kafka import TopicPartition
 
 from .core.batching import BatchOutcome
+from .core.heartbeat import CallWatch
 from .core.outcomes import Classification
 from .core.partitions import TP
 from .core.records import Headers
@@ -67,6 +68,9 @@ class Pusher(Protocol):
     def pick(self) -> Any: ...
     async def push(self, request: Any, endpoint: Any) -> Classification: ...
     async def push_batch(self, payload: bytes, count: int, endpoint: Any) -> BatchOutcome: ...
+    async def push_stream(
+        self, request: Any, endpoint: Any, watch: CallWatch, on_heartbeat: Callable[[float], None]
+    ) -> Classification: ...
     async def close(self) -> None: ...
 
 
