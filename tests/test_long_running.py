@@ -11,6 +11,7 @@ SDK (``consumer_proxy.handler``) in a child process, so kill -9 is a real kill.
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
 import threading
@@ -378,6 +379,7 @@ async def test_a_rebalance_cancels_the_moving_long_calls_and_the_new_owner_deliv
 ) -> None:
     bootstrap = kafka.bootstrap
     # Given two partitions with 20 long messages each (40 long calls open) and a 1 s grace
+    caplog.set_level(logging.INFO, logger="consumer_proxy")
     topic, group = unique_name("rebal"), unique_name("rebal")
     create_topic(bootstrap, topic, partitions=2)
     records = [{"value": "long", "partition": p} for p in (0, 1) for _ in range(20)]
@@ -389,14 +391,33 @@ async def test_a_rebalance_cancels_the_moving_long_calls_and_the_new_owner_deliv
         second_task: Any = None
         try:
             await async_wait_until(lambda: len(service.deliveries) == 40, timeout=30)
-            # When a second member joins and takes one partition
-            second, second_task = start_proxy(config)
-            await async_wait_until(lambda: second.runners[0].assignment(), timeout=60)
-            moved = second.runners[0].assignment()
+            # When a second member joins and takes one partition of the topic. (It names a
+            # redrive topic of its own, so the assignor balances the two source partitions
+            # between the members and the moving partition is never the redrive one.)
+            second, second_task = start_proxy(
+                _config(
+                    bootstrap,
+                    group,
+                    topic,
+                    [service.address],
+                    {"revoke_grace_ms": 1000},
+                    dlq={"redrive_topic": f"{group}.redrive-second"},
+                )
+            )
+            await async_wait_until(
+                lambda: [tp for tp in second.runners[0].assignment() if tp[0] == topic],
+                timeout=60,
+            )
+            moved = [tp for tp in second.runners[0].assignment() if tp[0] == topic]
             assert len(moved) == 1
             moved_partition = moved[0][1]
+
             # Then the service saw the moving partition's 20 calls cancelled, at once
-            cancelled = [d for d in service.deliveries if d.outcome == "CANCELLED"]
+            def cancellations() -> list[Any]:
+                return [d for d in service.deliveries if d.outcome == "CANCELLED"]
+
+            await async_wait_until(lambda: len(cancellations()) >= 20, timeout=10)
+            cancelled = cancellations()
             assert len(cancelled) == 20
             assert {d.partition for d in cancelled} == {moved_partition}
             ends = [d.finished_at or 0 for d in cancelled]
