@@ -462,7 +462,6 @@ def test_sigterm_cancels_open_long_calls_within_the_grace_and_exits_0(
             shutdown_grace_s=1.0,
         )
         with ProxyProcess(config, tmp_path / "proxy.log") as proxy:
-            proxy.start()
             wait_until(lambda: len(service.deliveries) == 10, timeout=60)
             # When it is sent SIGTERM
             began = time.monotonic()
