@@ -174,6 +174,12 @@ class ProxyMetrics:
             ["group"],
             registry=r,
         )
+        self.oldest_open_call = Gauge(
+            "consumer_proxy_oldest_open_call_seconds",
+            "Age of the group's oldest long-running call under way (0: none), read on scrape.",
+            ["group"],
+            registry=r,
+        )
         self.heartbeat_gap = Histogram(
             "consumer_proxy_heartbeat_gap_seconds",
             "Time between two heartbeats (or the start and the first) of a long-running call.",

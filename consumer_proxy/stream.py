@@ -49,6 +49,12 @@ class StreamPush(UnaryPush):
         self._m_expired = {
             why: self._metrics.calls_cancelled.labels(self.name, why.value) for why in Expiry
         }
+        # Read on each scrape: nothing to keep up to date on the hot path.
+        self._metrics.oldest_open_call.labels(self.name).set_function(self._oldest_age)
+
+    def _oldest_age(self) -> float:
+        oldest = self.oldest()
+        return max((age for _, age, _ in oldest.values()), default=0.0)
 
     def oldest(self) -> dict[tuple[str, int], tuple[int, float, str]]:
         """Per partition, its oldest open call: (offset, age in seconds, progress note)."""

@@ -120,6 +120,8 @@ async def test_long_handlers_stay_open_on_heartbeats_while_short_ones_flow_and_c
             assert time.monotonic() - began < LONG_S, "the long calls ended before the check"
             scrape = parse_metrics(proxy.metrics.exposition().decode())
             assert scrape.value("consumer_proxy_long_calls_open", group=group) == 50
+            oldest = scrape.value("consumer_proxy_oldest_open_call_seconds", group=group)
+            assert oldest is not None and 0 < oldest < LONG_S
             # When they end, the commit passes them
             await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=LONG_S + 30)
         finally:
