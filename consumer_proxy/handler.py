@@ -55,6 +55,16 @@ such result also carries the action its status leads to (PoisonPill and the othe
 dead-letter codes -> DEAD_LETTER, AlreadyProcessed -> ACK, anything else -> RETRY) for
 proxies that predate ``status_code``.
 
+``HandleMessageStream`` is served too, for groups with ``delivery.long_running`` (handlers
+that run for minutes): the same handler runs as a task while the SDK sends a heartbeat every
+``heartbeat_interval_ms`` the proxy asks for, then the result, with the same statuses as
+``HandleMessage``. ``await message.progress("40%")`` sends a heartbeat with a note now
+(optional; a no-op under ``HandleMessage``). The heartbeats come from the server's event loop:
+**a handler that blocks the loop** (CPU-bound work, a blocking call not moved to a thread)
+stops them, and the proxy fails the call after its heartbeat timeout, as hung. When the
+proxy cancels a call (unary or streaming: no heartbeat in time, its processing cap, a revoked
+partition, its shutdown) the handler sees ``asyncio.CancelledError``; clean up and re-raise.
+
 ``serve()`` / :class:`Server` also serve the standard ``grpc.health.v1.Health`` service,
 SERVING for ``""`` and ``"consumerproxy.v1.MessageHandler"``, NOT_SERVING once stopping.
 """
