@@ -67,6 +67,7 @@ def _config(
             [topic],
             endpoints,
             delivery={"long_running": LONG_RUNNING, "concurrency": 100, **(delivery or {})},
+            service={"timeout_ms": 30_000},  # a unary group's calls outlive LONG_S too
             **extra,
         )
     )
@@ -376,18 +377,23 @@ async def test_a_handler_blocking_its_event_loop_fails_is_retried_and_dead_lette
 # -- rebalance and shutdown ------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("mode", ["stream", "unary"])
 async def test_a_rebalance_cancels_the_moving_long_calls_and_the_new_owner_delivers_them(
-    kafka: Broker, caplog: pytest.LogCaptureFixture
+    kafka: Broker, caplog: pytest.LogCaptureFixture, mode: str
 ) -> None:
     bootstrap = kafka.bootstrap
-    # Given two partitions with 20 long messages each (40 long calls open) and a 1 s grace
+    # Given two partitions with 20 long messages each (40 long calls open: streaming, or
+    # unary with a long deadline) and a 1 s revoke grace
+    delivery: dict[str, Any] = {"revoke_grace_ms": 1000}
+    if mode == "unary":
+        delivery["long_running"] = None
     caplog.set_level(logging.INFO, logger="consumer_proxy")
     topic, group = unique_name("rebal"), unique_name("rebal")
     create_topic(bootstrap, topic, partitions=2)
     records = [{"value": "long", "partition": p} for p in (0, 1) for _ in range(20)]
     await asyncio.to_thread(produce, bootstrap, topic, records)
     with ThreadedService(lambda m, n: Behaviour(delay_s=LONG_S if n == 1 else 0.01)) as service:
-        config = _config(bootstrap, group, topic, [service.address], {"revoke_grace_ms": 1000})
+        config = _config(bootstrap, group, topic, [service.address], delivery)
         first, first_task = start_proxy(config)
         second: Any = None
         second_task: Any = None
@@ -402,7 +408,7 @@ async def test_a_rebalance_cancels_the_moving_long_calls_and_the_new_owner_deliv
                     group,
                     topic,
                     [service.address],
-                    {"revoke_grace_ms": 1000},
+                    delivery,
                     dlq={"redrive_topic": f"{group}.redrive-second"},
                 )
             )
