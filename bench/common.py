@@ -38,7 +38,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -187,6 +187,23 @@ class _Servicer(handler_pb2_grpc.MessageHandlerServicer):
         if delay > 0:
             await asyncio.sleep(delay)
         return self._empty
+
+    async def HandleMessageStream(
+        self, request: handler_pb2.HandleMessageStreamRequest, context: Any
+    ) -> AsyncIterator[handler_pb2.HandleMessageStreamEvent]:
+        """The long-running call: heartbeats every ``heartbeat_interval_ms`` while it works
+        as HandleMessage does, then the result."""
+        work = asyncio.ensure_future(self.HandleMessage(request, context))  # type: ignore[arg-type]
+        interval_s = (request.heartbeat_interval_ms or 1000) / 1000.0
+        try:
+            while True:
+                done, _ = await asyncio.wait({work}, timeout=interval_s)
+                if done:
+                    break
+                yield handler_pb2.HandleMessageStreamEvent(heartbeat=handler_pb2.Heartbeat())
+        finally:
+            work.cancel()
+        yield handler_pb2.HandleMessageStreamEvent(result=work.result())
 
     async def HandleMessageBatch(
         self, request: handler_pb2.HandleMessageBatchRequest, context: Any

@@ -224,6 +224,36 @@ class BatchConfig(BaseModel):
     )
 
 
+class LongRunningConfig(BaseModel):
+    """Long-running handlers: a streaming call kept alive by heartbeats, not a fixed deadline."""
+
+    model_config = _FROZEN
+    heartbeat_timeout_ms: int = Field(
+        ...,
+        ge=300,
+        le=600_000,
+        description="A call that sends no heartbeat (nor its result) for this long has failed, "
+        "as a deadline would (charged to the message only while the service answers others). "
+        "The service is asked to heartbeat every third of it.",
+    )
+    max_processing_ms: int = Field(
+        ...,
+        ge=1000,
+        le=86_400_000,
+        description="Hard cap on one call: reached, the call is cancelled (the service sees "
+        "the cancellation) and counts as a failed attempt.",
+    )
+
+    @model_validator(mode="after")
+    def _cap_above_timeout(self) -> LongRunningConfig:
+        if self.max_processing_ms <= self.heartbeat_timeout_ms:
+            raise ValueError(
+                f"max_processing_ms ({self.max_processing_ms}) must be above "
+                f"heartbeat_timeout_ms ({self.heartbeat_timeout_ms})"
+            )
+        return self
+
+
 class RetryTopicConfig(BaseModel):
     """One retry tier: a topic where a failed message waits, durably, for its next attempt."""
 
@@ -304,6 +334,12 @@ class DeliveryConfig(BaseModel):
         "section: written without mode (even {}) it means batches always. Concurrency then "
         "counts calls, max_in_flight still messages.",
     )
+    long_running: LongRunningConfig | None = Field(
+        None,
+        description="Push through the streaming HandleMessageStream call, kept alive by the "
+        "service's heartbeats instead of service.timeout_ms (handlers that run for minutes); "
+        "absent: unary HandleMessage.",
+    )
     retry_topics: list[RetryTopicConfig] = Field(
         default_factory=list,
         max_length=20,
@@ -339,6 +375,18 @@ class DeliveryConfig(BaseModel):
         data = handler(self)
         if self.batch is None and isinstance(data, dict):
             data["batch"] = "off"
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _long_running_streams(cls, data: Any) -> Any:
+        # A long-running group pushes one message per streaming call: batch's default (auto)
+        # means off for it. A batch section written out is refused (GroupConfig says why).
+        if isinstance(data, Mapping) and data.get("long_running") is not None:
+            batch = data.get("batch", "auto")
+            mode = batch.get("mode") if isinstance(batch, Mapping) else batch
+            if mode == "auto" or (isinstance(batch, BatchConfig) and batch.mode == "auto"):
+                return {**data, "batch": None}
         return data
 
     @field_validator("batch", mode="before")
@@ -507,6 +555,24 @@ class GroupConfig(BaseModel):
                 ("delivery", "retry_topics"),
                 "retry tiers need ordering none: a message waiting in a tier would let the "
                 f"later messages of its key go first (ordering is {self.delivery.ordering!r})",
+            )
+        long_running = self.delivery.long_running
+        if long_running is not None and self.delivery.batch is not None:
+            raise FieldProblem(
+                ("delivery", "long_running"),
+                "long-running calls push one message per streaming call: they cannot be "
+                "combined with delivery.batch",
+            )
+        if (
+            long_running is not None
+            and self.delivery.revoke_grace_ms >= long_running.max_processing_ms
+        ):
+            raise FieldProblem(
+                ("delivery", "revoke_grace_ms"),
+                f"{self.delivery.revoke_grace_ms} ms is not below long_running."
+                f"max_processing_ms ({long_running.max_processing_ms} ms): a revoke would wait "
+                "out whole long calls and hold the group's rebalance that long; open calls are "
+                "cancelled after the grace and delivered by the new owner",
             )
         if self.delivery.head_block_ms is not None and not self.delivery.retry_topics:
             raise FieldProblem(

@@ -45,6 +45,7 @@ from .core.ejection import (
     Instance,
     Verdict,
 )
+from .core.heartbeat import CallWatch, Limits, expiry_result, no_result
 from .core.outcomes import Classification, Classifier
 from .core.support import BatchSupport, Learnt
 from .proto.v1 import handler_pb2, handler_pb2_grpc
@@ -298,6 +299,50 @@ class Dispatcher:
         if unknown:
             parts.append(f"{unknown} instance{'s' if unknown > 1 else ''} not asked yet")
         return "push: " + "; ".join(parts)
+
+    async def push_stream(
+        self,
+        request: handler_pb2.HandleMessageStreamRequest,
+        endpoint: Endpoint,
+        watch: CallWatch,
+        on_heartbeat: Callable[[float], None],
+    ) -> Classification:
+        """One ``HandleMessageStream`` call (``delivery.long_running``): heartbeats keep it
+        alive until its result; never raises for a failed call. ``watch`` (the core's) says
+        when it expires: no heartbeat in time, or the cap; the call is then cancelled (the
+        service sees the cancellation) and the expiry classified by the core. Each
+        heartbeat's gap goes to ``on_heartbeat``. Times are the event loop's clock."""
+        loop = asyncio.get_running_loop()
+        limits: Limits = watch.limits
+        endpoint.outstanding += 1
+        endpoint.calls += 1
+        # gRPC's own deadline is a backstop only (the watch ends the call first).
+        call = endpoint.stub.HandleMessageStream(request, timeout=limits.max_processing_s + 30)
+        result: Classification | None = None
+        try:
+            async with asyncio.timeout_at(watch.due()[0]) as deadline:
+                while True:
+                    event = await call.read()
+                    if event is aio.EOF:
+                        result = no_result(self._classifier)
+                        break
+                    if event.HasField("result"):
+                        result = self._classifier.from_response(event.result)
+                        break
+                    on_heartbeat(watch.heard(loop.time(), event.heartbeat.progress))
+                    deadline.reschedule(watch.due()[0])
+        except TimeoutError:
+            result = expiry_result(watch.due()[1], limits, self._classifier)
+        except aio.AioRpcError as exc:
+            result = self._classifier.from_status(exc.code(), exc.details())
+        finally:
+            endpoint.outstanding -= 1
+            if not call.done():
+                call.cancel()  # expired, or this task was cancelled: the service sees it
+        change = self._ejection.observe(endpoint.index, result.service_failure, result.status)
+        if change is not None:
+            self._changed(change)
+        return result
 
     async def push_batch(self, payload: bytes, count: int, endpoint: Endpoint) -> BatchOutcome:
         """One ``HandleMessageBatch`` call carrying ``count`` messages (``payload`` is the

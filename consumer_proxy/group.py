@@ -38,6 +38,7 @@ from confluent_kafka import KafkaException, TopicPartition
 
 from .committer import Committer
 from .config import GroupConfig
+from .core.heartbeat import Cancel
 from .core.partitions import TP, Delivery, PartitionSet, PartitionState
 from .flow import Breaker, RateLimiter, group_limiter
 from .guarding import GuardControl
@@ -48,8 +49,12 @@ from .parking import Parking, Tally
 from .ports import Clock, DeadLetterSink, EdgeHooks, MessageSource, OpenEdges, Pusher
 from .push import BatchPush, PushParts, UnaryPush, build_push
 from .readyq import ReadyDeque
+from .stream import StreamPush
 
 log = logging.getLogger(__name__)
+
+CANCEL_WAIT_S = 1.0
+"""After cancelling calls (revoke, shutdown): how long to wait for their workers to end them."""
 
 
 class GroupRunner:
@@ -156,9 +161,14 @@ class GroupRunner:
             self._call_ended,
         )
         d = self.group.delivery
-        push = self.push = build_push(
-            parts, self.ready, self._workers, d.batch, self._health_changed
-        )
+        if d.long_running is not None:
+            assert isinstance(self.ready, asyncio.Queue)  # validate refuses it with batch
+            push: UnaryPush | BatchPush = StreamPush(
+                parts, self.ready, self._workers, d.long_running
+            )
+        else:
+            push = build_push(parts, self.ready, self._workers, d.batch, self._health_changed)
+        self.push = push
         committer = self.committer
         intake = Intake(
             self.name,
@@ -238,6 +248,10 @@ class GroupRunner:
             task.cancel()
         if busy:
             _, pending = await asyncio.wait(busy, timeout=grace)
+            # The open calls first, so the service sees them cancelled and the messages are
+            # given back (never an attempt); then whatever is left.
+            if pending and self.push is not None and self.push.cancel_calls(None, Cancel.SHUTDOWN):
+                _, pending = await asyncio.wait(pending, timeout=CANCEL_WAIT_S)
             if pending:
                 log.warning(
                     "group %s: %d pushes/DLQ writes still running after %.1fs; cancelled "
@@ -301,11 +315,11 @@ class GroupRunner:
         clock = self._clock
         started = clock()
         deadline = started + grace
-        while any(p.calls for p in parts) and clock() < deadline:
-            self._call_ended.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(deadline - clock()):  # not wait_for (3.11)
-                    await self._call_ended.wait()
+        await self._calls_end(parts, deadline)
+        if self.push is not None and self.push.cancel_calls(parts, Cancel.REVOKE):
+            # Cancelled calls end at once (their workers give the messages back, never an
+            # attempt): a short wait lets the service hear the cancellations first.
+            await self._calls_end(parts, clock() + CANCEL_WAIT_S)
         await self._parking.cancel(set(parts))
         offsets = []
         for part in parts:
@@ -327,11 +341,22 @@ class GroupRunner:
         )
         return offsets
 
+    async def _calls_end(self, parts: Sequence[PartitionState], deadline: float) -> None:
+        """Wait until ``parts`` have no call under way, or ``deadline`` (the clock's)."""
+        clock = self._clock
+        while any(p.calls for p in parts) and clock() < deadline:
+            self._call_ended.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(deadline - clock()):  # not wait_for (3.11)
+                    await self._call_ended.wait()
+
     async def partitions_lost(self, partitions: Sequence[TopicPartition]) -> None:
         """Drop lost partitions without committing (another member owns them now), and
         cancel their DLQ and retry tier writes at once: the new owner makes them again, and a
         write that went on retrying here would add a copy outside the documented bound."""
         parts = self.partitions.owned([(tp.topic, tp.partition) for tp in partitions])
+        if self.push is not None:
+            self.push.cancel_calls(parts, Cancel.LOST)  # the new owner delivers them
         writes = await self._parking.cancel(set(parts))
         for part in parts:
             self._forget(part)

@@ -55,6 +55,16 @@ such result also carries the action its status leads to (PoisonPill and the othe
 dead-letter codes -> DEAD_LETTER, AlreadyProcessed -> ACK, anything else -> RETRY) for
 proxies that predate ``status_code``.
 
+``HandleMessageStream`` is served too, for groups with ``delivery.long_running`` (handlers
+that run for minutes): the same handler runs as a task while the SDK sends a heartbeat every
+``heartbeat_interval_ms`` the proxy asks for, then the result, with the same statuses as
+``HandleMessage``. ``await message.progress("40%")`` sends a heartbeat with a note now
+(optional; a no-op under ``HandleMessage``). The heartbeats come from the server's event loop:
+**a handler that blocks the loop** (CPU-bound work, a blocking call not moved to a thread)
+stops them, and the proxy fails the call after its heartbeat timeout, as hung. When the
+proxy cancels a call (unary or streaming: no heartbeat in time, its processing cap, a revoked
+partition, its shutdown) the handler sees ``asyncio.CancelledError``; clean up and re-raise.
+
 ``serve()`` / :class:`Server` also serve the standard ``grpc.health.v1.Health`` service,
 SERVING for ``""`` and ``"consumerproxy.v1.MessageHandler"``, NOT_SERVING once stopping.
 """
@@ -67,8 +77,8 @@ import enum
 import inspect
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final, Literal, Protocol, TypeAlias, runtime_checkable
 
@@ -118,6 +128,9 @@ bytes, plus each message's coordinates) and any record a broker with the default
 
 _MAX_GRPC_LENGTH: Final = 2**31 - 1
 
+DEFAULT_HEARTBEAT_INTERVAL_MS: Final = 1000
+"""How often a long call heartbeats when the proxy's request does not say."""
+
 Source: TypeAlias = Literal["primary", "redrive", "retry"]
 """Where a delivery comes from: the group's topics, merged back from its DLQ, or one of its
 retry tiers (``delivery.retry_topics``)."""
@@ -161,14 +174,20 @@ class Message:
     consumer_group: str = ""
     attempt: int = 1
     source: Source = "primary"
+    _progress: Callable[[str], None] | None = field(
+        default=None, repr=False, compare=False, kw_only=True
+    )
 
     @classmethod
-    def from_proto(cls, message: handler_pb2.Message) -> Message:
+    def from_proto(
+        cls, message: handler_pb2.Message, _progress: Callable[[str], None] | None = None
+    ) -> Message:
         """Build a :class:`Message` from the wire message.
 
         An unspecified (or unknown) delivery source is read as ``"primary"``.
         """
         return cls(
+            _progress=_progress,
             topic=message.topic,
             partition=message.partition,
             offset=message.offset,
@@ -197,6 +216,14 @@ class Message:
             attempt=self.attempt,
             source=_PROTO_OF_SOURCE[self.source],
         )
+
+    async def progress(self, note: str = "") -> None:
+        """Say how far the handler got (``"40%"``): a heartbeat with this note goes to the
+        proxy now. Optional: while the handler runs under ``HandleMessageStream`` (a group
+        with ``delivery.long_running``) the SDK heartbeats for it anyway; a no-op otherwise.
+        """
+        if self._progress is not None:
+            self._progress(note)
 
     def header(self, name: str) -> bytes | None:
         """The value of the *first* header called ``name`` (case-sensitive), or ``None``.
@@ -423,30 +450,89 @@ class _MessageHandlerServicer(handler_pb2_grpc.MessageHandlerServicer):
         self._handle = handle
         self._max_concurrency = max_concurrency
         self._in_flight = 0
+        self._working: set[asyncio.Task[Any]] = set()  # long calls' handler tasks
 
     async def HandleMessage(
         self, request: handler_pb2.HandleMessageRequest, context: Any
     ) -> handler_pb2.HandleMessageResponse:
         message = Message.from_proto(request.message)
-        code, details = grpc.StatusCode.OK, ""
-        response = handler_pb2.HandleMessageResponse()
         with self._admit() as admitted:
             if not admitted:
                 code = grpc.StatusCode.RESOURCE_EXHAUSTED
                 details = f"over max_concurrency={self._max_concurrency}"
+                response = handler_pb2.HandleMessageResponse()
             else:
-                try:
-                    result = await _call_handler(self._handle, message)
-                    response = _response(result)
-                except HandlerError as exc:
-                    log.debug("%s: handler raised %r", _where(message), exc)
-                    code, details = exc.code, exc.message
-                except Exception as exc:
-                    log.exception("%s: handler failed", _where(message))
-                    code, details = grpc.StatusCode.INTERNAL, _describe(exc)
+                # A cancelled call (the proxy gave up on it) cancels this coroutine, and so
+                # the handler: it sees asyncio.CancelledError.
+                code, details, response = await self._answer(message)
         if code != grpc.StatusCode.OK:
             await context.abort(code, _truncate(details))
         return response
+
+    async def _answer(
+        self, message: Message
+    ) -> tuple[grpc.StatusCode, str, handler_pb2.HandleMessageResponse]:
+        """Run the handler: the call's status, its details and (when OK) the response."""
+        try:
+            result = await _call_handler(self._handle, message)
+        except HandlerError as exc:
+            log.debug("%s: handler raised %r", _where(message), exc)
+            return exc.code, exc.message, handler_pb2.HandleMessageResponse()
+        except Exception as exc:
+            log.exception("%s: handler failed", _where(message))
+            return grpc.StatusCode.INTERNAL, _describe(exc), handler_pb2.HandleMessageResponse()
+        return grpc.StatusCode.OK, "", _response(result)
+
+    async def HandleMessageStream(
+        self, request: handler_pb2.HandleMessageStreamRequest, context: Any
+    ) -> AsyncIterator[handler_pb2.HandleMessageStreamEvent]:
+        """The long-running call: heartbeats while the handler's task runs, then its result.
+
+        The heartbeats come from this event loop: a handler that blocks the loop (CPU work or
+        a blocking call not moved to a thread) stops them, and the proxy then treats the call
+        as hung. When the proxy cancels the call (heartbeat timeout, max_processing_ms, a
+        revoked partition, its shutdown), the handler's task is cancelled.
+        """
+        interval_s = (request.heartbeat_interval_ms or DEFAULT_HEARTBEAT_INTERVAL_MS) / 1000.0
+        noted = asyncio.Event()
+        notes: list[str] = [""]
+
+        def progress(note: str) -> None:
+            notes[0] = note
+            noted.set()
+
+        message = Message.from_proto(request.message, progress)
+        with self._admit() as admitted:
+            if not admitted:
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"over max_concurrency={self._max_concurrency}",
+                )
+            work = asyncio.create_task(self._answer(message), name=_where(message))
+            self._working.add(work)
+            work.add_done_callback(self._working.discard)
+            try:
+                while not work.done():
+                    waiter = asyncio.ensure_future(noted.wait())
+                    try:
+                        await asyncio.wait(
+                            {work, waiter}, timeout=interval_s, return_when=asyncio.FIRST_COMPLETED
+                        )
+                    finally:
+                        waiter.cancel()
+                    if work.done():
+                        break
+                    noted.clear()
+                    yield handler_pb2.HandleMessageStreamEvent(
+                        heartbeat=handler_pb2.Heartbeat(progress=_truncate(notes[0], 256))
+                    )
+            finally:
+                if not work.done():
+                    work.cancel()  # the call was cancelled: so is the handler
+            code, details, response = work.result()
+        if code != grpc.StatusCode.OK:
+            await context.abort(code, _truncate(details))
+        yield handler_pb2.HandleMessageStreamEvent(result=response)
 
     async def HandleMessageBatch(
         self, request: handler_pb2.HandleMessageBatchRequest, context: Any

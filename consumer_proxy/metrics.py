@@ -176,6 +176,33 @@ class ProxyMetrics:
             ["group"],
             registry=r,
         )
+        self.long_calls_open = Gauge(
+            "consumer_proxy_long_calls_open",
+            "Long-running (streaming) calls under way (delivery.long_running).",
+            ["group"],
+            registry=r,
+        )
+        self.oldest_open_call = Gauge(
+            "consumer_proxy_oldest_open_call_seconds",
+            "Age of the group's oldest long-running call under way (0: none), read on scrape.",
+            ["group"],
+            registry=r,
+        )
+        self.heartbeat_gap = Histogram(
+            "consumer_proxy_heartbeat_gap_seconds",
+            "Time between two heartbeats (or the start and the first) of a long-running call.",
+            ["group"],
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+            registry=r,
+        )
+        self.calls_cancelled = Counter(
+            "consumer_proxy_calls_cancelled",
+            "Calls the proxy cancelled, by cause: revoke, lost, shutdown (never an attempt), "
+            "heartbeat (no heartbeat in time) or max_processing (the cap; both counted as "
+            "failed attempts under the status table).",
+            ["group", "cause"],
+            registry=r,
+        )
         self.guard_held = Gauge(
             "consumer_proxy_dead_letter_guard_held",
             "1 while the group's dead-letter guard holds its dead letters (a bad deploy?).",

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from confluent_kafka import TopicPartition
 
 from .core.batching import BatchOutcome
+from .core.heartbeat import CallWatch
 from .core.outcomes import Classification
 from .core.partitions import TP
 from .core.records import Headers
@@ -69,6 +70,9 @@ class Pusher(Protocol):
     async def push_batch(self, payload: bytes, count: int, endpoint: Any) -> BatchOutcome: ...
     def batches(self, endpoint: Any) -> bool: ...
     def batch_support(self) -> str: ...
+    async def push_stream(
+        self, request: Any, endpoint: Any, watch: CallWatch, on_heartbeat: Callable[[float], None]
+    ) -> Classification: ...
     async def close(self) -> None: ...
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,8 +35,9 @@ from .config import BatchConfig
 from .core.batching import NOT_IMPLEMENTED_REASON, BatchLimits, BatchOutcome, summarize, take
 from .core.decision import Action
 from .core.ejection import breaker_hears
+from .core.heartbeat import CallWatch, Cancel
 from .core.outcomes import Classification
-from .core.partitions import Delivery, PartitionSet
+from .core.partitions import Delivery, PartitionSet, PartitionState
 from .flow import Breaker, ConcurrencyLimiter, RateLimiter
 from .metrics import ProxyMetrics
 from .parking import Tally
@@ -64,6 +65,18 @@ class PushParts:
     """Set after every call (revocation waits on it)."""
 
 
+@dataclass(slots=True)
+class OpenCall:
+    """A call under way (unary or streaming), so that it can be cancelled on its own."""
+
+    worker: asyncio.Task[Any]
+    started: float
+    watch: CallWatch | None = None
+    """A long-running call's heartbeat times (``stream.StreamPush``)."""
+    cancel: Cancel | None = None
+    """Set when the proxy cancelled it (revoke, lost, shutdown): never an attempt."""
+
+
 class _Push:
     """What both modes share: the flow objects, the call bookkeeping, the breaker rule."""
 
@@ -84,11 +97,36 @@ class _Push:
         """Shutdown began: workers take nothing more."""
         self.last_failure = ""
         """The latest service-level failure, said when the breaker opens."""
+        self.open: dict[Delivery, OpenCall] = {}
+        """One-message calls under way (unary and streaming; not batch calls)."""
         self._m_push = parts.metrics.push_duration.labels(parts.name)
         self._m_in_flight = parts.metrics.in_flight.labels(parts.name)
 
     def _tier_delivered(self, delivery: Delivery) -> None:
         self._metrics.retry_tier_deliveries.labels(self.name, str(delivery.tier)).inc()
+
+    def cancel_calls(self, parts: Collection[PartitionState] | None, cause: Cancel) -> int:
+        """Cancel the open calls of ``parts`` (None: all); returns how many. The service sees
+        the cancellation; each message is given back (``PartitionSet.abandon``), never
+        counted as an attempt, and its worker carries on."""
+        count = 0
+        for delivery, call in self.open.items():
+            if call.cancel is None and (parts is None or delivery.part in parts):
+                call.cancel = cause
+                call.worker.cancel()
+                count += 1
+        if count:
+            self._metrics.calls_cancelled.labels(self.name, cause.value).inc(count)
+        return count
+
+    def _cancelled_here(self, delivery: Delivery) -> bool:
+        """After a CancelledError in ``delivery``'s call: True when ``cancel_calls`` did it
+        (the worker is uncancelled and goes on), False for a cancellation of the worker."""
+        call = self.open.get(delivery)
+        if call is None or call.cancel is None:
+            return False
+        call.worker.uncancel()
+        return True
 
     def _tell_breaker(self, failure: bool | None, endpoint: Any, probe: bool) -> None:
         # ``ejected`` is read only for a service failure, the one case the rule looks at it.
@@ -153,13 +191,22 @@ class UnaryPush(_Push):
                     partitions.abandon(delivery)
                 self.limiter.release(rtt, result)
 
-    async def _deliver(self, delivery: Delivery, probe: bool) -> Classification:
+    async def _deliver(self, delivery: Delivery, probe: bool) -> Classification | None:
+        """Push ``delivery``; None when ``cancel_calls`` cancelled the call."""
         endpoint = self.pusher.pick()
         request = unary_request(delivery, self.name)
         self._m_in_flight.inc()
+        worker = asyncio.current_task()
+        assert worker is not None
+        self.open[delivery] = OpenCall(worker, self._clock())
         try:
             result = await self.pusher.push(request, endpoint)
+        except asyncio.CancelledError:
+            if self._cancelled_here(delivery):
+                return None
+            raise
         finally:
+            del self.open[delivery]
             self._m_in_flight.dec()
             self._call_ended.set()
         if result.service_failure:

@@ -225,6 +225,9 @@ class _UnaryOnly(handler_pb2_grpc.MessageHandlerServicer):
         # What gRPC answers for a method the service never implemented.
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
 
+    def HandleMessageStream(self, request: Any, context: Any) -> Any:
+        raise NotImplementedError  # never called: these groups push in batches
+
 
 async def test_a_service_without_handle_message_batch_is_an_outage_said_everywhere(
     kafka: Broker, caplog: pytest.LogCaptureFixture
@@ -324,6 +327,9 @@ class _WrongLength(handler_pb2_grpc.MessageHandlerServicer):
         return handler_pb2.HandleMessageBatchResponse(
             results=[handler_pb2.HandleMessageResponse()] * n
         )
+
+    def HandleMessageStream(self, request: Any, context: Any) -> Any:
+        raise NotImplementedError  # never called: these groups push in batches
 
 
 async def test_a_wrong_length_answer_is_retried_without_counting_an_attempt(

@@ -47,6 +47,9 @@ class UnaryOnly(handler_pb2_grpc.MessageHandlerServicer):
         self.batch_calls += 1
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
 
+    def HandleMessageStream(self, request: Any, context: Any) -> Any:
+        raise NotImplementedError  # never called: these groups are not long-running
+
 
 async def serve_unary_only(port: int = 0) -> tuple[grpc.aio.Server, UnaryOnly, int]:
     servicer = UnaryOnly()

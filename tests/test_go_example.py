@@ -114,9 +114,13 @@ def serving(address: str) -> bool:
 @pytest.fixture
 def go_service(go_binary: Path) -> Iterator[GoService]:
     """The example on a free 127.0.0.1 port (given by PORT), ready once its health says so."""
+    yield from _go_service(go_binary)
+
+
+def _go_service(go_binary: Path, *flags: str) -> Iterator[GoService]:
     port = free_port()
     process = subprocess.Popen(
-        [str(go_binary), "-host", "127.0.0.1"],
+        [str(go_binary), "-host", "127.0.0.1", *flags],
         env={**os.environ, "PORT": str(port)},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -234,6 +238,51 @@ async def test_the_go_example_behind_the_proxy_acks_retries_and_dead_letters_thr
     headers = [headers_of(m) for m in dead]
     assert {h["cp-reason"].decode() for h in headers} == {'value contains "poison"'}
     assert {h["cp-status"].decode() for h in headers} == {"DEAD_LETTER"}
+
+
+@pytest.fixture
+def go_long_service(go_binary: Path) -> Iterator[GoService]:
+    """The example with 3 s "long" messages (HandleMessageStream)."""
+    yield from _go_service(go_binary, "-long-ms", "3000")
+
+
+@pytest.mark.kafka
+async def test_the_go_example_heartbeats_long_calls_and_sees_the_proxy_cancel_them(
+    kafka: Broker, go_long_service: GoService
+) -> None:
+    # Given a long-running group (0.9 s heartbeat timeout, 6 s cap, one attempt) and the Go
+    # example: "long" messages take 3 s (over three heartbeat timeouts), "stuck" never end
+    bootstrap = kafka.bootstrap
+    topic, group = unique_name("golong"), unique_name("golong")
+    create_topic(bootstrap, topic, partitions=1)
+    produce(bootstrap, topic, ["a long job", "a short job", "a stuck job", "another long job"])
+    config = make_config(
+        bootstrap,
+        group,
+        [topic],
+        [go_long_service.address],
+        delivery={
+            "long_running": {"heartbeat_timeout_ms": 900, "max_processing_ms": 6000},
+            "max_attempts": 1,
+        },
+    )
+    # When the proxy pushes them until the group has caught up
+    proxy, task = start_proxy(config)
+    try:
+        await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=60)
+    finally:
+        await proxy.shutdown()
+        await task
+    # Then the long ones were kept alive by heartbeats and acked, the stuck one cancelled at
+    # the cap (the Go handler saw ctx.Done()) and dead-lettered
+    outcomes = proxy.metrics.messages
+    assert outcomes.labels(group, "ack")._value.get() == 3
+    log = go_long_service.stop()
+    assert "stopped: acked=3 retried=0 dead_lettered=0 cancelled=1" in log, log
+    assert re.search(rf"cancelled {topic}\[0\]@2: context canceled", log), log
+    (dead,) = consume_all(bootstrap, f"{group}.dlq")
+    assert value_of(dead) == b"a stuck job"
+    assert headers_of(dead)["cp-status"] == b"MAX_PROCESSING_EXCEEDED"
 
 
 def test_the_go_code_in_the_docs_is_code_that_compiles() -> None:

@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"sync/atomic"
+	"time"
 
 	cpv1 "github.com/consumer-proxy/consumer-proxy/examples/go/gen/consumerproxy/v1"
 )
@@ -18,7 +19,11 @@ type handler struct {
 	poison []byte // a value containing this is a poison pill: dead-letter it
 	flaky  []byte // a value containing this fails its first attempt: retry it
 
-	acked, retried, deadLettered atomic.Int64
+	long    []byte        // HandleMessageStream: a value containing this takes longFor
+	longFor time.Duration //
+	stuck   []byte        // HandleMessageStream: a value containing this runs until cancelled
+
+	acked, retried, deadLettered, cancelled atomic.Int64
 }
 
 // decide is the whole business logic of the example: one message in, one outcome out.

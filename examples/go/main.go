@@ -4,6 +4,11 @@
 // grpc.health.v1 so the proxy can take an instance out of rotation.
 //
 //	go run . -port 50051 [-host 127.0.0.1] [-poison poison] [-flaky flaky] [-max-request-bytes N]
+//	         [-long long] [-long-ms 60000] [-stuck stuck]
+//
+// HandleMessageStream (groups with delivery.long_running, longrun.go) heartbeats while a
+// message works: one containing -long takes -long-ms, one containing -stuck runs until the
+// proxy cancels the call.
 //
 // gRPC's default receive limit is 4 MiB; the server takes calls up to -max-request-bytes
 // (128 MiB by default, like the Python SDK), so that a large record, or a batch up to the
@@ -24,6 +29,7 @@ import (
 	"os/signal"
 	"strconv"
 	"syscall"
+	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/health"
@@ -47,6 +53,9 @@ func main() {
 	port := flag.Int("port", defaultPort, "port to bind (0: any free port; default $PORT or 50051)")
 	poison := flag.String("poison", "poison", "dead-letter a message whose value contains this")
 	flaky := flag.String("flaky", "flaky", "retry once a message whose value contains this")
+	long := flag.String("long", "long", "HandleMessageStream: a value containing this takes -long-ms")
+	longMs := flag.Int("long-ms", 60000, "how long a -long message takes, in milliseconds")
+	stuck := flag.String("stuck", "stuck", "HandleMessageStream: a value containing this runs until cancelled")
 	maxRequestBytes := flag.Int("max-request-bytes", defaultMaxRequestBytes,
 		"largest call accepted (one message or one batch), in bytes")
 	flag.Parse()
@@ -55,7 +64,10 @@ func main() {
 	if err != nil {
 		log.Fatalf("listen: %v", err)
 	}
-	h := &handler{poison: []byte(*poison), flaky: []byte(*flaky)}
+	h := &handler{
+		poison: []byte(*poison), flaky: []byte(*flaky),
+		long: []byte(*long), longFor: time.Duration(*longMs) * time.Millisecond, stuck: []byte(*stuck),
+	}
 	server := grpc.NewServer(grpc.MaxRecvMsgSize(*maxRequestBytes))
 	cpv1.RegisterMessageHandlerServer(server, h)
 	healthServer := health.NewServer()
@@ -78,6 +90,6 @@ func main() {
 	if err := server.Serve(listener); err != nil {
 		log.Fatalf("serve: %v", err)
 	}
-	log.Printf("stopped: acked=%d retried=%d dead_lettered=%d",
-		h.acked.Load(), h.retried.Load(), h.deadLettered.Load())
+	log.Printf("stopped: acked=%d retried=%d dead_lettered=%d cancelled=%d",
+		h.acked.Load(), h.retried.Load(), h.deadLettered.Load(), h.cancelled.Load())
 }

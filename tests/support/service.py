@@ -46,9 +46,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Any, TypeVar
@@ -114,6 +115,8 @@ class Behaviour:
     retry_after_ms: int = 0
     reason: str = ""
     crash: bool = False
+    silent: bool = False
+    """Under HandleMessageStream: send no heartbeat while playing (a hung handler)."""
 
     def response(self) -> handler_pb2.HandleMessageResponse:
         if self.action == EMPTY and not self.retry_after_ms and not self.reason:
@@ -424,10 +427,13 @@ class TestService:
         with self._lock:
             self._state.errors.append(exc)
 
-    async def _deliver(self, msg: handler_pb2.Message, *, batch: bool) -> Behaviour:
+    async def _deliver(
+        self, msg: handler_pb2.Message, *, batch: bool, chosen: list[Behaviour] | None = None
+    ) -> Behaviour:
         """Record one delivery and play its behaviour, up to (not including) the answer.
 
-        Returns the behaviour; raises _Crash, or CancelledError when the caller went away.
+        Returns the behaviour (also appended to ``chosen`` as soon as it is known); raises
+        _Crash, or CancelledError when the caller went away.
         """
         index, n = self._receive(msg, batch=batch)
         try:
@@ -436,6 +442,8 @@ class TestService:
             self._behaviour_failed(exc)
             self._finish(index, "BEHAVIOUR_ERROR")
             return Behaviour(status=grpc.StatusCode.INTERNAL, details=f"behaviour raised {exc!r}")
+        if chosen is not None:
+            chosen.append(behaviour)
         try:
             if behaviour.delay_s > 0:
                 await asyncio.sleep(behaviour.delay_s)
@@ -474,6 +482,45 @@ class _Servicer(handler_pb2_grpc.MessageHandlerServicer):
         if behaviour.status != grpc.StatusCode.OK:
             await context.abort(behaviour.status, behaviour.details)
         return behaviour.response()
+
+    async def HandleMessageStream(
+        self, request: handler_pb2.HandleMessageStreamRequest, context: Any
+    ) -> AsyncIterator[handler_pb2.HandleMessageStreamEvent]:
+        """Plays the behaviour as HandleMessage does, heartbeating every
+        ``heartbeat_interval_ms`` meanwhile (none with ``Behaviour.silent``), then answers
+        the result event (or fails the call with the behaviour's status)."""
+        if not self._service._admit():
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "max_concurrency reached")
+        interval_s = (request.heartbeat_interval_ms or 1000) / 1000.0
+        chosen: list[Behaviour] = []
+        try:
+            play = asyncio.ensure_future(
+                self._service._deliver(request.message, batch=False, chosen=chosen)
+            )
+            try:
+                while not play.done():
+                    await asyncio.wait({play}, timeout=interval_s)
+                    if play.done():
+                        break
+                    if not (chosen and chosen[0].silent):
+                        yield handler_pb2.HandleMessageStreamEvent(
+                            heartbeat=handler_pb2.Heartbeat(progress="working")
+                        )
+            finally:
+                if not play.done():
+                    play.cancel()  # the caller went away: so does the work
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await play
+            behaviour = play.result()
+        except _Crash:
+            self._service._crash_soon()
+            await asyncio.Event().wait()  # cancelled by the crash
+            raise
+        finally:
+            self._service._release()
+        if behaviour.status != grpc.StatusCode.OK:
+            await context.abort(behaviour.status, behaviour.details)
+        yield handler_pb2.HandleMessageStreamEvent(result=behaviour.response())
 
     async def HandleMessageBatch(
         self, request: handler_pb2.HandleMessageBatchRequest, context: Any

@@ -233,6 +233,86 @@ class HandleMessageResponse(_message.Message):
 Global___HandleMessageResponse: _TypeAlias = HandleMessageResponse  # noqa: Y015
 
 @_typing.final
+class HandleMessageStreamRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _builtins.int
+    MAX_PROCESSING_MS_FIELD_NUMBER: _builtins.int
+    heartbeat_interval_ms: _builtins.int
+    """Send a heartbeat at least this often (a third of the proxy's heartbeat timeout)."""
+    max_processing_ms: _builtins.int
+    """The proxy cancels the call this long after it began (delivery.long_running's
+    max_processing_ms); informative, the proxy enforces it.
+    """
+    @_builtins.property
+    def message(self) -> Global___Message: ...
+    def __init__(
+        self,
+        *,
+        message: Global___Message | None = ...,
+        heartbeat_interval_ms: _builtins.int = ...,
+        max_processing_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval_ms", b"heartbeat_interval_ms", "max_processing_ms", b"max_processing_ms", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HandleMessageStreamRequest: _TypeAlias = HandleMessageStreamRequest  # noqa: Y015
+
+@_typing.final
+class Heartbeat(_message.Message):
+    """"Still working": resets the proxy's heartbeat timeout for this call."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROGRESS_FIELD_NUMBER: _builtins.int
+    progress: _builtins.str
+    """An optional note on the progress made ("40%"), for logs and status; at most 256 bytes."""
+    def __init__(
+        self,
+        *,
+        progress: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["progress", b"progress"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Heartbeat: _TypeAlias = Heartbeat  # noqa: Y015
+
+@_typing.final
+class HandleMessageStreamEvent(_message.Message):
+    """One event of a HandleMessageStream call: heartbeats, then exactly one result, last."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEARTBEAT_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def heartbeat(self) -> Global___Heartbeat: ...
+    @_builtins.property
+    def result(self) -> Global___HandleMessageResponse: ...
+    def __init__(
+        self,
+        *,
+        heartbeat: Global___Heartbeat | None = ...,
+        result: Global___HandleMessageResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "heartbeat", b"heartbeat", "result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "heartbeat", b"heartbeat", "result", b"result"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["heartbeat", "result"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___HandleMessageStreamEvent: _TypeAlias = HandleMessageStreamEvent  # noqa: Y015
+
+@_typing.final
 class HandleMessageBatchRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

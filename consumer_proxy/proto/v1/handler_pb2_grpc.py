@@ -44,6 +44,11 @@ class MessageHandlerStub:
                 request_serializer=consumerproxy_dot_v1_dot_handler__pb2.HandleMessageBatchRequest.SerializeToString,
                 response_deserializer=consumerproxy_dot_v1_dot_handler__pb2.HandleMessageBatchResponse.FromString,
                 _registered_method=True)
+        self.HandleMessageStream = channel.unary_stream(
+                '/consumerproxy.v1.MessageHandler/HandleMessageStream',
+                request_serializer=consumerproxy_dot_v1_dot_handler__pb2.HandleMessageStreamRequest.SerializeToString,
+                response_deserializer=consumerproxy_dot_v1_dot_handler__pb2.HandleMessageStreamEvent.FromString,
+                _registered_method=True)
 
 
 class MessageHandlerServicer:
@@ -64,6 +69,20 @@ class MessageHandlerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def HandleMessageStream(self, request, context):
+        """Handle one message that may take long (minutes). Optional: the proxy calls it instead of
+        HandleMessage only for a group with delivery.long_running. The service sends a heartbeat
+        (optionally with a progress note) at least every heartbeat_interval_ms while it works,
+        then one final event with the result, the same shape and statuses as HandleMessage's
+        answer (a non-OK status ends the stream as it would fail HandleMessage). The proxy treats
+        a silence longer than its heartbeat timeout as a failed call (like a deadline), and
+        cancels the call when the message's processing cap passes or its partition leaves this
+        proxy: the service sees the cancellation and should stop the work.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MessageHandlerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +95,11 @@ def add_MessageHandlerServicer_to_server(servicer, server):
                     servicer.HandleMessageBatch,
                     request_deserializer=consumerproxy_dot_v1_dot_handler__pb2.HandleMessageBatchRequest.FromString,
                     response_serializer=consumerproxy_dot_v1_dot_handler__pb2.HandleMessageBatchResponse.SerializeToString,
+            ),
+            'HandleMessageStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.HandleMessageStream,
+                    request_deserializer=consumerproxy_dot_v1_dot_handler__pb2.HandleMessageStreamRequest.FromString,
+                    response_serializer=consumerproxy_dot_v1_dot_handler__pb2.HandleMessageStreamEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +156,33 @@ class MessageHandler:
             '/consumerproxy.v1.MessageHandler/HandleMessageBatch',
             consumerproxy_dot_v1_dot_handler__pb2.HandleMessageBatchRequest.SerializeToString,
             consumerproxy_dot_v1_dot_handler__pb2.HandleMessageBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HandleMessageStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/consumerproxy.v1.MessageHandler/HandleMessageStream',
+            consumerproxy_dot_v1_dot_handler__pb2.HandleMessageStreamRequest.SerializeToString,
+            consumerproxy_dot_v1_dot_handler__pb2.HandleMessageStreamEvent.FromString,
             options,
             channel_credentials,
             insecure,

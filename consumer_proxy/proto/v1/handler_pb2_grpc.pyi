@@ -53,6 +53,16 @@ class MessageHandlerStub:
     """Handle several messages in one call. The response carries one result per message, in the
     same order as the request. Optional: the proxy uses it only when a group enables batching.
     """
+    HandleMessageStream: _grpc.UnaryStreamMultiCallable[_handler_pb2.HandleMessageStreamRequest, _handler_pb2.HandleMessageStreamEvent]
+    """Handle one message that may take long (minutes). Optional: the proxy calls it instead of
+    HandleMessage only for a group with delivery.long_running. The service sends a heartbeat
+    (optionally with a progress note) at least every heartbeat_interval_ms while it works,
+    then one final event with the result, the same shape and statuses as HandleMessage's
+    answer (a non-OK status ends the stream as it would fail HandleMessage). The proxy treats
+    a silence longer than its heartbeat timeout as a failed call (like a deadline), and
+    cancels the call when the message's processing cap passes or its partition leaves this
+    proxy: the service sees the cancellation and should stop the work.
+    """
 
 @_typing.type_check_only
 class MessageHandlerAsyncStub(MessageHandlerStub):
@@ -62,6 +72,16 @@ class MessageHandlerAsyncStub(MessageHandlerStub):
     HandleMessageBatch: _aio.UnaryUnaryMultiCallable[_handler_pb2.HandleMessageBatchRequest, _handler_pb2.HandleMessageBatchResponse]  # type: ignore[assignment]
     """Handle several messages in one call. The response carries one result per message, in the
     same order as the request. Optional: the proxy uses it only when a group enables batching.
+    """
+    HandleMessageStream: _aio.UnaryStreamMultiCallable[_handler_pb2.HandleMessageStreamRequest, _handler_pb2.HandleMessageStreamEvent]  # type: ignore[assignment]
+    """Handle one message that may take long (minutes). Optional: the proxy calls it instead of
+    HandleMessage only for a group with delivery.long_running. The service sends a heartbeat
+    (optionally with a progress note) at least every heartbeat_interval_ms while it works,
+    then one final event with the result, the same shape and statuses as HandleMessage's
+    answer (a non-OK status ends the stream as it would fail HandleMessage). The proxy treats
+    a silence longer than its heartbeat timeout as a failed call (like a deadline), and
+    cancels the call when the message's processing cap passes or its partition leaves this
+    proxy: the service sees the cancellation and should stop the work.
     """
 
 class MessageHandlerServicer(metaclass=_abc_1.ABCMeta):
@@ -81,6 +101,22 @@ class MessageHandlerServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_handler_pb2.HandleMessageBatchResponse, _abc.Awaitable[_handler_pb2.HandleMessageBatchResponse]]:
         """Handle several messages in one call. The response carries one result per message, in the
         same order as the request. Optional: the proxy uses it only when a group enables batching.
+        """
+
+    @_abc_1.abstractmethod
+    def HandleMessageStream(
+        self,
+        request: _handler_pb2.HandleMessageStreamRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_handler_pb2.HandleMessageStreamEvent], _abc.AsyncIterator[_handler_pb2.HandleMessageStreamEvent]]:
+        """Handle one message that may take long (minutes). Optional: the proxy calls it instead of
+        HandleMessage only for a group with delivery.long_running. The service sends a heartbeat
+        (optionally with a progress note) at least every heartbeat_interval_ms while it works,
+        then one final event with the result, the same shape and statuses as HandleMessage's
+        answer (a non-OK status ends the stream as it would fail HandleMessage). The proxy treats
+        a silence longer than its heartbeat timeout as a failed call (like a deadline), and
+        cancels the call when the message's processing cap passes or its partition leaves this
+        proxy: the service sees the cancellation and should stop the work.
         """
 
 def add_MessageHandlerServicer_to_server(servicer: MessageHandlerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

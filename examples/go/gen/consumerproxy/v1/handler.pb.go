@@ -465,6 +465,198 @@ func (x *HandleMessageResponse) GetStatusCode() int32 {
 	return 0
 }
 
+type HandleMessageStreamRequest struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Message *Message               `protobuf:"bytes,1,opt,name=message,proto3" json:"message,omitempty"`
+	// Send a heartbeat at least this often (a third of the proxy's heartbeat timeout).
+	HeartbeatIntervalMs int64 `protobuf:"varint,2,opt,name=heartbeat_interval_ms,json=heartbeatIntervalMs,proto3" json:"heartbeat_interval_ms,omitempty"`
+	// The proxy cancels the call this long after it began (delivery.long_running's
+	// max_processing_ms); informative, the proxy enforces it.
+	MaxProcessingMs int64 `protobuf:"varint,3,opt,name=max_processing_ms,json=maxProcessingMs,proto3" json:"max_processing_ms,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
+}
+
+func (x *HandleMessageStreamRequest) Reset() {
+	*x = HandleMessageStreamRequest{}
+	mi := &file_consumerproxy_v1_handler_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *HandleMessageStreamRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*HandleMessageStreamRequest) ProtoMessage() {}
+
+func (x *HandleMessageStreamRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_consumerproxy_v1_handler_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use HandleMessageStreamRequest.ProtoReflect.Descriptor instead.
+func (*HandleMessageStreamRequest) Descriptor() ([]byte, []int) {
+	return file_consumerproxy_v1_handler_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *HandleMessageStreamRequest) GetMessage() *Message {
+	if x != nil {
+		return x.Message
+	}
+	return nil
+}
+
+func (x *HandleMessageStreamRequest) GetHeartbeatIntervalMs() int64 {
+	if x != nil {
+		return x.HeartbeatIntervalMs
+	}
+	return 0
+}
+
+func (x *HandleMessageStreamRequest) GetMaxProcessingMs() int64 {
+	if x != nil {
+		return x.MaxProcessingMs
+	}
+	return 0
+}
+
+// "Still working": resets the proxy's heartbeat timeout for this call.
+type Heartbeat struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// An optional note on the progress made ("40%"), for logs and status; at most 256 bytes.
+	Progress      string `protobuf:"bytes,1,opt,name=progress,proto3" json:"progress,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Heartbeat) Reset() {
+	*x = Heartbeat{}
+	mi := &file_consumerproxy_v1_handler_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Heartbeat) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Heartbeat) ProtoMessage() {}
+
+func (x *Heartbeat) ProtoReflect() protoreflect.Message {
+	mi := &file_consumerproxy_v1_handler_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Heartbeat.ProtoReflect.Descriptor instead.
+func (*Heartbeat) Descriptor() ([]byte, []int) {
+	return file_consumerproxy_v1_handler_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *Heartbeat) GetProgress() string {
+	if x != nil {
+		return x.Progress
+	}
+	return ""
+}
+
+// One event of a HandleMessageStream call: heartbeats, then exactly one result, last.
+type HandleMessageStreamEvent struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Types that are valid to be assigned to Event:
+	//
+	//	*HandleMessageStreamEvent_Heartbeat
+	//	*HandleMessageStreamEvent_Result
+	Event         isHandleMessageStreamEvent_Event `protobuf_oneof:"event"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *HandleMessageStreamEvent) Reset() {
+	*x = HandleMessageStreamEvent{}
+	mi := &file_consumerproxy_v1_handler_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *HandleMessageStreamEvent) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*HandleMessageStreamEvent) ProtoMessage() {}
+
+func (x *HandleMessageStreamEvent) ProtoReflect() protoreflect.Message {
+	mi := &file_consumerproxy_v1_handler_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use HandleMessageStreamEvent.ProtoReflect.Descriptor instead.
+func (*HandleMessageStreamEvent) Descriptor() ([]byte, []int) {
+	return file_consumerproxy_v1_handler_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *HandleMessageStreamEvent) GetEvent() isHandleMessageStreamEvent_Event {
+	if x != nil {
+		return x.Event
+	}
+	return nil
+}
+
+func (x *HandleMessageStreamEvent) GetHeartbeat() *Heartbeat {
+	if x != nil {
+		if x, ok := x.Event.(*HandleMessageStreamEvent_Heartbeat); ok {
+			return x.Heartbeat
+		}
+	}
+	return nil
+}
+
+func (x *HandleMessageStreamEvent) GetResult() *HandleMessageResponse {
+	if x != nil {
+		if x, ok := x.Event.(*HandleMessageStreamEvent_Result); ok {
+			return x.Result
+		}
+	}
+	return nil
+}
+
+type isHandleMessageStreamEvent_Event interface {
+	isHandleMessageStreamEvent_Event()
+}
+
+type HandleMessageStreamEvent_Heartbeat struct {
+	Heartbeat *Heartbeat `protobuf:"bytes,1,opt,name=heartbeat,proto3,oneof"`
+}
+
+type HandleMessageStreamEvent_Result struct {
+	Result *HandleMessageResponse `protobuf:"bytes,2,opt,name=result,proto3,oneof"`
+}
+
+func (*HandleMessageStreamEvent_Heartbeat) isHandleMessageStreamEvent_Event() {}
+
+func (*HandleMessageStreamEvent_Result) isHandleMessageStreamEvent_Event() {}
+
 type HandleMessageBatchRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Messages      []*Message             `protobuf:"bytes,1,rep,name=messages,proto3" json:"messages,omitempty"`
@@ -474,7 +666,7 @@ type HandleMessageBatchRequest struct {
 
 func (x *HandleMessageBatchRequest) Reset() {
 	*x = HandleMessageBatchRequest{}
-	mi := &file_consumerproxy_v1_handler_proto_msgTypes[4]
+	mi := &file_consumerproxy_v1_handler_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -486,7 +678,7 @@ func (x *HandleMessageBatchRequest) String() string {
 func (*HandleMessageBatchRequest) ProtoMessage() {}
 
 func (x *HandleMessageBatchRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_consumerproxy_v1_handler_proto_msgTypes[4]
+	mi := &file_consumerproxy_v1_handler_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -499,7 +691,7 @@ func (x *HandleMessageBatchRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HandleMessageBatchRequest.ProtoReflect.Descriptor instead.
 func (*HandleMessageBatchRequest) Descriptor() ([]byte, []int) {
-	return file_consumerproxy_v1_handler_proto_rawDescGZIP(), []int{4}
+	return file_consumerproxy_v1_handler_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *HandleMessageBatchRequest) GetMessages() []*Message {
@@ -520,7 +712,7 @@ type HandleMessageBatchResponse struct {
 
 func (x *HandleMessageBatchResponse) Reset() {
 	*x = HandleMessageBatchResponse{}
-	mi := &file_consumerproxy_v1_handler_proto_msgTypes[5]
+	mi := &file_consumerproxy_v1_handler_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -532,7 +724,7 @@ func (x *HandleMessageBatchResponse) String() string {
 func (*HandleMessageBatchResponse) ProtoMessage() {}
 
 func (x *HandleMessageBatchResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_consumerproxy_v1_handler_proto_msgTypes[5]
+	mi := &file_consumerproxy_v1_handler_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -545,7 +737,7 @@ func (x *HandleMessageBatchResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HandleMessageBatchResponse.ProtoReflect.Descriptor instead.
 func (*HandleMessageBatchResponse) Descriptor() ([]byte, []int) {
-	return file_consumerproxy_v1_handler_proto_rawDescGZIP(), []int{5}
+	return file_consumerproxy_v1_handler_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *HandleMessageBatchResponse) GetResults() []*HandleMessageResponse {
@@ -590,7 +782,17 @@ const file_consumerproxy_v1_handler_proto_rawDesc = "" +
 	"\x03ACK\x10\x01\x12\t\n" +
 	"\x05RETRY\x10\x02\x12\x0f\n" +
 	"\vDEAD_LETTER\x10\x03\x12\b\n" +
-	"\x04DROP\x10\x04\"R\n" +
+	"\x04DROP\x10\x04\"\xb1\x01\n" +
+	"\x1aHandleMessageStreamRequest\x123\n" +
+	"\amessage\x18\x01 \x01(\v2\x19.consumerproxy.v1.MessageR\amessage\x122\n" +
+	"\x15heartbeat_interval_ms\x18\x02 \x01(\x03R\x13heartbeatIntervalMs\x12*\n" +
+	"\x11max_processing_ms\x18\x03 \x01(\x03R\x0fmaxProcessingMs\"'\n" +
+	"\tHeartbeat\x12\x1a\n" +
+	"\bprogress\x18\x01 \x01(\tR\bprogress\"\xa3\x01\n" +
+	"\x18HandleMessageStreamEvent\x12;\n" +
+	"\theartbeat\x18\x01 \x01(\v2\x1b.consumerproxy.v1.HeartbeatH\x00R\theartbeat\x12A\n" +
+	"\x06result\x18\x02 \x01(\v2'.consumerproxy.v1.HandleMessageResponseH\x00R\x06resultB\a\n" +
+	"\x05event\"R\n" +
 	"\x19HandleMessageBatchRequest\x125\n" +
 	"\bmessages\x18\x01 \x03(\v2\x19.consumerproxy.v1.MessageR\bmessages\"_\n" +
 	"\x1aHandleMessageBatchResponse\x12A\n" +
@@ -599,10 +801,11 @@ const file_consumerproxy_v1_handler_proto_rawDesc = "" +
 	"\x1bDELIVERY_SOURCE_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17DELIVERY_SOURCE_PRIMARY\x10\x01\x12\x1b\n" +
 	"\x17DELIVERY_SOURCE_REDRIVE\x10\x02\x12\x19\n" +
-	"\x15DELIVERY_SOURCE_RETRY\x10\x032\xe3\x01\n" +
+	"\x15DELIVERY_SOURCE_RETRY\x10\x032\xd6\x02\n" +
 	"\x0eMessageHandler\x12`\n" +
 	"\rHandleMessage\x12&.consumerproxy.v1.HandleMessageRequest\x1a'.consumerproxy.v1.HandleMessageResponse\x12o\n" +
-	"\x12HandleMessageBatch\x12+.consumerproxy.v1.HandleMessageBatchRequest\x1a,.consumerproxy.v1.HandleMessageBatchResponseBr\n" +
+	"\x12HandleMessageBatch\x12+.consumerproxy.v1.HandleMessageBatchRequest\x1a,.consumerproxy.v1.HandleMessageBatchResponse\x12q\n" +
+	"\x13HandleMessageStream\x12,.consumerproxy.v1.HandleMessageStreamRequest\x1a*.consumerproxy.v1.HandleMessageStreamEvent0\x01Br\n" +
 	"\x13io.consumerproxy.v1P\x01ZYgithub.com/consumer-proxy/consumer-proxy/examples/go/gen/consumerproxy/v1;consumerproxyv1b\x06proto3"
 
 var (
@@ -618,7 +821,7 @@ func file_consumerproxy_v1_handler_proto_rawDescGZIP() []byte {
 }
 
 var file_consumerproxy_v1_handler_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_consumerproxy_v1_handler_proto_msgTypes = make([]protoimpl.MessageInfo, 6)
+var file_consumerproxy_v1_handler_proto_msgTypes = make([]protoimpl.MessageInfo, 9)
 var file_consumerproxy_v1_handler_proto_goTypes = []any{
 	(DeliverySource)(0),                // 0: consumerproxy.v1.DeliverySource
 	(HandleMessageResponse_Action)(0),  // 1: consumerproxy.v1.HandleMessageResponse.Action
@@ -626,25 +829,33 @@ var file_consumerproxy_v1_handler_proto_goTypes = []any{
 	(*Message)(nil),                    // 3: consumerproxy.v1.Message
 	(*HandleMessageRequest)(nil),       // 4: consumerproxy.v1.HandleMessageRequest
 	(*HandleMessageResponse)(nil),      // 5: consumerproxy.v1.HandleMessageResponse
-	(*HandleMessageBatchRequest)(nil),  // 6: consumerproxy.v1.HandleMessageBatchRequest
-	(*HandleMessageBatchResponse)(nil), // 7: consumerproxy.v1.HandleMessageBatchResponse
+	(*HandleMessageStreamRequest)(nil), // 6: consumerproxy.v1.HandleMessageStreamRequest
+	(*Heartbeat)(nil),                  // 7: consumerproxy.v1.Heartbeat
+	(*HandleMessageStreamEvent)(nil),   // 8: consumerproxy.v1.HandleMessageStreamEvent
+	(*HandleMessageBatchRequest)(nil),  // 9: consumerproxy.v1.HandleMessageBatchRequest
+	(*HandleMessageBatchResponse)(nil), // 10: consumerproxy.v1.HandleMessageBatchResponse
 }
 var file_consumerproxy_v1_handler_proto_depIdxs = []int32{
-	2, // 0: consumerproxy.v1.Message.headers:type_name -> consumerproxy.v1.Header
-	0, // 1: consumerproxy.v1.Message.source:type_name -> consumerproxy.v1.DeliverySource
-	3, // 2: consumerproxy.v1.HandleMessageRequest.message:type_name -> consumerproxy.v1.Message
-	1, // 3: consumerproxy.v1.HandleMessageResponse.action:type_name -> consumerproxy.v1.HandleMessageResponse.Action
-	3, // 4: consumerproxy.v1.HandleMessageBatchRequest.messages:type_name -> consumerproxy.v1.Message
-	5, // 5: consumerproxy.v1.HandleMessageBatchResponse.results:type_name -> consumerproxy.v1.HandleMessageResponse
-	4, // 6: consumerproxy.v1.MessageHandler.HandleMessage:input_type -> consumerproxy.v1.HandleMessageRequest
-	6, // 7: consumerproxy.v1.MessageHandler.HandleMessageBatch:input_type -> consumerproxy.v1.HandleMessageBatchRequest
-	5, // 8: consumerproxy.v1.MessageHandler.HandleMessage:output_type -> consumerproxy.v1.HandleMessageResponse
-	7, // 9: consumerproxy.v1.MessageHandler.HandleMessageBatch:output_type -> consumerproxy.v1.HandleMessageBatchResponse
-	8, // [8:10] is the sub-list for method output_type
-	6, // [6:8] is the sub-list for method input_type
-	6, // [6:6] is the sub-list for extension type_name
-	6, // [6:6] is the sub-list for extension extendee
-	0, // [0:6] is the sub-list for field type_name
+	2,  // 0: consumerproxy.v1.Message.headers:type_name -> consumerproxy.v1.Header
+	0,  // 1: consumerproxy.v1.Message.source:type_name -> consumerproxy.v1.DeliverySource
+	3,  // 2: consumerproxy.v1.HandleMessageRequest.message:type_name -> consumerproxy.v1.Message
+	1,  // 3: consumerproxy.v1.HandleMessageResponse.action:type_name -> consumerproxy.v1.HandleMessageResponse.Action
+	3,  // 4: consumerproxy.v1.HandleMessageStreamRequest.message:type_name -> consumerproxy.v1.Message
+	7,  // 5: consumerproxy.v1.HandleMessageStreamEvent.heartbeat:type_name -> consumerproxy.v1.Heartbeat
+	5,  // 6: consumerproxy.v1.HandleMessageStreamEvent.result:type_name -> consumerproxy.v1.HandleMessageResponse
+	3,  // 7: consumerproxy.v1.HandleMessageBatchRequest.messages:type_name -> consumerproxy.v1.Message
+	5,  // 8: consumerproxy.v1.HandleMessageBatchResponse.results:type_name -> consumerproxy.v1.HandleMessageResponse
+	4,  // 9: consumerproxy.v1.MessageHandler.HandleMessage:input_type -> consumerproxy.v1.HandleMessageRequest
+	9,  // 10: consumerproxy.v1.MessageHandler.HandleMessageBatch:input_type -> consumerproxy.v1.HandleMessageBatchRequest
+	6,  // 11: consumerproxy.v1.MessageHandler.HandleMessageStream:input_type -> consumerproxy.v1.HandleMessageStreamRequest
+	5,  // 12: consumerproxy.v1.MessageHandler.HandleMessage:output_type -> consumerproxy.v1.HandleMessageResponse
+	10, // 13: consumerproxy.v1.MessageHandler.HandleMessageBatch:output_type -> consumerproxy.v1.HandleMessageBatchResponse
+	8,  // 14: consumerproxy.v1.MessageHandler.HandleMessageStream:output_type -> consumerproxy.v1.HandleMessageStreamEvent
+	12, // [12:15] is the sub-list for method output_type
+	9,  // [9:12] is the sub-list for method input_type
+	9,  // [9:9] is the sub-list for extension type_name
+	9,  // [9:9] is the sub-list for extension extendee
+	0,  // [0:9] is the sub-list for field type_name
 }
 
 func init() { file_consumerproxy_v1_handler_proto_init() }
@@ -652,13 +863,17 @@ func file_consumerproxy_v1_handler_proto_init() {
 	if File_consumerproxy_v1_handler_proto != nil {
 		return
 	}
+	file_consumerproxy_v1_handler_proto_msgTypes[6].OneofWrappers = []any{
+		(*HandleMessageStreamEvent_Heartbeat)(nil),
+		(*HandleMessageStreamEvent_Result)(nil),
+	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_consumerproxy_v1_handler_proto_rawDesc), len(file_consumerproxy_v1_handler_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   6,
+			NumMessages:   9,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

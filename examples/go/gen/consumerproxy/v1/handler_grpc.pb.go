@@ -36,8 +36,9 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	MessageHandler_HandleMessage_FullMethodName      = "/consumerproxy.v1.MessageHandler/HandleMessage"
-	MessageHandler_HandleMessageBatch_FullMethodName = "/consumerproxy.v1.MessageHandler/HandleMessageBatch"
+	MessageHandler_HandleMessage_FullMethodName       = "/consumerproxy.v1.MessageHandler/HandleMessage"
+	MessageHandler_HandleMessageBatch_FullMethodName  = "/consumerproxy.v1.MessageHandler/HandleMessageBatch"
+	MessageHandler_HandleMessageStream_FullMethodName = "/consumerproxy.v1.MessageHandler/HandleMessageStream"
 )
 
 // MessageHandlerClient is the client API for MessageHandler service.
@@ -49,6 +50,15 @@ type MessageHandlerClient interface {
 	// Handle several messages in one call. The response carries one result per message, in the
 	// same order as the request. Optional: the proxy uses it only when a group enables batching.
 	HandleMessageBatch(ctx context.Context, in *HandleMessageBatchRequest, opts ...grpc.CallOption) (*HandleMessageBatchResponse, error)
+	// Handle one message that may take long (minutes). Optional: the proxy calls it instead of
+	// HandleMessage only for a group with delivery.long_running. The service sends a heartbeat
+	// (optionally with a progress note) at least every heartbeat_interval_ms while it works,
+	// then one final event with the result, the same shape and statuses as HandleMessage's
+	// answer (a non-OK status ends the stream as it would fail HandleMessage). The proxy treats
+	// a silence longer than its heartbeat timeout as a failed call (like a deadline), and
+	// cancels the call when the message's processing cap passes or its partition leaves this
+	// proxy: the service sees the cancellation and should stop the work.
+	HandleMessageStream(ctx context.Context, in *HandleMessageStreamRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[HandleMessageStreamEvent], error)
 }
 
 type messageHandlerClient struct {
@@ -79,6 +89,25 @@ func (c *messageHandlerClient) HandleMessageBatch(ctx context.Context, in *Handl
 	return out, nil
 }
 
+func (c *messageHandlerClient) HandleMessageStream(ctx context.Context, in *HandleMessageStreamRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[HandleMessageStreamEvent], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &MessageHandler_ServiceDesc.Streams[0], MessageHandler_HandleMessageStream_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[HandleMessageStreamRequest, HandleMessageStreamEvent]{ClientStream: stream}
+	if err := x.ClientStream.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type MessageHandler_HandleMessageStreamClient = grpc.ServerStreamingClient[HandleMessageStreamEvent]
+
 // MessageHandlerServer is the server API for MessageHandler service.
 // All implementations must embed UnimplementedMessageHandlerServer
 // for forward compatibility.
@@ -88,6 +117,15 @@ type MessageHandlerServer interface {
 	// Handle several messages in one call. The response carries one result per message, in the
 	// same order as the request. Optional: the proxy uses it only when a group enables batching.
 	HandleMessageBatch(context.Context, *HandleMessageBatchRequest) (*HandleMessageBatchResponse, error)
+	// Handle one message that may take long (minutes). Optional: the proxy calls it instead of
+	// HandleMessage only for a group with delivery.long_running. The service sends a heartbeat
+	// (optionally with a progress note) at least every heartbeat_interval_ms while it works,
+	// then one final event with the result, the same shape and statuses as HandleMessage's
+	// answer (a non-OK status ends the stream as it would fail HandleMessage). The proxy treats
+	// a silence longer than its heartbeat timeout as a failed call (like a deadline), and
+	// cancels the call when the message's processing cap passes or its partition leaves this
+	// proxy: the service sees the cancellation and should stop the work.
+	HandleMessageStream(*HandleMessageStreamRequest, grpc.ServerStreamingServer[HandleMessageStreamEvent]) error
 	mustEmbedUnimplementedMessageHandlerServer()
 }
 
@@ -103,6 +141,9 @@ func (UnimplementedMessageHandlerServer) HandleMessage(context.Context, *HandleM
 }
 func (UnimplementedMessageHandlerServer) HandleMessageBatch(context.Context, *HandleMessageBatchRequest) (*HandleMessageBatchResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method HandleMessageBatch not implemented")
+}
+func (UnimplementedMessageHandlerServer) HandleMessageStream(*HandleMessageStreamRequest, grpc.ServerStreamingServer[HandleMessageStreamEvent]) error {
+	return status.Error(codes.Unimplemented, "method HandleMessageStream not implemented")
 }
 func (UnimplementedMessageHandlerServer) mustEmbedUnimplementedMessageHandlerServer() {}
 func (UnimplementedMessageHandlerServer) testEmbeddedByValue()                        {}
@@ -161,6 +202,17 @@ func _MessageHandler_HandleMessageBatch_Handler(srv interface{}, ctx context.Con
 	return interceptor(ctx, in, info, handler)
 }
 
+func _MessageHandler_HandleMessageStream_Handler(srv interface{}, stream grpc.ServerStream) error {
+	m := new(HandleMessageStreamRequest)
+	if err := stream.RecvMsg(m); err != nil {
+		return err
+	}
+	return srv.(MessageHandlerServer).HandleMessageStream(m, &grpc.GenericServerStream[HandleMessageStreamRequest, HandleMessageStreamEvent]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type MessageHandler_HandleMessageStreamServer = grpc.ServerStreamingServer[HandleMessageStreamEvent]
+
 // MessageHandler_ServiceDesc is the grpc.ServiceDesc for MessageHandler service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -177,6 +229,12 @@ var MessageHandler_ServiceDesc = grpc.ServiceDesc{
 			Handler:    _MessageHandler_HandleMessageBatch_Handler,
 		},
 	},
-	Streams:  []grpc.StreamDesc{},
+	Streams: []grpc.StreamDesc{
+		{
+			StreamName:    "HandleMessageStream",
+			Handler:       _MessageHandler_HandleMessageStream_Handler,
+			ServerStreams: true,
+		},
+	},
 	Metadata: "consumerproxy/v1/handler.proto",
 }

@@ -1,0 +1,113 @@
+"""Pushing a long-running group's messages: ``StreamPush`` (``delivery.long_running``).
+
+The unary workers (``push.UnaryPush``: rate, limiter, breaker, ``PartitionSet.begin``), but
+each message goes through the server-streaming ``HandleMessageStream`` call: the service
+heartbeats while it works, then sends one result with the same shape and statuses as
+``HandleMessage``. There is no fixed deadline: the core's ``core.heartbeat.CallWatch`` ends a
+call that went silent for ``heartbeat_timeout_ms`` (a deadline, under the outage rule) or ran
+for ``max_processing_ms`` (a counted failure); the dispatcher cancels it, so the service sees
+the cancellation. Then, as in unary mode: the breaker hears the call
+(``core.ejection.breaker_hears``), ``PartitionSet.finish`` decides, ``Tally`` counts.
+
+    ready queue -> worker -> rate, limiter, breaker -> PartitionSet.begin
+      -> push_stream (heartbeats -> CallWatch.heard; expiry -> core.heartbeat.expiry_result)
+      -> breaker -> PartitionSet.finish -> Tally
+
+A revoked or lost partition's calls, and every call at shutdown, are cancelled through
+``cancel_calls`` (shared with unary mode): the message is given back, never an attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from .config import LongRunningConfig
+from .core.heartbeat import MAX_PROCESSING_STATUS, CallWatch, Expiry, Limits
+from .core.outcomes import Classification
+from .core.partitions import Delivery
+from .proto.v1 import handler_pb2
+from .push import OpenCall, PushParts, UnaryPush
+from .wire import message
+
+
+class StreamPush(UnaryPush):
+    """Long-running mode: ``workers`` workers, each with one streaming call at a time."""
+
+    def __init__(
+        self,
+        parts: PushParts,
+        ready: asyncio.Queue[Delivery],
+        workers: int,
+        long_running: LongRunningConfig,
+    ) -> None:
+        super().__init__(parts, ready, workers)
+        self.limits = Limits.from_ms(
+            long_running.heartbeat_timeout_ms, long_running.max_processing_ms
+        )
+        self._m_open = self._metrics.long_calls_open.labels(self.name)
+        self._m_gap = self._metrics.heartbeat_gap.labels(self.name)
+        self._m_expired = {
+            why: self._metrics.calls_cancelled.labels(self.name, why.value) for why in Expiry
+        }
+        # Read on each scrape: nothing to keep up to date on the hot path.
+        self._metrics.oldest_open_call.labels(self.name).set_function(self._oldest_age)
+
+    def _oldest_age(self) -> float:
+        oldest = self.oldest()
+        return max((age for _, age, _ in oldest.values()), default=0.0)
+
+    def oldest(self) -> dict[tuple[str, int], tuple[int, float, str]]:
+        """Per partition, its oldest open call: (offset, age in seconds, progress note)."""
+        now = self._clock()
+        found: dict[tuple[str, int], tuple[int, float, str]] = {}
+        for delivery, call in self.open.items():
+            tp = (delivery.part.topic, delivery.part.partition)
+            age = now - call.started
+            if tp not in found or age > found[tp][1]:
+                note = call.watch.progress if call.watch is not None else ""
+                found[tp] = (delivery.origin.offset, age, note)
+        return found
+
+    def request(self, delivery: Delivery) -> handler_pb2.HandleMessageStreamRequest:
+        """The ``HandleMessageStreamRequest`` of one push (attempt and limits set)."""
+        m = message(delivery, self.name)
+        m.attempt = delivery.attempt
+        return handler_pb2.HandleMessageStreamRequest(
+            message=m,
+            heartbeat_interval_ms=self.limits.heartbeat_interval_ms,
+            max_processing_ms=round(self.limits.max_processing_s * 1000),
+        )
+
+    async def _deliver(self, delivery: Delivery, probe: bool) -> Classification | None:
+        """Push ``delivery`` in a streaming call; None when ``cancel_calls`` cancelled it."""
+        endpoint = self.pusher.pick()
+        request = self.request(delivery)
+        worker = asyncio.current_task()
+        assert worker is not None
+        # The watch runs on the event loop's clock, as the dispatcher's timers do.
+        now = asyncio.get_running_loop().time()
+        watch = CallWatch(self.limits, now)
+        self.open[delivery] = OpenCall(worker, self._clock(), watch)
+        self._m_in_flight.inc()
+        self._m_open.inc()
+        try:
+            result = await self.pusher.push_stream(request, endpoint, watch, self._m_gap.observe)
+        except asyncio.CancelledError:
+            if self._cancelled_here(delivery):
+                return None
+            raise
+        finally:
+            del self.open[delivery]
+            self._m_open.dec()
+            self._m_in_flight.dec()
+            self._call_ended.set()
+        expiry = watch.expired(asyncio.get_running_loop().time())
+        if expiry is not None and result.status in {"DEADLINE_EXCEEDED", MAX_PROCESSING_STATUS}:
+            self._m_expired[expiry].inc()
+        if result.service_failure:
+            self.last_failure = f"{result.status} from {endpoint.target}: {result.reason}"
+        self._tell_breaker(result.service_failure, endpoint, probe)
+        decision = self.partitions.finish(delivery, result, probe)
+        if decision is not None:
+            self.tally.settled(delivery, decision, result.status, endpoint.target)
+        return result
