@@ -224,5 +224,5 @@ def test_a_long_running_group_streams_whatever_batch_auto_would_do() -> None:
     for batch in ({}, {"batch": "auto"}):
         group = GroupConfig(**base, delivery={"long_running": long_running, **batch})
         assert group.delivery.batch is None
-    with pytest.raises(ValueError, match="cannot be combined with delivery.batch"):
+    with pytest.raises(ValueError, match=r"cannot be combined with delivery\.batch"):
         GroupConfig(**base, delivery={"long_running": long_running, "batch": {"max_messages": 5}})
