@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.support.cli import Cli
 from tests.support.kafka import Broker, BrokerError, start_broker, stop_broker
 
 
@@ -26,6 +27,19 @@ def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
         yield broker
     finally:
         stop_broker(directory)
+
+
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str]) -> Cli:
+    """Run ``consumer-proxy ARGS`` in-process; returns (exit code, stdout, stderr)."""
+    from consumer_proxy.cli import main
+
+    def run(*args: str) -> tuple[int, str, str]:
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
 
 
 @pytest.fixture(autouse=True)

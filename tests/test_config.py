@@ -7,7 +7,6 @@ Pure logic (no broker): each case runs the real CLI entry point in-process.
 from __future__ import annotations
 
 import copy
-import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,9 +15,9 @@ import pydantic
 import pytest
 import yaml
 
-from consumer_proxy.cli import main
 from consumer_proxy.config import ProxyConfig, load_config
 from consumer_proxy.errors import ConfigError
+from tests.support.cli import Cli
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -33,25 +32,6 @@ BASE: dict[str, Any] = {
         }
     ],
 }
-
-Cli = Callable[..., tuple[int, str, str]]
-
-
-@pytest.fixture
-def cli(capsys: pytest.CaptureFixture[str]) -> Iterator[Cli]:
-    """Run ``consumer-proxy ARGS`` in-process; returns (exit code, stdout, stderr)."""
-    root = logging.getLogger()
-    saved = (root.handlers[:], root.level)
-
-    def run(*args: str) -> tuple[int, str, str]:
-        code = main(list(args))
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    yield run
-    # main() installs its own log handler on the root logger; put pytest's back.
-    root.handlers[:] = saved[0]
-    root.setLevel(saved[1])
 
 
 def group(**changes: Any) -> Callable[[dict[str, Any]], None]:

@@ -8,18 +8,16 @@ team's file and the hostile one: exit code 2, one line naming the hostile file a
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import yaml
 
-from consumer_proxy.cli import main
 from consumer_proxy.config import MAX_FILE_BYTES, MAX_NESTING, MAX_NODES
+from tests.support.cli import Cli
 
-Cli = Callable[..., tuple[int, str, str]]
 SECRET = "Hunter2-sasl-pa55-9d1e"
 # Nothing listens here: ``run`` must stop at the config, before it connects.
 NOWHERE = "127.0.0.1:1"
@@ -28,23 +26,6 @@ TEAM = {
         {"name": "billing", "topics": ["trips"], "service": {"endpoints": ["127.0.0.1:50051"]}}
     ]
 }
-
-
-@pytest.fixture
-def cli(capsys: pytest.CaptureFixture[str]) -> Iterator[Cli]:
-    """Run ``consumer-proxy ARGS`` in-process; returns (exit code, stdout, stderr)."""
-    root = logging.getLogger()
-    saved = (root.handlers[:], root.level)
-
-    def run(*args: str) -> tuple[int, str, str]:
-        code = main(list(args))
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    yield run
-    # main() installs its own log handler on the root logger; put pytest's back.
-    root.handlers[:] = saved[0]
-    root.setLevel(saved[1])
 
 
 def alias_bomb(levels: int = 7) -> str:
