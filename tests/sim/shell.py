@@ -87,6 +87,8 @@ class ShellStats:
     acked: int = 0
     dead_lettered: int = 0
     rebalances: int = 0
+    truncations: int = 0
+    silent_truncations: int = 0  # cuts the member is not told of (librdkafka seeks back)
     paused_at_revoke: int = 0  # partitions revoked and assigned back while paused
     restarts: int = 0
     crashes: int = 0
@@ -160,6 +162,8 @@ class SimSource:
         self._positions_due = 0.0
         self._rebalanced = False
         self.pending: list[list[TP] | None] = [None]  # None: join (assign everything)
+        self.errors: list[_ErrorRecord] = []  # handed over by the next consume
+        self.rebalancing = False  # the consumer thread is serving a rebalance
         self.arrived = asyncio.Event()
         self.thread: _Thread | None = None
         self.crashed = False
@@ -214,6 +218,9 @@ class SimSource:
             if self.pending:
                 await self._rebalance()
                 return []
+            if self.errors:
+                errors, self.errors = self.errors, []
+                return errors  # type: ignore[return-value]
             records = self.consumer.fetch(self.sim.rng, max_messages)
             if records:
                 return records
@@ -234,6 +241,13 @@ class SimSource:
             self.sim.rebalanced_at = asyncio.get_running_loop().time()
 
     async def _serve_rebalances(self) -> None:
+        self.rebalancing = True
+        try:
+            await self._serve_rebalances_now()
+        finally:
+            self.rebalancing = False
+
+    async def _serve_rebalances_now(self) -> None:
         self._rebalanced = True
         self._positions_due = 0.0
         while self.pending:
@@ -319,6 +333,23 @@ class SimSource:
             assert self.thread is not None
             self.thread.stop()
             await self.thread.task
+
+
+class _ErrorRecord:
+    """A consumer error as ``consume`` hands it over (a log truncation)."""
+
+    def __init__(self, tp: TP, code: int) -> None:
+        self._tp = tp
+        self._error = KafkaError(code, "log truncation detected")
+
+    def error(self) -> KafkaError:
+        return self._error
+
+    def topic(self) -> str:
+        return self._tp[0]
+
+    def partition(self) -> int:
+        return self._tp[1]
 
 
 @dataclass
@@ -447,6 +478,7 @@ class ShellSim:
         self.taken: set[Delivery] = set()  # a worker took it from the ready queue
         self.calls: set[Delivery] = set()  # begun, not finished
         self.parked: set[Delivery] = set()  # a DLQ write under way
+        self.cuts: dict[TP, int] = {}  # where a log was cut, until a commit comes back to it
         self.rebalanced_at = -1.0  # when the consumer thread last served a rebalance
 
     # -- the member ----------------------------------------------------------------------
@@ -628,10 +660,23 @@ class ShellSim:
             state = decode(metadata)
             for o in range(state.base, state.end):
                 found = log.records.get(o)
-                if state.is_done(o) and found is not None and found.ident not in done:
+                if (
+                    state.is_done(o)
+                    and found is not None
+                    and found.ident not in done
+                    # a record written after a cut has a later leader epoch than the state:
+                    # a reader drops the state when it fetches it
+                    and not (state.epoch is not None and log.epochs[o] > state.epoch)
+                ):
                     self.fail(f"commit metadata of {tp} marks {o} done (message {found.ident})")
-        if offset < self.last_commit.get(tp, 0):
-            self.fail(f"commit of {tp} goes back from {self.last_commit[tp]} to {offset}")
+        last = self.last_commit.get(tp, 0)
+        cut = self.cuts.get(tp)
+        # Only a commit past the end of a cut log may be followed by one further back (it
+        # may have been planned before the cut, or before the member noticed it).
+        if offset < last and not (cut is not None and last > cut):
+            self.fail(f"commit of {tp} goes back from {last} to {offset}")
+        if cut is not None and offset <= cut:
+            del self.cuts[tp]
         self.last_commit[tp] = offset
         self.stats.commits += 1
         self.trace(f"commit {tp} {offset} {metadata}")
@@ -858,6 +903,41 @@ class ShellSim:
         source.arrived.set()
         self.stats.rebalances += 1
 
+    def truncate(self) -> None:
+        """An unclean leader election cuts a log at or above its commit; the member is told
+        (a _LOG_TRUNCATION error from consume) when the cut is below what it received."""
+        rng = self.rng
+        tp = rng.choice(self.tps)
+        log = self.logs[tp]
+        floor = self.commits.get(tp, (0, ""))[0]
+        if log.end <= floor or (self.source is not None and self.source.rebalancing):
+            # Not while a revoke waits for its calls: the member hears of the cut only after
+            # it, and its final commit could pass records written after the cut. Kafka's
+            # leader-epoch check of a committed offset (KIP-320) is what catches that on the
+            # next assignment; the simulated consumer does not model it.
+            return
+        cut = rng.randint(floor, log.end - 1)
+        for msg in log.truncate(cut):
+            self.truth.done.discard(msg.ident)  # gone: no longer owed to anyone
+        for lane, entries in self.lanes.items():
+            if lane[0] == tp:
+                entries[:] = [e for e in entries if e[0] < cut]
+                self.lane_head[lane] = 0
+        self.allow_dups(tp)  # the ack state above the fetch position is dropped
+        self.cuts[tp] = min(cut, self.cuts.get(tp, cut))
+        self.stats.truncations += 1
+        self.trace(f"truncate {tp} {cut}")
+        source, runner = self.source, self.runner
+        if source is None or runner is None:
+            return
+        source.consumer.truncated(tp, cut)
+        part = runner.partitions.parts.get(tp)
+        if part is not None and cut < part.received_end:
+            source.errors.append(_ErrorRecord(tp, KafkaError._LOG_TRUNCATION))
+            source.arrived.set()
+        else:
+            self.stats.silent_truncations += 1
+
     async def step(self) -> None:
         self.step_no += 1
         rng = self.rng
@@ -882,6 +962,8 @@ class ShellSim:
         elif x < 0.415:
             self.commits_down = not self.commits_down
             self.stats.commit_outages += self.commits_down
+        elif x < 0.425:
+            self.truncate()
         wait = rng.uniform(0.0, 0.25) if rng.random() < 0.95 else rng.uniform(1.0, 8.0)
         await asyncio.sleep(wait)
         self._raise_failure()

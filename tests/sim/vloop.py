@@ -13,6 +13,7 @@ selector waits by moving the loop's clock forward by exactly that.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import selectors
 from collections.abc import Coroutine, Mapping
 from typing import Any, TypeVar
@@ -80,15 +81,17 @@ def run_virtual(main: Coroutine[Any, Any, T]) -> T:
     try:
         return loop.run_until_complete(main)
     finally:
-        # As asyncio.run: whatever is left (a failed run) is cancelled and awaited first.
-        left = asyncio.all_tasks(loop)
-        for task in left:
-            task.cancel()
+        # As asyncio.run: whatever is left (a failed run) is cancelled and awaited first;
+        # a task waiting for another that was cancelled first is cancelled again.
         try:
-            if left:
-                loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+            for _ in range(100):
+                left = [task for task in asyncio.all_tasks(loop) if not task.done()]
+                if not left:
+                    break
+                for task in left:
+                    task.cancel()
+                with contextlib.suppress(Deadlock):
+                    loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
             loop.run_until_complete(loop.shutdown_asyncgens())
-        except Deadlock:
-            pass  # tasks of a failed run waiting for each other: the failure is the news
         finally:
             loop.close()
