@@ -58,7 +58,7 @@ from consumer_proxy.core.codec import decode
 from consumer_proxy.core.decision import Action, Decision
 from consumer_proxy.core.ordering import ORDERINGS, Ordering
 from consumer_proxy.core.outcomes import Classification, Classifier
-from consumer_proxy.core.partitions import Delivery, PartitionSet, PartitionState
+from consumer_proxy.core.partitions import Delivery, PartitionSet
 from consumer_proxy.fetcher import CONSUME_CHUNK_S, POSITIONS_INTERVAL_S
 from consumer_proxy.group import GroupRunner
 from consumer_proxy.metrics import ProxyMetrics
@@ -105,14 +105,17 @@ class ShellStats:
     virtual_s: int = 0
 
 
+Call = tuple[str, Callable[[], Awaitable[Any]], "asyncio.Future[Any]", float]
+"""A call queued for the consumer thread: (what, the call, its caller's future, when queued)."""
+
+
 class _Thread:
     """The consumer's one thread: calls run one at a time in the order they were queued; a
     caller that goes away (cancelled) does not stop its call."""
 
     def __init__(self, sim: ShellSim) -> None:
         self._sim = sim
-        self._queue: deque[tuple[str, Callable[[], Awaitable[Any]], asyncio.Future[Any], float]]
-        self._queue = deque()
+        self._queue: deque[Call] = deque()
         self._more = asyncio.Event()
         self._stopped = False
         self.task = asyncio.get_running_loop().create_task(self._serve(), name="sim:consumer")
@@ -1022,4 +1025,4 @@ def run_shell(seed: int, steps: int) -> tuple[ShellStats, str]:
     return stats, sim.digest
 
 
-__all__ = ["PartitionState", "ShellSim", "ShellStats", "run_shell"]
+__all__ = ["ShellSim", "ShellStats", "run_shell"]
