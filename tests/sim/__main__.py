@@ -6,14 +6,21 @@ import argparse
 import logging
 import sys
 import time
+from dataclasses import fields
+from typing import Any
 
 from tests.sim.runner import InvariantViolation, Stats, run
+from tests.sim.shell import ShellStats, run_shell
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tests.sim",
-        description="Drive the pure core through seeded random schedules and check invariants.",
+        description="Drive the pure core (or, with --shell, the real GroupRunner on a "
+        "virtual-time loop) through seeded random schedules and check invariants.",
+    )
+    parser.add_argument(
+        "--shell", action="store_true", help="run the real shell (tests/sim/shell.py)"
     )
     parser.add_argument("--seed", type=int, help="replay this one seed")
     parser.add_argument("--first-seed", type=int, default=0, help="first seed of a soak")
@@ -24,17 +31,18 @@ def main() -> int:
     args = parser.parse_args()
     logging.disable(logging.ERROR)  # the core logs state changes; a soak has thousands
     seeds = [args.seed] if args.seed is not None else range(args.first_seed, 2**31)
-    total = Stats()
+    total: Any = ShellStats() if args.shell else Stats()
     started = time.monotonic()
     runs = 0
     for seed in seeds:
         try:
-            stats = run(seed, args.steps)
+            stats: Any = run_shell(seed, args.steps)[0] if args.shell else run(seed, args.steps)
         except InvariantViolation as exc:
             print(f"FAILED: {exc}", file=sys.stderr)
             return 1
         runs += 1
-        for name in vars(total):
+        for field in fields(total):
+            name = field.name
             setattr(total, name, getattr(total, name) + getattr(stats, name))
         if total.steps >= args.total_steps:
             break

@@ -1,0 +1,1028 @@
+"""Seeded random schedules driving the real shell: ``GroupRunner`` with its ``Intake``,
+``UnaryPush``/``BatchPush``, ``Committer``, ``Parking`` and rebalance callbacks, on a
+virtual-time event loop (``tests.sim.vloop``) with simulated edges (``ports``):
+
+- ``SimSource`` (``ports.MessageSource``): the world's consumer (``world.Consumer``: pause
+  flags survive revoke and re-assign, as librdkafka's) behind one serial "consumer thread",
+  as ``fetcher.Fetcher``: every call waits its turn; ``consume`` waits in chunks of
+  ``CONSUME_CHUNK_S`` that end early only for a queued call or a rebalance, serves the
+  rebalance callbacks (revoke, then assign back: cooperative-sticky) and re-reads positions
+  every ``POSITIONS_INTERVAL_S``; a cancelled call still runs to its end;
+- ``SimPusher`` (``ports.Pusher``): the service (ok, poison, drop, flaky, timeouts; outages:
+  UNAVAILABLE, hung, UNIMPLEMENTED for batch calls; wrong-length batch answers);
+- ``SimSink`` (``ports.DeadLetterSink``): the DLQ, retried while it is down.
+
+The schedule produces records, rebalances, restarts (graceful, or a crash: nothing is
+committed after it), takes the service, the DLQ and commits down. Checked at every step, on
+top of the core simulation's invariants (commits never pass a message not done nor go back,
+nothing acked is pushed again unless a crash or the metadata budget allowed it, no message
+dead-lettered by an outage, per-key order, window and concurrency bounds, liveness):
+
+- the byte count is exact: each partition's count is the sum of the messages held for it
+  wherever the shell has them (the ready queue, a worker between the queue and its push, a
+  call, a DLQ write, a retry timer, the key gate);
+- a due commit never waits behind an idle wait: no commit waits for the consumer thread
+  longer than a normal poll (``FETCH_WAIT_S``), unless a rebalance ran on it meanwhile;
+- after ``stop()`` returns no task of the group is left running and no timer is scheduled.
+
+Same seed, same trace: ``ShellSim.digest`` hashes every push, commit, dead letter and
+rebalance with its virtual time. Replay with ``python -m tests.sim --shell --seed N``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
+from prometheus_client import CollectorRegistry
+
+from consumer_proxy.config import (
+    BackoffConfig,
+    BatchConfig,
+    CircuitBreakerConfig,
+    DeadLetterGuardConfig,
+    DeliveryConfig,
+    GroupConfig,
+    ServiceConfig,
+)
+from consumer_proxy.core.batching import BatchOutcome, classify_batch, classify_failed_call
+from consumer_proxy.core.cadence import FETCH_WAIT_S
+from consumer_proxy.core.codec import decode
+from consumer_proxy.core.decision import Action, Decision
+from consumer_proxy.core.ordering import ORDERINGS, Ordering
+from consumer_proxy.core.outcomes import Classification, Classifier
+from consumer_proxy.core.partitions import Delivery, PartitionSet
+from consumer_proxy.fetcher import CONSUME_CHUNK_S, POSITIONS_INTERVAL_S
+from consumer_proxy.group import GroupRunner
+from consumer_proxy.metrics import ProxyMetrics
+from consumer_proxy.ports import EdgeHooks, Edges, RebalanceListener
+from consumer_proxy.proto.v1 import handler_pb2
+from consumer_proxy.readyq import ReadyDeque
+from tests.sim.runner import InvariantViolation, Truth
+from tests.sim.vloop import run_virtual
+from tests.sim.world import TP, Consumer, Log, Msg, Record
+
+TOPIC = "t"
+TIMEOUT_S = 1.0
+DRAIN_LIMIT_S = 600.0
+BYTE_BUDGET = 1024
+WALL_EPOCH_S = 1_700_000_000.0  # the core's wall clock (tier due times) is virtual too
+GROUP = "g"
+
+
+@dataclass
+class ShellStats:
+    """What a run did (to see that schedules exercise what they should)."""
+
+    steps: int = 0
+    produced: int = 0
+    pushes: int = 0
+    acked: int = 0
+    dead_lettered: int = 0
+    rebalances: int = 0
+    truncations: int = 0
+    silent_truncations: int = 0  # cuts the member is not told of (librdkafka seeks back)
+    paused_at_revoke: int = 0  # partitions revoked and assigned back while paused
+    restarts: int = 0
+    crashes: int = 0
+    outages: int = 0
+    dlq_outages: int = 0
+    commit_outages: int = 0
+    pauses: int = 0
+    commits: int = 0
+    idle_polls: int = 0  # consumes allowed to wait longer than a normal poll
+    stale_drops: int = 0  # ready messages a worker dropped as stale (bytes given back)
+    batch_schedules: int = 0
+    batch_calls: int = 0
+    batched_messages: int = 0
+    virtual_s: int = 0
+
+
+Call = tuple[str, Callable[[], Awaitable[Any]], "asyncio.Future[Any]", float]
+"""A call queued for the consumer thread: (what, the call, its caller's future, when queued)."""
+
+
+class _Thread:
+    """The consumer's one thread: calls run one at a time in the order they were queued; a
+    caller that goes away (cancelled) does not stop its call."""
+
+    def __init__(self, sim: ShellSim) -> None:
+        self._sim = sim
+        self._queue: deque[Call] = deque()
+        self._more = asyncio.Event()
+        self._stopped = False
+        self.task = asyncio.get_running_loop().create_task(self._serve(), name="sim:consumer")
+
+    def waiting(self) -> bool:
+        return bool(self._queue)
+
+    async def submit(self, what: str, fn: Callable[[], Awaitable[Any]]) -> Any:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._queue.append((what, fn, future, loop.time()))
+        self._more.set()
+        return await future
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._more.set()
+
+    async def _serve(self) -> None:
+        while True:
+            while not self._queue:
+                if self._stopped:
+                    return
+                self._more.clear()
+                await self._more.wait()
+            what, fn, future, queued = self._queue.popleft()
+            self._sim.turn(what, queued)
+            try:
+                result = await fn()
+            except (KafkaException, InvariantViolation) as exc:
+                if not future.cancelled():
+                    future.set_exception(exc)
+                continue
+            if not future.cancelled():
+                future.set_result(result)
+
+
+class SimSource:
+    """``ports.MessageSource`` over the world's consumer, with ``Fetcher``'s timing."""
+
+    def __init__(self, sim: ShellSim, listener: RebalanceListener) -> None:
+        self.sim = sim
+        self.consumer = Consumer(sim.logs, sim.commits)  # a new process: no pause flags
+        self.listener = listener
+        self.positions: dict[TP, int] = {}
+        self.positions_read = 0
+        self._positions_due = 0.0
+        self._rebalanced = False
+        self.pending: list[list[TP] | None] = [None]  # None: join (assign everything)
+        self.errors: list[_ErrorRecord] = []  # handed over by the next consume
+        self.rebalancing = False  # the consumer thread is serving a rebalance
+        self.arrived = asyncio.Event()
+        self.thread: _Thread | None = None
+        self.crashed = False
+        self.idle = False  # a consume is waiting longer than a normal poll
+        self.idle_while_due = False  # ... and it began while a commit was due
+
+    def _run(self, what: str, fn: Callable[[], Awaitable[Any]]) -> Awaitable[Any]:
+        assert self.thread is not None
+        return self.thread.submit(what, fn)
+
+    async def start(self) -> None:
+        self.thread = _Thread(self.sim)
+
+    async def consume(self, max_messages: int, timeout_s: float) -> list[Any]:
+        runner = self.sim.runner
+        due = runner is not None and runner.committer.due  # as the intake chose the wait
+        result: list[Any] = await self._run(
+            "consume", lambda: self._consume(max_messages, timeout_s, due)
+        )
+        return result
+
+    async def _consume(self, max_messages: int, timeout_s: float, due: bool) -> list[Any]:
+        loop = asyncio.get_running_loop()
+        self._rebalanced = False
+        deadline = loop.time() + timeout_s
+        self.idle = timeout_s > FETCH_WAIT_S
+        self.idle_while_due = self.idle and due
+        self.sim.stats.idle_polls += self.idle
+        try:
+            messages = await self._take(max_messages, min(timeout_s, CONSUME_CHUNK_S))
+            assert self.thread is not None
+            while not messages and not self._rebalanced and not self.thread.waiting():
+                left = deadline - loop.time()
+                if left < CONSUME_CHUNK_S / 2:
+                    break
+                messages = await self._take(max_messages, min(left, CONSUME_CHUNK_S))
+        finally:
+            self.idle = False
+        now = loop.time()
+        if now >= self._positions_due:
+            self._positions_due = now + POSITIONS_INTERVAL_S
+            self.positions = dict(self.consumer.position)
+            self.positions_read += 1
+        return messages
+
+    async def _take(self, max_messages: int, wait_s: float) -> list[Record]:
+        """librdkafka's consume: serves rebalances, else returns what is fetchable, waiting
+        up to ``wait_s`` for a first record."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + wait_s
+        while True:
+            if self.pending:
+                await self._rebalance()
+                return []
+            if self.errors:
+                errors, self.errors = self.errors, []
+                return errors  # type: ignore[return-value]
+            records = self.consumer.fetch(self.sim.rng, max_messages)
+            if records:
+                return records
+            left = end - loop.time()
+            if left <= 0:
+                return []
+            self.arrived.clear()
+            try:
+                async with asyncio.timeout(left):
+                    await self.arrived.wait()
+            except TimeoutError:
+                return []
+
+    async def _rebalance(self) -> None:
+        try:
+            await self._serve_rebalances()
+        finally:
+            self.sim.rebalanced_at = asyncio.get_running_loop().time()
+
+    async def _serve_rebalances(self) -> None:
+        self.rebalancing = True
+        try:
+            await self._serve_rebalances_now()
+        finally:
+            self.rebalancing = False
+
+    async def _serve_rebalances_now(self) -> None:
+        self._rebalanced = True
+        self._positions_due = 0.0
+        while self.pending:
+            tps = self.pending.pop(0)
+            if tps is None:
+                tps = list(self.sim.tps)
+            else:
+                tps = [tp for tp in tps if tp in self.consumer.assigned]
+                await self._revoke(tps)
+            self.sim.trace(f"assign {tps}")
+            committed = self.consumer.assign(tps)
+            await self.listener.partitions_assigned(
+                [
+                    TopicPartition(t, p, -1001 if off is None else off, metadata=meta)
+                    for (t, p), off, meta in committed
+                ]
+            )
+
+    async def _revoke(self, tps: list[TP]) -> None:
+        sim = self.sim
+        sim.trace(f"revoke {tps}")
+        sim.stats.paused_at_revoke += sum(tp in self.consumer.paused for tp in tps)
+        runner = sim.runner
+        assert runner is not None
+        parts = runner.partitions.owned(tps)
+        offsets = await self.listener.partitions_revoked([TopicPartition(*tp) for tp in tps])
+        if not self.crashed:
+            for tp in offsets:
+                sim.committed((tp.topic, tp.partition), tp.offset, tp.metadata or "")
+                self.consumer.commit((tp.topic, tp.partition), tp.offset, tp.metadata or "")
+            for part in parts:
+                # Acked messages beyond what the ack state could encode are redelivered.
+                if part.tracker is not None and not part.tracker.metadata(sim.budget)[1]:
+                    sim.allow_dups(part.tp)
+        self.consumer.revoke(tps)
+
+    async def set_paused(self, pause: Sequence[TP], resume: Sequence[TP]) -> None:
+        async def apply() -> None:
+            self.consumer.set_paused(list(pause), list(resume))
+            self.sim.stats.pauses += len(pause)
+
+        await self._run("pause", apply)
+
+    async def commit(self, offsets: Callable[[], list[TopicPartition]]) -> list[TopicPartition]:
+        async def commit() -> list[TopicPartition]:
+            chosen = offsets()
+            if not chosen:
+                return []
+            await asyncio.sleep(self.sim.rng.uniform(0.001, 0.01))  # the broker's answer
+            if self.crashed or self.sim.commits_down:
+                raise KafkaException(KafkaError(KafkaError._TRANSPORT, "commits down"))
+            for tp in chosen:
+                self.sim.committed((tp.topic, tp.partition), tp.offset, tp.metadata or "")
+                self.consumer.commit((tp.topic, tp.partition), tp.offset, tp.metadata or "")
+            return chosen
+
+        result: list[TopicPartition] = await self._run("commit", commit)
+        return result
+
+    async def position(self, tp: TP) -> int | None:
+        async def read() -> int | None:
+            return self.consumer.position.get(tp)
+
+        result: int | None = await self._run("position", read)
+        return result
+
+    async def watermarks(self, partitions: Sequence[TP]) -> dict[TP, int]:
+        async def read() -> dict[TP, int]:
+            return {tp: self.sim.logs[tp].end for tp in partitions}
+
+        result: dict[TP, int] = await self._run("watermarks", read)
+        return result
+
+    async def close(self) -> None:
+        async def close() -> None:
+            owned = sorted(self.consumer.assigned)
+            if owned and not self.crashed:
+                await self._revoke(owned)  # leaving the group revokes everything
+
+        try:
+            await self._run("close", close)
+        finally:
+            assert self.thread is not None
+            self.thread.stop()
+            await self.thread.task
+
+
+class _ErrorRecord:
+    """A consumer error as ``consume`` hands it over (a log truncation)."""
+
+    def __init__(self, tp: TP, code: int) -> None:
+        self._tp = tp
+        self._error = KafkaError(code, "log truncation detected")
+
+    def error(self) -> KafkaError:
+        return self._error
+
+    def topic(self) -> str:
+        return self._tp[0]
+
+    def partition(self) -> int:
+        return self._tp[1]
+
+
+@dataclass
+class _Endpoint:
+    target: str = "sim"
+    ejected: bool = False
+
+
+class SimPusher:
+    """``ports.Pusher``: the service, answering on virtual time."""
+
+    def __init__(self, sim: ShellSim) -> None:
+        self.sim = sim
+        self._endpoint = _Endpoint()
+
+    def start(self) -> None:
+        pass
+
+    def pick(self) -> Any:
+        return self._endpoint
+
+    async def push(self, request: Any, endpoint: Any) -> Classification:
+        sim = self.sim
+        ident = _ident(request.message.headers)
+        result, latency = sim.answer(ident)
+        await asyncio.sleep(latency)
+        return result
+
+    async def push_batch(self, payload: bytes, count: int, endpoint: Any) -> BatchOutcome:
+        sim = self.sim
+        request = handler_pb2.HandleMessageBatchRequest.FromString(payload)
+        idents = [_ident(m.headers) for m in request.messages]
+        outcome, latency = sim.answer_batch(idents)
+        sim.stats.batch_calls += 1
+        sim.stats.batched_messages += count
+        await asyncio.sleep(latency)
+        return outcome
+
+    async def close(self) -> None:
+        pass
+
+
+class SimSink:
+    """``ports.DeadLetterSink``: the DLQ; a write returns once it is confirmed."""
+
+    def __init__(self, sim: ShellSim) -> None:
+        self.sim = sim
+
+    async def write(
+        self,
+        topic: str,
+        key: bytes | None,
+        value: bytes | None,
+        headers: Any,
+        on_failure: Any = None,
+    ) -> int:
+        sim = self.sim
+        ident = int(dict(headers)["id"])
+        while sim.dlq_down:
+            if on_failure is not None:
+                on_failure(KafkaException(KafkaError(KafkaError._TRANSPORT, "dlq down")))
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(sim.rng.uniform(0.001, 0.02))
+        sim.dead_lettered(ident)
+        return 0
+
+    async def close(self, timeout_s: float = 10.0) -> None:
+        pass
+
+    def refusal(self) -> str | None:
+        return None
+
+
+def _ident(headers: Any) -> int:
+    for header in headers:
+        if header.key == "id":
+            return int(header.value)
+    raise AssertionError("a message without its id header")
+
+
+class ShellSim:
+    """One seeded schedule through the real ``GroupRunner``."""
+
+    def __init__(self, seed: int, partitions: int = 3) -> None:
+        self.seed = seed
+        self.rng = random.Random(f"shell:{seed}")
+        choose = random.Random(f"shell-config:{seed}")
+        self.ordering: Ordering = ORDERINGS[seed % len(ORDERINGS)]
+        self.keys: list[bytes | None] = [b"k%d" % i for i in range(choose.choice([1, 3, 8]))]
+        self.keys.append(None)
+        self.max_in_flight = choose.choice([4, 8, 32, 256])
+        self.concurrency = choose.choice([1, 3, 8])
+        self.budget = choose.choice([64, 4000])
+        self.value_max = choose.choice([40, 300])
+        self.batch: BatchConfig | None = (
+            BatchConfig(
+                max_messages=choose.choice([1, 2, 5, 50]),
+                max_bytes=choose.choice([16, 60, 1000]),
+                linger_ms=choose.choice([0, 0, 5]),
+            )
+            if choose.random() < 0.5
+            else None
+        )
+        self.commit_interval_ms = choose.choice([100, 500, 1000, 5000])
+        self.tps: list[TP] = [(TOPIC, p) for p in range(partitions)]
+        self.logs = {tp: Log() for tp in self.tps}
+        self.commits: dict[TP, tuple[int, str]] = {}
+        self.last_commit: dict[TP, int] = {}
+        self.lanes: dict[tuple[TP, object], list[tuple[int, int]]] = {}
+        self.lane_head: dict[tuple[TP, object], int] = {}
+        self.truth = Truth()
+        self.stats = ShellStats(batch_schedules=int(self.batch is not None))
+        self.classifier = Classifier()
+        self.next_ident = 0
+        self.step_no = 0
+        self.outage: str | None = None
+        self.dlq_down = False
+        self.commits_down = False
+        self.crashing = False
+        self.failure: InvariantViolation | None = None
+        self._trace = hashlib.sha256()
+        # The shell of the running member and where it holds messages outside the core.
+        self.runner: GroupRunner | None = None
+        self.source: SimSource | None = None
+        self._run_task: asyncio.Task[None] | None = None
+        self.taken: set[Delivery] = set()  # a worker took it from the ready queue
+        self.calls: set[Delivery] = set()  # begun, not finished
+        self.parked: set[Delivery] = set()  # a DLQ write under way
+        self.cuts: dict[TP, int] = {}  # where a log was cut, until a commit comes back to it
+        self.rebalanced_at = -1.0  # when the consumer thread last served a rebalance
+
+    # -- the member ----------------------------------------------------------------------
+
+    def group_config(self) -> GroupConfig:
+        delivery = DeliveryConfig(
+            max_in_flight=self.max_in_flight,
+            max_in_flight_bytes=BYTE_BUDGET,
+            concurrency=self.concurrency,
+            max_attempts=5,
+            metadata_budget_bytes=self.budget,
+            backoff=BackoffConfig(initial_ms=10, max_ms=500),
+            ordering=self.ordering,
+            batch=self.batch,
+            commit_interval_ms=self.commit_interval_ms,
+            revoke_grace_ms=int((TIMEOUT_S + 0.5) * 1000),
+            fetch_batch=5,
+        )
+        return GroupConfig(
+            name=GROUP,
+            topics=[TOPIC],
+            service=ServiceConfig(endpoints=["127.0.0.1:1"], timeout_ms=int(TIMEOUT_S * 1000)),
+            delivery=delivery,
+            circuit_breaker=CircuitBreakerConfig(failure_threshold=5, reset_timeout_s=2.0),
+            dead_letter_guard=DeadLetterGuardConfig(enabled=False),
+        )
+
+    async def _open_edges(self, group: GroupConfig, hooks: EdgeHooks) -> Edges | None:
+        self.source = SimSource(self, hooks.listener)
+        loop = asyncio.get_running_loop()
+        return Edges(self.source, SimPusher(self), SimSink(self), loop.time)
+
+    def start_member(self) -> None:
+        loop = asyncio.get_running_loop()
+        runner = GroupRunner(
+            self.group_config(), ProxyMetrics(CollectorRegistry()), self._open_edges, 5.0
+        )
+        # The seams the runner does not take as arguments: its breaker's and its core's
+        # clocks (monotonic and wall time) and the core's random jitter, all virtual here.
+        runner.breaker._clock = loop.time
+        core = runner.partitions
+        core._clock = lambda: WALL_EPOCH_S + loop.time()
+        core._rng = random.Random(self.rng.random())
+        self.taken, self.calls, self.parked = set(), set(), set()
+        self._spy(runner, core)
+        self.runner = runner
+        self._run_task = loop.create_task(runner.run(), name="sim:runner")
+
+    def _spy(self, runner: GroupRunner, core: PartitionSet) -> None:
+        """Follow each message through the shell: wrap the core's calls on this instance."""
+
+        def wrap(name: str, after: Callable[..., None]) -> None:
+            call = getattr(core, name)
+
+            def wrapped(*args: Any) -> Any:
+                result = call(*args)
+                after(result, *args)
+                return result
+
+            setattr(core, name, wrapped)
+
+        def dropped(stale: bool, d: Delivery) -> None:
+            if stale:
+                self.taken.discard(d)
+                self.stats.stale_drops += 1
+
+        def begun(began: bool, d: Delivery) -> None:
+            self.taken.discard(d)
+            if began:
+                self.calls.add(d)
+                self._pushed(d)
+
+        def finished(decision: Decision | None, d: Delivery, *_: Any) -> None:
+            self.calls.discard(d)
+            self._decided(d, decision)
+
+        def ended(_: Any, d: Delivery) -> None:
+            self.calls.discard(d)
+
+        def unparked(_: Any, d: Delivery) -> None:
+            self.parked.discard(d)
+
+        wrap("drop_stale", dropped)
+        wrap("begin", begun)
+        wrap("finish", finished)
+        wrap("abandon", ended)
+        for name in ("dead_lettered", "dead_letter_abandoned", "tier_written", "tier_abandoned"):
+            wrap(name, unparked)
+        tally = runner._tally
+        park = tally._park
+
+        def parking(d: Delivery, decision: Decision, status: str, endpoint: str) -> None:
+            self.parked.add(d)
+            park(d, decision, status, endpoint)
+
+        tally._park = parking
+        ready = runner.ready
+        if isinstance(ready, asyncio.Queue):
+            get = ready.get
+
+            async def taking() -> Delivery:
+                d = await get()
+                self.taken.add(d)
+                return d
+
+            setattr(ready, "get", taking)  # noqa: B010 (an instance attribute over a method)
+
+    async def stop_member(self, crash: bool = False) -> None:
+        runner, task, source = self.runner, self._run_task, self.source
+        assert runner is not None and task is not None
+        if crash and source is not None:
+            source.crashed = True  # nothing is committed from now on
+            self.crashing = True
+            self.truth.dup_ok |= self.truth.acked
+        self.trace(f"stop crash={crash}")
+        runner.stop()
+        await task
+        self.crashing = False
+        self.check_nothing_left()
+        self.runner = self.source = self._run_task = None
+
+    def check_nothing_left(self) -> None:
+        """After ``stop()``: no task of the group left, no timer scheduled."""
+        me = asyncio.current_task()
+        left = [t.get_name() for t in asyncio.all_tasks() if t is not me]
+        if left:
+            self.fail(f"tasks left running after stop(): {sorted(left)}")
+        loop = asyncio.get_running_loop()
+        timers = [h for h in getattr(loop, "_scheduled", []) if not h.cancelled()]
+        if timers:
+            self.fail(f"{len(timers)} timers left scheduled after stop(): {timers[:3]}")
+
+    # -- checks --------------------------------------------------------------------------
+
+    def fail(self, what: str) -> None:
+        now = asyncio.get_running_loop().time()
+        violation = InvariantViolation(
+            f"shell seed {self.seed}, step {self.step_no}, t={now:.3f}s: {what} "
+            f"(replay: python -m tests.sim --shell --seed {self.seed})"
+        )
+        if self.failure is None:
+            self.failure = violation
+        raise violation
+
+    def trace(self, line: str) -> None:
+        now = asyncio.get_running_loop().time()
+        self._trace.update(f"{now:.6f} {line}\n".encode())
+
+    @property
+    def digest(self) -> str:
+        return self._trace.hexdigest()
+
+    def turn(self, what: str, queued: float) -> None:
+        """A call gets its turn on the consumer thread."""
+        if what != "commit" or self.source is None:
+            return
+        waited = asyncio.get_running_loop().time() - queued
+        # A commit that falls due during an idle wait is served at the end of the wait's
+        # chunk (CONSUME_CHUNK_S); one due when the wait began must not wait behind it. (A
+        # rebalance served meanwhile waits for calls: up to revoke_grace_ms.)
+        late = waited > FETCH_WAIT_S + 0.05 and self.rebalanced_at < queued
+        if late and self.source.idle_while_due and not self._stopping():
+            self.fail(
+                f"a commit due since t={queued:.3f}s waited {waited:.3f}s behind an idle "
+                "wait that began while it was due"
+            )
+
+    def _stopping(self) -> bool:
+        runner = self.runner
+        return runner is None or runner._stopping.is_set()
+
+    def committed(self, tp: TP, offset: int, metadata: str) -> None:
+        log = self.logs[tp]
+        done = self.truth.done
+        for o, msg in log.records.items():
+            if o < offset and msg.ident not in done:
+                self.fail(f"commit {tp}@{offset} passes offset {o} (message {msg.ident} not done)")
+        if metadata:
+            state = decode(metadata)
+            for o in range(state.base, state.end):
+                found = log.records.get(o)
+                if (
+                    state.is_done(o)
+                    and found is not None
+                    and found.ident not in done
+                    # a record written after a cut has a later leader epoch than the state:
+                    # a reader drops the state when it fetches it
+                    and not (state.epoch is not None and log.epochs[o] > state.epoch)
+                ):
+                    self.fail(f"commit metadata of {tp} marks {o} done (message {found.ident})")
+        last = self.last_commit.get(tp, 0)
+        cut = self.cuts.get(tp)
+        # Only a commit past the end of a cut log may be followed by one further back (it
+        # may have been planned before the cut, or before the member noticed it).
+        if offset < last and not (cut is not None and last > cut):
+            self.fail(f"commit of {tp} goes back from {last} to {offset}")
+        if cut is not None and offset <= cut:
+            del self.cuts[tp]
+        self.last_commit[tp] = offset
+        self.stats.commits += 1
+        self.trace(f"commit {tp} {offset} {metadata}")
+
+    def allow_dups(self, tp: TP) -> None:
+        for msg in self.logs[tp].records.values():
+            if msg.ident in self.truth.acked:
+                self.truth.dup_ok.add(msg.ident)
+
+    def _lane(self, tp: TP, key: bytes | None) -> tuple[TP, object]:
+        return (tp, key if self.ordering == "key" else "*")
+
+    def _pushed(self, d: Delivery) -> None:
+        ident = int(dict(d.headers)["id"])
+        truth = self.truth
+        self.stats.pushes += 1
+        self.trace(f"push {ident} attempt {d.attempt}")
+        if ident in truth.acked and ident not in truth.dup_ok:
+            self.fail(f"message {ident} pushed again after it was acked")
+        truth.attempts[ident] = truth.attempts.get(ident, 0) + 1
+        if self.ordering == "none":
+            return
+        tp = d.part.tp
+        lane = self._lane(tp, d.key)
+        for other in self.calls:
+            if (
+                other is not d
+                and not other.stale
+                and other.part.tp == tp
+                and self._lane(tp, other.key) == lane
+                and other.offset != d.offset
+            ):
+                self.fail(f"{tp}@{d.offset} pushed while @{other.offset} of its key is in flight")
+        entries = self.lanes.get(lane, [])
+        head = self.lane_head.get(lane, 0)
+        while head < len(entries) and entries[head][1] in truth.done:
+            head += 1
+        self.lane_head[lane] = head
+        if head < len(entries) and entries[head][0] < d.offset:
+            self.fail(f"{tp}@{d.offset} pushed before @{entries[head][0]} of its key is done")
+
+    def _decided(self, d: Delivery, decision: Decision | None) -> None:
+        if decision is None:
+            return
+        ident = int(dict(d.headers)["id"])
+        truth = self.truth
+        action = decision.action
+        self.trace(f"decided {ident} {action.value}")
+        if action is Action.ACK:
+            truth.acked.add(ident)
+            truth.done.add(ident)
+            self.stats.acked += 1
+            if self.crashing:
+                truth.dup_ok.add(ident)
+        elif action is Action.DROP:
+            truth.done.add(ident)
+        elif action is Action.DEAD_LETTER:
+            if not truth.behaviour[ident].startswith(("poison", "timeout:", "garbled")):
+                self.fail(f"message {ident} ({truth.behaviour[ident]}) dead-lettered")
+        elif action is not Action.RETRY:
+            self.fail(f"message {ident}: unexpected decision {decision}")
+
+    def dead_lettered(self, ident: int) -> None:
+        self.truth.dlq.append(ident)
+        self.truth.done.add(ident)
+        self.stats.dead_lettered += 1
+        self.trace(f"dlq {ident}")
+
+    def check(self) -> None:
+        runner = self.runner
+        if runner is None or self._stopping():
+            return
+        core = runner.partitions
+        for part in core.parts.values():
+            if part.tracker is not None and part.tracker.in_flight > self.max_in_flight:
+                self.fail(f"{part.tp} holds {part.tracker.in_flight} offsets in flight")
+        slack = self.value_max + 16
+        for budget in core.budgets:
+            if budget.held > BYTE_BUDGET + slack:
+                self.fail(f"{budget.held} bytes held over the {BYTE_BUDGET}-byte budget")
+        calls = len(runner.push.pushing) if runner.push is not None else 0
+        if calls > self.concurrency:
+            self.fail(f"{calls} calls over concurrency {self.concurrency}")
+        self.check_bytes(runner, core)
+
+    def check_bytes(self, runner: GroupRunner, core: PartitionSet) -> None:
+        """Each partition's byte count is the sum of the messages held for it, wherever the
+        shell holds them; each budget is the sum of its partitions' counts."""
+        ready = runner.ready
+        queued = list(ready.items) if isinstance(ready, ReadyDeque) else list(ready._queue)  # type: ignore[attr-defined]
+        places: list[Sequence[Delivery]] = [
+            queued,
+            list(self.taken),
+            [d for d in self.calls if not d.moved],
+            list(self.parked),
+        ]
+        for part in core.parts.values():
+            places.append([d for d, _ in part.retrying.values()])
+            places.append([d for d, _ in part.due.values()])
+            places.append([held.delivery for held in part.held.values()])
+            if part.gate is not None:
+                places.append(list(part.gate.waiting_items()))
+        held: dict[int, Delivery] = {}
+        for place in places:
+            for d in place:
+                held[id(d)] = d
+        sums: dict[int, int] = {}
+        for d in held.values():
+            sums[id(d.part)] = sums.get(id(d.part), 0) + d.size
+        budgets = {id(budget): 0 for budget in core.budgets}
+        for part in core.parts.values():
+            budgets[id(part.budget)] += part.bytes
+            if part.leaving:
+                continue  # a revoke gives back what its refused messages held
+            if part.bytes != sums.get(id(part), 0):
+                self.fail(
+                    f"{part.tp} counts {part.bytes} bytes but its messages still held add up "
+                    f"to {sums.get(id(part), 0)} (a message left without giving them back)"
+                )
+        if any(budget.held != budgets[id(budget)] for budget in core.budgets):
+            self.fail(f"the budgets ({core.bytes} bytes) are not the sum of their partitions'")
+
+    # -- the service ---------------------------------------------------------------------
+
+    def _behave(self, ident: int) -> tuple[grpc.StatusCode, int]:
+        """The service's answer for one message: (status, response action)."""
+        behaviour = self.truth.behaviour[ident]
+        tries = self.truth.attempts.get(ident, 0)
+        if self.outage == "unavailable":
+            return grpc.StatusCode.UNAVAILABLE, 0
+        if behaviour.startswith("timeout:") and tries <= int(behaviour[8:]):
+            return grpc.StatusCode.DEADLINE_EXCEEDED, 0
+        if behaviour == "poison":
+            return grpc.StatusCode.INVALID_ARGUMENT, 0
+        if behaviour == "drop":
+            return grpc.StatusCode.OK, handler_pb2.HandleMessageResponse.DROP
+        if behaviour.startswith("flaky:") and tries <= int(behaviour[6:]):
+            return grpc.StatusCode.INTERNAL, 0
+        return grpc.StatusCode.OK, 0
+
+    def answer(self, ident: int) -> tuple[Classification, float]:
+        """One unary call's result and how long it takes."""
+        code, action = self._behave(ident)
+        latency = self.rng.uniform(0.001, 0.05)
+        if self.outage == "hung" or code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            code, action, latency = grpc.StatusCode.DEADLINE_EXCEEDED, 0, TIMEOUT_S
+        elif self.outage == "unavailable":
+            latency = 0.001
+        if code != grpc.StatusCode.OK:
+            return self.classifier.from_status(code, code.name), latency
+        response = handler_pb2.HandleMessageResponse(action=action)  # type: ignore[arg-type]
+        return self.classifier.from_response(response), latency
+
+    def answer_batch(self, idents: list[int]) -> tuple[BatchOutcome, float]:
+        """One batch call's outcome (per-message statuses, a failed call, a glitch)."""
+        rng = self.rng
+        count = len(idents)
+        latency = max(rng.uniform(0.001, 0.05) for _ in idents)
+        classifier = self.classifier
+        if self.outage == "hung":
+            code = grpc.StatusCode.DEADLINE_EXCEEDED
+            return classify_failed_call(classifier, code, "deadline", count), TIMEOUT_S
+        if self.outage == "unimplemented":
+            code = grpc.StatusCode.UNIMPLEMENTED
+            return classify_failed_call(classifier, code, "no batch", count), 0.001
+        if self.outage == "unavailable" and rng.random() < 0.5:
+            code = grpc.StatusCode.UNAVAILABLE
+            return classify_failed_call(classifier, code, "down", count), 0.001
+        answers = []
+        for ident in idents:
+            code, action = self._behave(ident)
+            answers.append(
+                handler_pb2.HandleMessageResponse(
+                    status_code=code.value[0] if code != grpc.StatusCode.OK else 0,
+                    action=action,  # type: ignore[arg-type]
+                    reason=code.name,
+                )
+            )
+        if count > 1 and rng.random() < 0.03:  # a glitch: one result too few or too many
+            if rng.random() < 0.5:
+                answers.pop()
+            else:
+                answers.append(handler_pb2.HandleMessageResponse())
+        response = handler_pb2.HandleMessageBatchResponse(results=answers)
+        return classify_batch(classifier, response, count), latency
+
+    # -- the schedule --------------------------------------------------------------------
+
+    def produce(self) -> None:
+        rng = self.rng
+        for _ in range(rng.randint(1, 12)):
+            tp = rng.choice(self.tps)
+            x = rng.random()
+            behaviour = (
+                "poison"
+                if x < 0.03
+                else f"timeout:{rng.randint(1, 8)}"
+                if x < 0.04
+                else "drop"
+                if x < 0.05
+                else f"flaky:{rng.randint(1, 3)}"
+                if x < 0.12
+                else "ok"
+            )
+            key = rng.choice(self.keys) if self.ordering != "none" else None
+            msg = Msg(self.next_ident, behaviour, key=key, value=b"v" * rng.randint(0, 40))
+            if self.value_max > 40 and rng.random() < 0.3:
+                msg = Msg(msg.ident, behaviour, key=key, value=b"v" * rng.randint(0, 300))
+            self.truth.behaviour[msg.ident] = behaviour
+            self.next_ident += 1
+            log = self.logs[tp]
+            log.append(msg, gap=1 if rng.random() < 0.05 else 0)
+            self.lanes.setdefault(self._lane(tp, key), []).append((log.end - 1, msg.ident))
+            self.stats.produced += 1
+        if self.source is not None:
+            self.source.arrived.set()
+
+    def rebalance(self) -> None:
+        source = self.source
+        if source is None:
+            return
+        tps = self.rng.sample(self.tps, self.rng.randint(1, len(self.tps)))
+        source.pending.append(sorted(tps))
+        source.arrived.set()
+        self.stats.rebalances += 1
+
+    def truncate(self) -> None:
+        """An unclean leader election cuts a log at or above its commit; the member is told
+        (a _LOG_TRUNCATION error from consume) when the cut is below what it received."""
+        rng = self.rng
+        tp = rng.choice(self.tps)
+        log = self.logs[tp]
+        floor = self.commits.get(tp, (0, ""))[0]
+        if log.end <= floor or (self.source is not None and self.source.rebalancing):
+            # Not while a revoke waits for its calls: the member hears of the cut only after
+            # it, and its final commit could pass records written after the cut. Kafka's
+            # leader-epoch check of a committed offset (KIP-320) is what catches that on the
+            # next assignment; the simulated consumer does not model it.
+            return
+        cut = rng.randint(floor, log.end - 1)
+        for msg in log.truncate(cut):
+            self.truth.done.discard(msg.ident)  # gone: no longer owed to anyone
+        for lane, entries in self.lanes.items():
+            if lane[0] == tp:
+                entries[:] = [e for e in entries if e[0] < cut]
+                self.lane_head[lane] = 0
+        self.allow_dups(tp)  # the ack state above the fetch position is dropped
+        self.cuts[tp] = min(cut, self.cuts.get(tp, cut))
+        self.stats.truncations += 1
+        self.trace(f"truncate {tp} {cut}")
+        source, runner = self.source, self.runner
+        if source is None or runner is None:
+            return
+        source.consumer.truncated(tp, cut)
+        part = runner.partitions.parts.get(tp)
+        if part is not None and cut < part.received_end:
+            source.errors.append(_ErrorRecord(tp, KafkaError._LOG_TRUNCATION))
+            source.arrived.set()
+        else:
+            self.stats.silent_truncations += 1
+
+    async def step(self) -> None:
+        self.step_no += 1
+        rng = self.rng
+        x = rng.random()
+        if x < 0.35:
+            self.produce()
+        elif x < 0.38:
+            self.rebalance()
+        elif x < 0.39:
+            crash = rng.random() < 0.3
+            await self.stop_member(crash)
+            self.stats.crashes += crash
+            self.stats.restarts += not crash
+            self.start_member()
+        elif x < 0.40:
+            outages = ["unavailable", "hung"] + (["unimplemented"] if self.batch else [])
+            self.outage = None if self.outage else rng.choice(outages)
+            self.stats.outages += self.outage is not None
+        elif x < 0.41:
+            self.dlq_down = not self.dlq_down
+            self.stats.dlq_outages += self.dlq_down
+        elif x < 0.415:
+            self.commits_down = not self.commits_down
+            self.stats.commit_outages += self.commits_down
+        elif x < 0.425:
+            self.truncate()
+        wait = rng.uniform(0.0, 0.25) if rng.random() < 0.95 else rng.uniform(1.0, 8.0)
+        await asyncio.sleep(wait)
+        self._raise_failure()
+        self.check()
+
+    def _raise_failure(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+        task = self._run_task
+        if task is not None and task.done():
+            task.result()  # the group failed: its exception is the finding
+            self.fail("the group stopped by itself")
+
+    def _drained(self) -> bool:
+        return all(self.commits.get(tp, (0, ""))[0] >= self.logs[tp].end for tp in self.tps)
+
+    async def drain(self) -> None:
+        """Heal everything; every partition must drain within DRAIN_LIMIT_S of virtual time."""
+        self.outage = None
+        self.dlq_down = False
+        self.commits_down = False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + DRAIN_LIMIT_S
+        while not self._drained():
+            if loop.time() >= deadline:
+                lag = {tp: (self.commits.get(tp, (0, ""))[0], self.logs[tp].end) for tp in self.tps}
+                paused = sorted(self.source.consumer.paused) if self.source else []
+                self.fail(
+                    f"partitions did not drain in {DRAIN_LIMIT_S:.0f}s: (committed, end) {lag}; "
+                    f"paused in the consumer: {paused}"
+                )
+            await asyncio.sleep(0.5)
+            self._raise_failure()
+            self.check()
+        for tp, log in self.logs.items():
+            for o, msg in log.records.items():
+                if msg.ident not in self.truth.done:
+                    self.fail(f"message {msg.ident} at {tp}@{o} was never done")
+
+    async def run(self, steps: int) -> ShellStats:
+        self.start_member()
+        for _ in range(steps):
+            await self.step()
+        await self.drain()
+        await self.stop_member()
+        self.stats.steps = steps
+        self.stats.virtual_s = int(asyncio.get_running_loop().time())
+        return self.stats
+
+
+def run_shell(seed: int, steps: int) -> tuple[ShellStats, str]:
+    """One schedule through the real shell, then the drain and a graceful stop; returns its
+    stats and trace digest; raises InvariantViolation."""
+    sim = ShellSim(seed)
+    stats = run_virtual(sim.run(steps))
+    return stats, sim.digest
+
+
+__all__ = ["ShellSim", "ShellStats", "run_shell"]
