@@ -391,6 +391,17 @@ class SimPusher:
         await asyncio.sleep(latency)
         return outcome
 
+    def batches(self, endpoint: Any) -> bool:
+        return True  # the schedules configure batch mode always, or off
+
+    def batch_support(self) -> str:
+        return ""
+
+    async def push_stream(
+        self, request: Any, endpoint: Any, watch: Any, on_heartbeat: Any
+    ) -> Classification:
+        raise NotImplementedError  # no schedule runs long-running calls
+
     async def close(self) -> None:
         pass
 
