@@ -226,10 +226,12 @@ def test_unimplemented_is_an_outage_even_when_overridden() -> None:
 # ------------------------------------------------------------------ configuration
 
 
-def test_batching_is_off_unless_the_block_is_present() -> None:
-    assert DeliveryConfig().batch is None
+def test_batching_is_auto_by_default_off_when_asked_and_always_with_a_block() -> None:
+    auto = DeliveryConfig().batch
+    assert auto is not None and auto.mode == "auto"
+    assert DeliveryConfig.model_validate({"batch": "off"}).batch is None
     on = DeliveryConfig.model_validate({"batch": {}}).batch
-    assert on is not None
+    assert on is not None and on.mode == "always"
     assert (on.max_messages, on.max_bytes, on.linger_ms) == (100, 1024 * 1024, 0)
 
 

@@ -372,6 +372,7 @@ async def test_a_lost_partitions_dlq_write_is_cancelled_and_its_message_given_ba
         name="lost",
         topics=["t"],
         service={"endpoints": ["127.0.0.1:1"]},
+        delivery={"batch": "off"},  # unary: one ready queue
     )
     metrics = ProxyMetrics()
     runner = GroupRunner(group, metrics, RealEdges(kafka, metrics))
