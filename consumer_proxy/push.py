@@ -39,6 +39,7 @@ from .core.heartbeat import CallWatch, Cancel
 from .core.outcomes import Classification
 from .core.partitions import Delivery, PartitionSet, PartitionState
 from .flow import Breaker, ConcurrencyLimiter, RateLimiter
+from .kafka_log import KafkaLogGate
 from .metrics import ProxyMetrics
 from .parking import Tally
 from .ports import Clock, Pusher
@@ -209,6 +210,12 @@ class UnaryPush(_Push):
             del self.open[delivery]
             self._m_in_flight.dec()
             self._call_ended.set()
+        return self._settle(delivery, result, probe, endpoint)
+
+    def _settle(
+        self, delivery: Delivery, result: Classification, probe: bool, endpoint: Any
+    ) -> Classification:
+        """A one-message call's answer: the breaker hears it, then the core decides."""
         if result.service_failure:
             self.last_failure = f"{result.status} from {endpoint.target}: {result.reason}"
         self._tell_breaker(result.service_failure, endpoint, probe)
@@ -245,6 +252,9 @@ class BatchPush(_Push):
         self._m_batch_size = self._metrics.batch_size.labels(self.name)
         self._m_unsupported = self._metrics.batch_unsupported.labels(self.name)
         self._m_protocol_errors = self._metrics.batch_protocol_errors.labels(self.name)
+        # A service that answers every batch wrongly would log a line per call (per message
+        # once they go alone): repeats within a minute are counted and said once.
+        self._lines = KafkaLogGate(log, f"group {self.name}")
 
     def ready_low(self) -> bool:
         """Fewer messages are ready than two batches."""
@@ -387,11 +397,10 @@ class BatchPush(_Push):
             self._on_problem()
         if outcome.protocol_error:
             self._m_protocol_errors.inc()
-            log.warning(
-                "group %s: protocol error from %s: %s; the batch is retried (no attempt counted)",
-                self.name,
-                target,
-                outcome.protocol_error,
+            self._lines.say(
+                logging.WARNING,
+                f"protocol error from {target}: {outcome.protocol_error}; its messages go "
+                "alone (a batch of several: retried, no attempt counted; alone: counted)",
             )
 
 

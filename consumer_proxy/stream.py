@@ -104,10 +104,4 @@ class StreamPush(UnaryPush):
         expiry = watch.expired(asyncio.get_running_loop().time())
         if expiry is not None and result.status in {"DEADLINE_EXCEEDED", MAX_PROCESSING_STATUS}:
             self._m_expired[expiry].inc()
-        if result.service_failure:
-            self.last_failure = f"{result.status} from {endpoint.target}: {result.reason}"
-        self._tell_breaker(result.service_failure, endpoint, probe)
-        decision = self.partitions.finish(delivery, result, probe)
-        if decision is not None:
-            self.tally.settled(delivery, decision, result.status, endpoint.target)
-        return result
+        return self._settle(delivery, result, probe, endpoint)

@@ -139,7 +139,8 @@ class Classifier:
         row and its override do not apply), its reason starting with
         :data:`TOO_LARGE_REASON`, and so dead-lettered after ``max_attempts``.
         """
-        if code == _C.RESOURCE_EXHAUSTED and details and _TOO_LARGE.search(details):
+        # (details come from the service: only their start is searched, whatever their size)
+        if code == _C.RESOURCE_EXHAUSTED and details and _TOO_LARGE.search(details, 0, 1024):
             return Classification(
                 Outcome.RETRY, code.name, reason=clip_reason(f"{TOO_LARGE_REASON}: {details}")
             )

@@ -732,11 +732,11 @@ class PartitionSet:
                 unblocks.popleft()
             if len(unblocks) >= self._max_unblock:
                 continue
-            unblocks.append(now_s)
-            part.head = (head, now_s)
             decision = unblock(delivery.counted_here, delivery.tier, self._policy, waited)
             if decision.action is Action.DEAD_LETTER and self.guard is not None and self.guard.held:
-                continue  # a dead letter waits while the guard holds (its call goes on)
+                continue  # a dead letter waits while the guard holds (no unblock spent)
+            unblocks.append(now_s)
+            part.head = (head, now_s)
             if retrying is not None and retrying[0] is delivery:
                 retrying[1].cancel()
                 part.timers.discard(retrying[1])
