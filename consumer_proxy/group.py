@@ -159,6 +159,7 @@ class GroupRunner:
             self.metrics,
             edges.clock,
             self._call_ended,
+            edges.tracer,
         )
         d = self.group.delivery
         if d.long_running is not None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +44,7 @@ from .metrics import ProxyMetrics
 from .parking import Tally
 from .ports import Clock, Pusher
 from .readyq import ReadyDeque
+from .tracing import Tracer
 from .wire import batch_request, unary_request
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,8 @@ class PushParts:
     clock: Clock
     call_ended: asyncio.Event
     """Set after every call (revocation waits on it)."""
+    tracer: Tracer | None = None
+    """The group's tracer; None while tracing is off (a message then costs a None check)."""
 
 
 @dataclass(slots=True)
@@ -92,6 +95,7 @@ class _Push:
         self._metrics = parts.metrics
         self._clock = parts.clock
         self._call_ended = parts.call_ended
+        self._tracer = parts.tracer
         self.pushing: set[asyncio.Task[Any]] = set()
         """The workers with a call under way (shutdown gives them the grace period)."""
         self.draining = False
@@ -158,9 +162,12 @@ class UnaryPush(_Push):
         assert me is not None
         clock = self._clock
         partitions = self.partitions
+        tracer = self._tracer
         while not self.draining:
             delivery = await ready.get()
             if partitions.drop_stale(delivery):
+                if delivery.trace is not None:
+                    delivery.trace.end("stale")
                 continue
             if self.rate is not None:
                 await self.rate.acquire()
@@ -174,11 +181,18 @@ class UnaryPush(_Push):
             rtt = 0.0
             began = False
             try:
-                probe = await self.breaker.acquire()
+                if tracer is None:
+                    probe = await self.breaker.acquire()
+                else:
+                    held = clock()
+                    probe = await self.breaker.acquire()
+                    held = clock() - held
                 began = partitions.begin(delivery)
                 if began:
                     if delivery.tier:
                         self._tier_delivered(delivery)
+                    if tracer is not None:
+                        tracer.begin(delivery, held)
                     self.pushing.add(me)
                     started = clock()
                     result = await self._deliver(delivery, probe)
@@ -190,6 +204,8 @@ class UnaryPush(_Push):
                     self.breaker.abandon_probe()
                 if began and result is None:
                     partitions.abandon(delivery)
+                    if delivery.trace is not None and delivery.stale:
+                        delivery.trace.end("stale")
                 self.limiter.release(rtt, result)
 
     async def _deliver(self, delivery: Delivery, probe: bool) -> Classification | None:
@@ -200,8 +216,15 @@ class UnaryPush(_Push):
         worker = asyncio.current_task()
         assert worker is not None
         self.open[delivery] = OpenCall(worker, self._clock())
+        trace = delivery.trace
+        span, metadata = (
+            (None, None)
+            if trace is None
+            else trace.attempt("HandleMessage", endpoint.target, delivery.attempt)
+        )
+        result: Classification | None = None
         try:
-            result = await self.pusher.push(request, endpoint)
+            result = await self.pusher.push(request, endpoint, metadata)
         except asyncio.CancelledError:
             if self._cancelled_here(delivery):
                 return None
@@ -210,6 +233,8 @@ class UnaryPush(_Push):
             del self.open[delivery]
             self._m_in_flight.dec()
             self._call_ended.set()
+            if trace is not None:
+                trace.attempt_done(span, result)
         return self._settle(delivery, result, probe, endpoint)
 
     def _settle(
@@ -222,6 +247,12 @@ class UnaryPush(_Push):
         decision = self.partitions.finish(delivery, result, probe)
         if decision is not None:
             self.tally.settled(delivery, decision, result.status, endpoint.target)
+        trace = delivery.trace
+        if trace is not None:
+            if decision is not None:
+                trace.decided(decision, result.status)
+            elif not delivery.moved:
+                trace.end("stale")
         return result
 
 
@@ -287,9 +318,12 @@ class BatchPush(_Push):
                 if ready.items:
                     ready.wake()  # more is ready than this call takes: another slot goes
                 began = [d for d in batch if partitions.begin(d)]
+                tracer = self._tracer
                 for d in began:
                     if d.tier:
                         self._tier_delivered(d)
+                    if tracer is not None:
+                        tracer.begin(d, 0.0)
                 if began:
                     self.pushing.add(me)
                     if self.rate is not None:
@@ -309,17 +343,29 @@ class BatchPush(_Push):
                 if outcome is None:
                     for delivery in began:
                         partitions.abandon(delivery)
+                        if delivery.trace is not None and delivery.stale:
+                            delivery.trace.end("stale")
                 self.limiter.release(rtt, outcome.call if outcome is not None else None)
 
     async def _deliver(self, batch: list[Delivery], probe: bool, endpoint: Any) -> BatchOutcome:
-        payload = batch_request(batch, self.name)
+        tracer = self._tracer
+        payload = batch_request(batch, self.name, tracer is not None)
         count = len(batch)
+        span, metadata = (
+            (None, None)
+            if tracer is None
+            else tracer.batch_call(batch, "HandleMessageBatch", endpoint.target)
+        )
+        status = "CANCELLED"
         self._m_in_flight.inc()  # calls, as in unary mode
         try:
-            outcome = await self.pusher.push_batch(payload, count, endpoint)
+            outcome = await self.pusher.push_batch(payload, count, endpoint, metadata)
+            status = outcome.call.status
         finally:
             self._m_in_flight.dec()
             self._call_ended.set()
+            if tracer is not None:
+                tracer.batch_done(span, status, count)
         if outcome.unimplemented and self.auto:
             # The instance serves HandleMessage only (the pusher now knows): the same
             # messages go again at once, unary; the batch call counted for nothing.
@@ -332,16 +378,13 @@ class BatchPush(_Push):
         self, batch: list[Delivery], probe: bool, endpoint: Any
     ) -> BatchOutcome:
         """``batch`` as unary calls to ``endpoint``, all at once; one breaker record."""
-        name = self.name
-        push = self.pusher.push
+        one = self._unary_call
         self._m_in_flight.inc()
         try:
             if len(batch) == 1:
-                results = [await push(unary_request(batch[0], name), endpoint)]
+                results = [await one(batch[0], endpoint)]
             else:
-                results = list(
-                    await asyncio.gather(*(push(unary_request(d, name), endpoint) for d in batch))
-                )
+                results = list(await asyncio.gather(*(one(d, endpoint) for d in batch)))
         finally:
             self._m_in_flight.dec()
             self._call_ended.set()
@@ -350,6 +393,23 @@ class BatchPush(_Push):
             call = outcome.call
             self.last_failure = f"{call.status} from {endpoint.target}: {call.reason}"
         return self._finished(batch, outcome, probe, endpoint)
+
+    def _unary_call(self, delivery: Delivery, endpoint: Any) -> Awaitable[Classification]:
+        """One message of batch mode in a unary call (with its attempt span when traced)."""
+        request = unary_request(delivery, self.name)
+        if delivery.trace is None:
+            return self.pusher.push(request, endpoint)
+        return self._traced_call(delivery, request, endpoint)
+
+    async def _traced_call(self, delivery: Delivery, request: Any, endpoint: Any) -> Classification:
+        trace = delivery.trace
+        span, metadata = trace.attempt("HandleMessage", endpoint.target, delivery.attempt)
+        result: Classification | None = None
+        try:
+            result = await self.pusher.push(request, endpoint, metadata)
+        finally:
+            trace.attempt_done(span, result)
+        return result
 
     def _finished(
         self, batch: list[Delivery], outcome: BatchOutcome, probe: bool, endpoint: Any
@@ -363,8 +423,13 @@ class BatchPush(_Push):
         acks = 0
         for delivery, result in zip(batch, outcome.results, strict=True):
             decision = finish(delivery, result, probe)
+            trace = delivery.trace
             if decision is None:
+                if trace is not None and not delivery.moved:
+                    trace.end("stale")
                 continue
+            if trace is not None:
+                trace.decided(decision, result.status)
             if decision.action is Action.ACK:
                 acks += 1
                 continue

@@ -90,8 +90,17 @@ class StreamPush(UnaryPush):
         self.open[delivery] = OpenCall(worker, self._clock(), watch)
         self._m_in_flight.inc()
         self._m_open.inc()
+        trace = delivery.trace
+        span, metadata = (
+            (None, None)
+            if trace is None
+            else trace.attempt("HandleMessageStream", endpoint.target, delivery.attempt)
+        )
+        result: Classification | None = None
         try:
-            result = await self.pusher.push_stream(request, endpoint, watch, self._m_gap.observe)
+            result = await self.pusher.push_stream(
+                request, endpoint, watch, self._m_gap.observe, metadata
+            )
         except asyncio.CancelledError:
             if self._cancelled_here(delivery):
                 return None
@@ -101,6 +110,8 @@ class StreamPush(UnaryPush):
             self._m_open.dec()
             self._m_in_flight.dec()
             self._call_ended.set()
+            if trace is not None:
+                trace.attempt_done(span, result)
         expiry = watch.expired(asyncio.get_running_loop().time())
         if expiry is not None and result.status in {"DEADLINE_EXCEEDED", MAX_PROCESSING_STATUS}:
             self._m_expired[expiry].inc()
