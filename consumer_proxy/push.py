@@ -181,18 +181,15 @@ class UnaryPush(_Push):
             rtt = 0.0
             began = False
             try:
-                if tracer is None:
-                    probe = await self.breaker.acquire()
-                else:
-                    held = clock()
-                    probe = await self.breaker.acquire()
-                    held = clock() - held
+                # (traced: how long an open breaker holds the message, an event of its span)
+                held_from = clock() if tracer is not None and self.breaker.is_open else None
+                probe = await self.breaker.acquire()
                 began = partitions.begin(delivery)
                 if began:
                     if delivery.tier:
                         self._tier_delivered(delivery)
                     if tracer is not None:
-                        tracer.begin(delivery, held)
+                        tracer.begin(delivery, 0.0 if held_from is None else clock() - held_from)
                     self.pushing.add(me)
                     started = clock()
                     result = await self._deliver(delivery, probe)
