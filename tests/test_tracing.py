@@ -1,9 +1,10 @@
 """Tracing (issue 31): one trace from the producer through Kafka and the proxy into the service.
 
-Real parts: the local Kafka broker, a real OTLP receiver nobody here wrote (Jaeger v2, built
-from the Go module proxy, in-memory storage; tests/support/jaeger.py) from which every trace is
-read back, the Python SDK service (``consumer_proxy.handler``) with its own tracer provider,
-and the Go example (examples/go) with the OpenTelemetry Go gRPC instrumentation.
+Real parts: the local Kafka broker; a real OTLP receiver nobody here wrote (the OpenTelemetry
+Collector's OTLP receiver and file exporter, built from the Go module proxy:
+tests/support/collector.py), from which every trace is read back; the Python SDK service
+(``consumer_proxy.handler``) with a tracer provider of its own; the Go example (examples/go)
+with the OpenTelemetry Go gRPC instrumentation.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from consumer_proxy import handler as cp
 from consumer_proxy.cli import main
 from consumer_proxy.config import ProxyConfig
-from tests.support.jaeger import Jaeger, attributes
+from tests.support.collector import Collector, attributes
 from tests.support.kafka import (
     Broker,
     consume_all,
@@ -43,20 +44,20 @@ from tests.support.waiting import async_wait_until
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(900)]
 
-# OTLP span kinds, as Jaeger's OTLP JSON gives them
+# OTLP span kinds, as the collector's OTLP JSON gives them
 SERVER, CLIENT, PRODUCER, CONSUMER = 2, 3, 4, 5
 
 
 @pytest.fixture(scope="module")
-def jaeger(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Jaeger]:
-    with Jaeger.start(tmp_path_factory.mktemp("jaeger")) as running:
+def collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Collector]:
+    with Collector.start(tmp_path_factory.mktemp("otelcol")) as running:
         yield running
 
 
-def provider(jaeger: Jaeger, service: str) -> TracerProvider:
+def provider(collector: Collector, service: str) -> TracerProvider:
     """A tracer provider of the test's own (the producer's, the Python service's)."""
     tracing = TracerProvider(resource=Resource.create({"service.name": service}))
-    exporter = OTLPSpanExporter(endpoint=jaeger.otlp_grpc, insecure=True)
+    exporter = OTLPSpanExporter(endpoint=collector.otlp_grpc, insecure=True)
     tracing.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=200))
     return tracing
 
@@ -85,13 +86,13 @@ def traced_config(
     group: str,
     topics: list[str],
     endpoints: list[str],
-    jaeger: Jaeger,
+    collector: Collector,
     **extra: Any,
 ) -> ProxyConfig:
     raw = config_dict(bootstrap, group, topics, endpoints, **extra)
     raw["tracing"] = {
         "enabled": True,
-        "endpoint": jaeger.otlp_grpc,
+        "endpoint": collector.otlp_grpc,
         "service_name": "consumer-proxy",
         "export_interval_ms": 100,
     }
@@ -116,8 +117,8 @@ class Handler:
 
 
 @pytest.fixture
-async def python_service(jaeger: Jaeger) -> AsyncIterator[tuple[cp.Server, TracerProvider]]:
-    tracing = provider(jaeger, "python-service")
+async def python_service(collector: Collector) -> AsyncIterator[tuple[cp.Server, TracerProvider]]:
+    tracing = provider(collector, "python-service")
     async with cp.Server(Handler(tracing), tracer_provider=tracing) as server:
         yield server, tracing
     tracing.shutdown()
@@ -132,12 +133,12 @@ def children(spans: list[dict[str, Any]], parent: dict[str, Any]) -> list[dict[s
 
 
 async def read_trace(
-    jaeger: Jaeger, trace_id: str, expected: int, what: str
+    collector: Collector, trace_id: str, expected: int, what: str
 ) -> list[dict[str, Any]]:
-    """The trace once Jaeger holds at least ``expected`` spans of it."""
+    """The trace once the collector holds at least ``expected`` spans of it."""
 
     async def complete() -> list[dict[str, Any]] | None:
-        spans = await asyncio.to_thread(jaeger.trace, trace_id)
+        spans = await asyncio.to_thread(collector.trace, trace_id)
         return spans if len(spans) >= expected else None
 
     return await async_wait_until(complete, timeout=60, message=what)
@@ -155,7 +156,7 @@ def check_attempt(spans: list[dict[str, Any]], attempt: dict[str, Any]) -> dict[
 
 async def test_each_message_is_one_trace_from_the_producer_through_the_proxy_into_the_service(
     kafka: Broker,
-    jaeger: Jaeger,
+    collector: Collector,
     python_service: tuple[cp.Server, TracerProvider],
     tmp_path: Path,
 ) -> None:
@@ -169,12 +170,12 @@ async def test_each_message_is_one_trace_from_the_producer_through_the_proxy_int
         f"order {i}" + (" poison" if i % 20 == 3 else " flaky" if i % 20 == 11 else "")
         for i in range(200)
     ]
-    producer = provider(jaeger, "test-producer")
+    producer = provider(collector, "test-producer")
     trace_ids = await asyncio.to_thread(produce_traced, bootstrap, topic, producer, values)
     producer.force_flush()
 
-    # When the proxy, tracing to Jaeger, pushes them to the Python SDK service
-    config = traced_config(bootstrap, group, [topic], [server.address], jaeger)
+    # When the proxy, tracing to the collector, pushes them to the Python SDK service
+    config = traced_config(bootstrap, group, [topic], [server.address], collector)
     proxy, task = start_proxy(config)
     try:
         await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=90)
@@ -183,13 +184,13 @@ async def test_each_message_is_one_trace_from_the_producer_through_the_proxy_int
         await task
     service_tracing.force_flush()
 
-    # Then every message's trace, read back from Jaeger, is producer -> process -> attempt(s)
+    # Then every message's trace, read back from the collector, is producer -> process -> attempt(s)
     # -> the service's span -> the handler's own span
     process_of: dict[int, dict[str, Any]] = {}
     for i, (value, trace_id) in enumerate(zip(values, trace_ids, strict=True)):
         attempts = 2 if "flaky" in value else 1
         expected = 1 + 1 + 3 * attempts + (1 if "poison" in value else 0)
-        spans = await read_trace(jaeger, trace_id, expected, f"the trace of message {i}")
+        spans = await read_trace(collector, trace_id, expected, f"the trace of message {i}")
         assert len(spans) == expected, (value, spans)
         (publish,) = [s for s in spans if s["service"] == "test-producer"]
         assert publish["kind"] == PRODUCER
@@ -235,8 +236,10 @@ async def test_each_message_is_one_trace_from_the_producer_through_the_proxy_int
     for record in dead:
         i = int((record.key() or b"").decode()[1:])
         process = process_of[i]
-        assert headers_of(record)["traceparent"].decode().startswith(
-            f"00-{process['traceId']}-{process['spanId']}-"
+        assert (
+            headers_of(record)["traceparent"]
+            .decode()
+            .startswith(f"00-{process['traceId']}-{process['spanId']}-")
         )
 
     # When the DLQ is merged back and the proxy runs again (redrive: the service acks them)
@@ -258,7 +261,7 @@ async def test_each_message_is_one_trace_from_the_producer_through_the_proxy_int
     # child of the first, with its attempt and the service's span
     for i in poison:
         first = process_of[i]
-        spans = await read_trace(jaeger, first["traceId"], 10, f"the redrive of message {i}")
+        spans = await read_trace(collector, first["traceId"], 10, f"the redrive of message {i}")
         (again,) = [s for s in children(spans, first) if s["kind"] == CONSUMER]
         assert again["name"] == f"{group}.redrive process"
         seen = attributes(again)
@@ -280,7 +283,9 @@ OFF_SCRIPT = textwrap.dedent(
     async def run(bootstrap, topic, group, tracing):
         async with TestService(ack_all) as service:
             raw = config_dict(bootstrap, group, [topic], [service.address])
-            raw["tracing"] = {"enabled": tracing, "endpoint": "http://127.0.0.1:9"}
+            raw["tracing"] = {
+                "enabled": tracing, "endpoint": "http://127.0.0.1:9", "export_timeout_ms": 200
+            }
             proxy, task = start_proxy(ProxyConfig(**raw))
             try:
                 await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=60)
