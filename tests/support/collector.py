@@ -20,7 +20,6 @@ import fcntl
 import hashlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -32,6 +31,7 @@ from typing import Any
 
 import pytest
 
+from .goexample import find_go
 from .waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,16 +57,6 @@ service:
       receivers: [otlp]
       exporters: [file]
 """
-
-
-def find_go() -> str:
-    """The go command; skips without one, except in CI where a missing tool is a failure."""
-    for candidate in (os.environ.get("GO"), shutil.which("go"), "/usr/local/go/bin/go"):
-        if candidate and os.access(candidate, os.X_OK):
-            return candidate
-    if os.environ.get("CI", "").lower() in {"1", "true", "yes"}:
-        pytest.fail("no go command (set GO or put go on PATH): the collector cannot be built")
-    pytest.skip("no go command (a failure under CI=true): set GO or put go on PATH")
 
 
 def binary_path() -> Path:
