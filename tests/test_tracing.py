@@ -14,7 +14,8 @@ import json
 import subprocess
 import sys
 import textwrap
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -161,16 +162,19 @@ def settled(spans: list[dict[str, Any]], calls: int, writes: int) -> bool:
     return CONSUMER in kinds and len(servers) == calls and len(work) == len(python)
 
 
+Spans = list[dict[str, Any]]
+
+
 async def read_trace(
-    collector: Collector, trace_id: str, calls: int, writes: int, what: str
-) -> list[dict[str, Any]]:
-    """The trace once every span of it is in (``settled``)."""
+    collector: Collector, trace_id: str, complete: Callable[[Spans], bool], what: str
+) -> Spans:
+    """The trace's spans once ``complete`` says they are all in."""
 
-    async def complete() -> list[dict[str, Any]] | None:
-        spans = await asyncio.to_thread(collector.trace, trace_id)
-        return spans if settled(spans, calls, writes) else None
+    async def spans() -> Spans | None:
+        found = await asyncio.to_thread(collector.trace, trace_id)
+        return found if complete(found) else None
 
-    return await async_wait_until(complete, timeout=60, message=what)
+    return await async_wait_until(spans, timeout=60, message=what)
 
 
 def check_attempt(spans: list[dict[str, Any]], attempt: dict[str, Any]) -> dict[str, Any]:
@@ -226,7 +230,9 @@ async def test_each_message_is_one_trace_from_the_producer_through_the_proxy_int
         attempts = 2 if "flaky" in value else 1
         writes = 1 if "poison" in value else 0
         what = f"the trace of message {i}"
-        spans = await read_trace(collector, trace_id, attempts, writes, what)
+        spans = await read_trace(
+            collector, trace_id, partial(settled, calls=attempts, writes=writes), what
+        )
         (publish,) = [s for s in spans if s["service"] == "test-producer"]
         assert publish["kind"] == PRODUCER
         (process,) = children(spans, publish)
@@ -304,7 +310,9 @@ async def test_each_message_is_one_trace_from_the_producer_through_the_proxy_int
     for i in poison:
         first = process_of[i]
         what = f"the redrive of message {i}"
-        spans = await read_trace(collector, first["traceId"], 2, 1, what)
+        spans = await read_trace(
+            collector, first["traceId"], lambda found: settled(found, 2, 1), what
+        )
         (again,) = [s for s in children(spans, first) if s["kind"] == CONSUMER]
         assert again["name"] == f"{group}.redrive process"
         seen = attributes(again)
@@ -313,6 +321,85 @@ async def test_each_message_is_one_trace_from_the_producer_through_the_proxy_int
         assert seen["messaging.message.delivery_attempt"] == 2
         (call,) = children(spans, again)
         assert check_attempt(spans, call)["service"] == "python-service"
+
+
+async def test_in_batch_mode_each_handler_span_is_its_messages_child_and_the_call_links_them(
+    kafka: Broker,
+    collector: Collector,
+    python_service: tuple[cp.Server, TracerProvider],
+    go_service: GoService,
+) -> None:
+    # Given 60 messages written with trace context
+    server, service_tracing = python_service
+    bootstrap = kafka.bootstrap
+    topic, group = unique_name("tracebatch"), unique_name("tracebatch")
+    create_topic(bootstrap, topic, partitions=2)
+    producer = provider(collector, "test-producer")
+    values = [f"order {i}" for i in range(60)]
+    trace_ids = await asyncio.to_thread(produce_traced, bootstrap, topic, producer, values)
+    producer.force_flush()
+
+    # When the proxy pushes them in batches (HandleMessageBatch) to the Python SDK service and
+    # the Go example
+    endpoints = [server.address, go_service.address]
+    delivery = {"batch": {"mode": "always", "max_messages": 10, "linger_ms": 20}}
+    config = traced_config(bootstrap, group, [topic], endpoints, collector, delivery=delivery)
+    proxy, task = start_proxy(config)
+    try:
+        await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=90)
+    finally:
+        await proxy.shutdown()
+        await task
+    service_tracing.force_flush()
+    go_service.stop()
+
+    # Then each message's trace is producer -> process -> the service's span for that message
+    # (and the Python handler's own span under it)
+    def one_message(spans: list[dict[str, Any]]) -> bool:
+        servers = [s for s in spans if s["kind"] == SERVER]
+        work = [s for s in spans if s["name"] == "handle work"]
+        python = [s for s in servers if s["service"] == "python-service"]
+        return len(spans) >= 3 and len(servers) == 1 and len(work) == len(python)
+
+    calls: dict[tuple[str, str], set[str]] = {}  # batch call -> the process spans it served
+    served_by: set[str] = set()
+    for i, trace_id in enumerate(trace_ids):
+        spans = await read_trace(collector, trace_id, one_message, f"the trace of message {i}")
+        (publish,) = [s for s in spans if s["kind"] == PRODUCER]
+        (process,) = children(spans, publish)
+        assert (process["name"], process["kind"]) == (f"{topic} process", CONSUMER)
+        assert attributes(process)["consumer_proxy.outcome"] == "ack"
+        (served,) = children(spans, process)  # no attempt span of its own: the call is shared
+        assert served["kind"] == SERVER
+        assert served["name"] == "consumerproxy.v1.MessageHandler/HandleMessageBatch"
+        assert (
+            attributes(served)["messaging.kafka.offset"]
+            == attributes(process)["messaging.kafka.offset"]
+        )
+        served_by.add(served["service"])
+        if served["service"] == "python-service":
+            (work,) = children(spans, served)
+            assert work["name"] == "handle work"
+        # ... linked to the batch call it came in
+        (link,) = served["links"]
+        calls.setdefault((link["traceId"], link["spanId"]), set()).add(process["spanId"])
+    assert served_by == {"python-service", "go-example"}
+
+    # and each batch call is a CLIENT span (a root of its own) linked to each of its messages'
+    # process spans (the Go example links its per-message spans to its otelgrpc server span,
+    # the child of that CLIENT span)
+    linked: set[str] = set()
+    for (trace_id, span_id), processes in calls.items():
+        spans = await read_trace(collector, trace_id, bool, "a batch call's trace")
+        (call,) = [s for s in spans if s["kind"] == CLIENT]
+        assert call["name"] == "consumerproxy.v1.MessageHandler/HandleMessageBatch"
+        assert "parentSpanId" not in call or not call["parentSpanId"]
+        assert span_id in {call["spanId"], *(s["spanId"] for s in children(spans, call))}
+        call_links = {link["spanId"] for link in call["links"]}
+        assert processes <= call_links
+        assert attributes(call)["messaging.batch.message_count"] == len(call_links)
+        linked |= call_links
+    assert len(linked) == 60
 
 
 OFF_SCRIPT = textwrap.dedent(
