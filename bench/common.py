@@ -861,6 +861,7 @@ def proxy_backlog_run(
     log_level: str = "warning",
     produce_after_join: Callable[[], None] | None = None,
     group: str | None = None,
+    sections: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run ``consumer-proxy run`` with a fresh group over a topic holding ``n`` messages.
 
@@ -876,9 +877,11 @@ def proxy_backlog_run(
     rebalance happened for 2 s (read from the log), ``produce_after_join()`` writes the n
     messages. ``settled_s`` is the time from start to that point and ``members`` the group's
     assignment then, as the broker describes it ({topic: [partitions]} per member).
+    ``sections``: top-level config sections to add (``tracing``).
     """
     group = group or unique_name("bench")
     config = bench_config(bootstrap, group, [topic], [handler.address], delivery)
+    config.update(sections or {})
     handler.reset()
     if produce_after_join is not None:
         log_level = "info"  # the assignments are read from the log

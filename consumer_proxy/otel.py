@@ -6,13 +6,18 @@ attributes, sampler), a ``BatchSpanProcessor`` with a bounded queue (spans beyon
 dropped, never waited for) and an OTLP exporter over gRPC or HTTP. The spans follow the
 OpenTelemetry messaging and RPC semantic conventions; see ``tracing`` for which exist.
 
-A message whose process span is not sampled costs no further span: its attempts send the
-process span's context (sampled flag off) so the service does not record either.
+Sampling is decided before any span exists when the sampler is parent-based with a ratio for
+new traces (``tracing.sample_ratio``, or ``OTEL_TRACES_SAMPLER`` unset or ``parentbased_*``):
+a record whose producer did not sample it passes that context on (sampled flag off) and a new
+trace is drawn at the ratio; a message not sampled then costs a random draw and no span
+object (``_Unsampled``), which is what keeps 1 % sampling cheap in batch mode. With any other
+sampler the SDK decides for every message.
 """
 
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,7 +25,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
 from opentelemetry.trace import (
     Link,
     NonRecordingSpan,
@@ -91,14 +96,60 @@ def _metadata(context: SpanContext) -> Metadata:
     return ((TRACEPARENT, parent), (TRACESTATE, state)) if state else ((TRACEPARENT, parent),)
 
 
+class _Unsampled:
+    """A message whose trace is not sampled (``tracing.MessageTrace``): no span; its calls
+    carry the record's own context, if it had one, so that the service does not sample
+    either."""
+
+    __slots__ = ("_metadata", "traceparent")
+    sampled = False
+
+    def __init__(self, traceparent: str = "", tracestate: str = "") -> None:
+        self.traceparent = traceparent
+        self._metadata: Metadata | None = None
+        if traceparent:
+            self._metadata = ((TRACEPARENT, traceparent),)
+            if tracestate:
+                self._metadata += ((TRACESTATE, tracestate),)
+
+    def attempt(self, method: str, target: str, attempt: int) -> tuple[object, Metadata | None]:
+        return None, self._metadata
+
+    def attempt_done(self, handle: object, result: Classification | None) -> None:
+        pass
+
+    def event(self, name: str, attributes: Mapping[str, str | int | float | bool]) -> None:
+        pass
+
+    def decided(self, decision: Decision, status: str) -> None:
+        pass
+
+    def end(self, outcome: str) -> None:
+        pass
+
+    def stamped(self, headers: Sequence[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+        return list(headers)
+
+    def write(self, topic: str, what: str) -> object:
+        return None
+
+    def written(self, handle: object, ok: bool) -> None:
+        pass
+
+
+NOT_SAMPLED = _Unsampled()
+"""A new trace not sampled: nothing to pass on."""
+
+
 class OtelMessage:
     """One message's process span (``tracing.MessageTrace``)."""
 
-    __slots__ = ("_ctx", "_tracer", "_what", "span", "traceparent")
+    __slots__ = ("_ctx", "_tracer", "_what", "sampled", "span", "traceparent")
 
     def __init__(self, tracer: Any, span: Span) -> None:
         self._tracer = tracer
         self.span = span
+        self.sampled = span.is_recording()
         context = span.get_span_context()
         self.traceparent = format_traceparent(
             context.trace_id, context.span_id, context.trace_flags
@@ -215,18 +266,34 @@ class OtelMessage:
 
 
 class OtelTracer:
-    """One group's tracer (``tracing.Tracer``)."""
+    """One group's tracer (``tracing.Tracer``). ``ratio``: the share of new traces sampled,
+    decided here before any span (None: the SDK's sampler decides every message)."""
 
-    def __init__(self, tracer: Any, group: str, link_producer: bool) -> None:
+    def __init__(
+        self, tracer: Any, group: str, link_producer: bool, ratio: float | None = None
+    ) -> None:
         self._tracer = tracer
         self._group = group
         self._link_producer = link_producer
+        self._ratio = ratio
+        self._draw = random.random
 
-    def begin(self, delivery: Delivery, held_s: float) -> OtelMessage:
+    def begin(self, delivery: Delivery, held_s: float) -> OtelMessage | _Unsampled:
         trace = delivery.trace
         if trace is not None:
             return trace  # type: ignore[no-any-return]
         remote = _remote_context(delivery.headers) if delivery.headers else None
+        ratio = self._ratio
+        if ratio is not None:
+            if remote is not None and not self._link_producer:
+                if not remote.trace_flags.sampled:  # the producer did not sample it
+                    state = remote.trace_state.to_header() if remote.trace_state else ""
+                    parent = format_traceparent(remote.trace_id, remote.span_id, 0)
+                    unsampled = delivery.trace = _Unsampled(parent, state)
+                    return unsampled
+            elif ratio < 1.0 and self._draw() >= ratio:
+                delivery.trace = NOT_SAMPLED
+                return NOT_SAMPLED
         context: Context | None = None
         links: Sequence[Link] = ()
         if remote is not None:
@@ -276,7 +343,7 @@ class OtelTracer:
         links = [
             Link(d.trace.span.get_span_context())
             for d in batch
-            if d.trace is not None and d.trace.span.is_recording()
+            if d.trace is not None and d.trace.sampled
         ]
         if not links:
             return None, None
@@ -331,6 +398,24 @@ def _exporter(config: TracingConfig) -> SpanExporter:
     return GrpcExporter(endpoint=endpoint, insecure=insecure, timeout=timeout)
 
 
+def _ratio(config: TracingConfig) -> float | None:
+    """The share of new traces to sample when the sampler is parent-based with a ratio (the
+    config's, or OTEL_TRACES_SAMPLER's parentbased_*); None for any other sampler."""
+    if config.sample_ratio is not None:
+        return config.sample_ratio
+    name = os.environ.get("OTEL_TRACES_SAMPLER", "parentbased_always_on").strip().lower()
+    if name == "parentbased_always_on":
+        return 1.0
+    if name == "parentbased_always_off":
+        return 0.0
+    if name == "parentbased_traceidratio":
+        try:
+            return min(1.0, max(0.0, float(os.environ.get("OTEL_TRACES_SAMPLER_ARG", "1.0"))))
+        except ValueError:
+            return 1.0  # as the SDK reads a bad argument
+    return None
+
+
 class OtelTracing:
     """The process's tracer provider and exporter (``tracing.Tracing``)."""
 
@@ -341,9 +426,10 @@ class OtelTracing:
         if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
             resource = resource.merge(Resource({SERVICE_NAME: DEFAULT_SERVICE_NAME}))
         self.resource = resource
-        sampler = None  # OTEL_TRACES_SAMPLER[_ARG], parentbased_always_on by default
-        if config.sample_ratio is not None:
-            sampler = ParentBased(TraceIdRatioBased(config.sample_ratio))
+        self.ratio = _ratio(config)
+        # With a ratio the tracer decides new traces itself (OtelTracer.begin), so the SDK
+        # samples what it is given; otherwise OTEL_TRACES_SAMPLER[_ARG] as the SDK reads them.
+        sampler = ParentBased(ALWAYS_ON) if self.ratio is not None else None
         self.provider = TracerProvider(sampler=sampler, resource=resource, shutdown_on_exit=False)
         self._processor = BatchSpanProcessor(
             _exporter(config),
@@ -357,14 +443,18 @@ class OtelTracing:
 
     def describe(self) -> str:
         """One line for the log: where spans go and how they are sampled."""
+        sampler = (
+            self.provider.sampler.get_description()
+            if self.ratio is None
+            else f"parent-based, {self.ratio:g} of new traces"
+        )
         return (
-            f"service {self.resource.attributes.get(SERVICE_NAME)}, "
-            f"sampler {self.provider.sampler.get_description()}, "
+            f"service {self.resource.attributes.get(SERVICE_NAME)}, sampler {sampler}, "
             f"link_producer {self._config.link_producer}"
         )
 
     def tracer(self, group: str) -> OtelTracer:
-        return OtelTracer(self._tracer, group, self._config.link_producer)
+        return OtelTracer(self._tracer, group, self._config.link_producer, self.ratio)
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Export what is queued now (tests and shutdown)."""

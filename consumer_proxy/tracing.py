@@ -41,9 +41,12 @@ class MessageTrace(Protocol):
     """One message's process span and what happens to it (``Delivery.trace``)."""
 
     traceparent: str
-    """The process span's context as a W3C traceparent (a batch request carries it)."""
+    """The process span's context as a W3C traceparent (a batch request carries it); "" for
+    a new trace not sampled."""
+    sampled: bool
+    """Whether its spans are recorded."""
 
-    def attempt(self, method: str, target: str, attempt: int) -> tuple[object, Metadata]:
+    def attempt(self, method: str, target: str, attempt: int) -> tuple[object, Metadata | None]:
         """Start an attempt (a CLIENT span): the handle for ``attempt_done`` and the call's
         metadata."""
 

@@ -66,6 +66,6 @@ def batch_request(batch: list[Delivery], group: str, traced: bool = False) -> by
         m.consumer_group = group
         m.attempt = d.attempt
         m.source = d.source  # type: ignore[assignment]
-        if traced and d.trace is not None:
+        if traced and d.trace is not None and d.trace.traceparent:
             m.traceparent = d.trace.traceparent
     return request.SerializeToString()

@@ -167,7 +167,7 @@ def test_the_process_span_is_the_records_child_or_a_linked_root(
     assert attempt.parent is not None and attempt.parent.span_id == context.span_id
     attempt_context = attempt.get_span_context()
     assert attempt_context is not None
-    assert dict(metadata)["traceparent"] == format_traceparent(
+    assert dict(metadata or ())["traceparent"] == format_traceparent(
         attempt_context.trace_id, attempt_context.span_id, attempt_context.trace_flags
     )
     # ... the DLQ write a PRODUCER child, and the DLQ record carries the process span's context
@@ -181,3 +181,40 @@ def test_the_process_span_is_the_records_child_or_a_linked_root(
     )
     assert process.attributes is not None
     assert process.attributes["consumer_proxy.outcome"] == "dead_letter"
+
+
+def test_a_producer_that_did_not_sample_is_followed_without_a_span(
+    exported: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    # Given a record whose producer did not sample its trace (flags 00), parent-based sampling
+    provider, exporter = exported
+    tracer = OtelTracer(provider.get_tracer("t"), "billing", link_producer=False, ratio=1.0)
+    unsampled = VALID[:-2] + b"00"
+    d = delivery([("traceparent", unsampled), ("tracestate", b"vendor=abc")])
+    # When it is traced through an attempt and acked
+    trace = tracer.begin(d, 0.0)
+    _, metadata = trace.attempt("HandleMessage", "127.0.0.1:1", 1)
+    trace.decided(Decision(Action.ACK), "OK")
+    # Then no span is recorded, and the call passes the producer's context on as it was
+    assert not trace.sampled
+    assert exporter.get_finished_spans() == ()
+    assert metadata == (("traceparent", unsampled.decode()), ("tracestate", "vendor=abc"))
+
+
+@pytest.mark.parametrize(("ratio", "recorded"), [(0.0, 0), (1.0, 50)])
+def test_new_traces_are_sampled_at_the_ratio(
+    exported: tuple[TracerProvider, InMemorySpanExporter], ratio: float, recorded: int
+) -> None:
+    # Given 50 messages without trace context
+    provider, exporter = exported
+    tracer = OtelTracer(provider.get_tracer("t"), "billing", link_producer=False, ratio=ratio)
+    for _ in range(50):
+        # When each is traced and acked
+        trace = tracer.begin(delivery([]), 0.0)
+        handle, metadata = trace.attempt("HandleMessage", "127.0.0.1:1", 1)
+        trace.attempt_done(handle, None)
+        trace.decided(Decision(Action.ACK), "OK")
+        # Then a message not sampled passes no context on (nothing to continue)
+        assert trace.sampled or metadata is None
+    # and the ratio decides how many are recorded (a process and an attempt span each)
+    assert len(exporter.get_finished_spans()) == 2 * recorded
