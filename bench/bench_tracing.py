@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """Tracing's cost: the proxy's CPU per message with tracing off, on at 1 % sampling, on at 100 %.
 
-One topic of N small messages, pushed by ``consumer-proxy run`` (one process) with a fresh group
-per run to a no-op handler in its own process (the Go one, a few µs of CPU per call, so the
-handler does not eat the proxy's core), in unary mode (``concurrency`` 100) and in batch mode
-(``batch: always``, 100 a batch). Tracing on exports OTLP/gRPC to a real OpenTelemetry
-Collector (the tests' one, tests/support/collector.py) writing to a file, so the export's
-own CPU is counted. The records carry no trace context (each message is a new trace), so the
-sampler's ratio decides (parent-based: a producer's sampled flag would decide otherwise).
+A topic of small messages, pushed by ``consumer-proxy run`` (one process) with a fresh group per
+run to a no-op handler in its own process (the Go one, a few µs of CPU per call, so the handler
+does not eat the proxy's core), in unary mode (``concurrency`` 100; 20,000 messages) and in
+batch mode (``batch: always``, 100 a batch; 100,000 messages, its CPU per message being a
+tenth). Tracing on exports OTLP/gRPC to a real OpenTelemetry Collector (the tests' one,
+tests/support/collector.py) writing to a file, so the export's own CPU is counted. The records
+carry no trace context (each message is a new trace), so the ratio decides (parent-based: a
+producer's sampled flag would decide otherwise).
 
 The three modes run interleaved in each round (the order rotates), and the headline is the
 median over rounds of each round's ratio on/off of the proxy's CPU µs per message (from
@@ -62,15 +63,20 @@ def tracing(collector: Collector, ratio: float | None) -> dict[str, Any]:
 
 def main() -> int:
     parser = base_parser(__doc__.splitlines()[1])
-    parser.add_argument("-n", type=int, default=20000, help="messages per run (default 20000)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of the 3 modes (default 3)")
+    parser.add_argument("-n", type=int, default=20000, help="unary: messages per run (20000)")
+    parser.add_argument(
+        "--batch-n", type=int, default=100000, help="batch: messages per run (100000)"
+    )
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of the 3 modes (default 5)")
     parser.add_argument("--modes", nargs="+", choices=list(DELIVERY), default=list(DELIVERY))
     args = parser.parse_args()
-    n = 5000 if args.quick else args.n
+    sizes = (
+        {"unary": 5000, "batch": 20000} if args.quick else {"unary": args.n, "batch": args.batch_n}
+    )
     rounds = 1 if args.quick else args.rounds
     result = Result(
         "bench_tracing",
-        params={"n": n, "partitions": PARTITIONS, "rounds": rounds, "handler": "go no-op"},
+        params={"n": sizes, "partitions": PARTITIONS, "rounds": rounds, "handler": "go no-op"},
     )
     with (
         broker(args.bootstrap) as bootstrap,
@@ -78,9 +84,10 @@ def main() -> int:
         tempfile.TemporaryDirectory() as directory,
         Collector.start(Path(directory)) as collector,
     ):
-        topic = create_topic(bootstrap, unique_name("bench-tracing"), partitions=PARTITIONS)
-        produce_bulk(bootstrap, topic, n, partitions=PARTITIONS)
         for kind in args.modes:
+            n = sizes[kind]
+            topic = create_topic(bootstrap, unique_name("bench-tracing"), partitions=PARTITIONS)
+            produce_bulk(bootstrap, topic, n, partitions=PARTITIONS)
             runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
             for round_ in range(rounds):
                 order = list(MODES)[round_ % 3 :] + list(MODES)[: round_ % 3]

@@ -9,6 +9,7 @@ pydantic-settings: ``CONSUMER_PROXY_`` prefix, ``__`` between nested names, e.g.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import os
 import re
 import types
@@ -774,6 +775,16 @@ class TracingConfig(BaseModel):
     def _url(cls, value: str | None) -> str | None:
         if value is not None and not value.startswith(("http://", "https://")):
             raise ValueError("an OTLP endpoint is a URL: http://host:port or https://host:port")
+        return value
+
+    @field_validator("enabled")
+    @classmethod
+    def _installed(cls, value: bool) -> bool:
+        # (find_spec imports the parent package, opentelemetry, only when tracing is on)
+        if value and importlib.util.find_spec("opentelemetry.sdk") is None:
+            raise ValueError(
+                "tracing needs the OpenTelemetry SDK: pip install 'consumer-proxy[tracing]'"
+            )
         return value
 
 
