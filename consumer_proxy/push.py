@@ -38,6 +38,7 @@ from .core.ejection import breaker_hears
 from .core.heartbeat import CallWatch, Cancel
 from .core.outcomes import Classification
 from .core.partitions import Delivery, PartitionSet, PartitionState
+from .core.tracecontext import Metadata
 from .flow import Breaker, ConcurrencyLimiter, RateLimiter
 from .kafka_log import KafkaLogGate
 from .metrics import ProxyMetrics
@@ -79,6 +80,14 @@ class OpenCall:
     """A long-running call's heartbeat times (``stream.StreamPush``)."""
     cancel: Cancel | None = None
     """Set when the proxy cancelled it (revoke, lost, shutdown): never an attempt."""
+
+
+def attempt_span(delivery: Delivery, method: str, endpoint: Any) -> tuple[object, Metadata | None]:
+    """A traced delivery's attempt span and the call's metadata; (None, None) untraced."""
+    trace = delivery.trace
+    if trace is None:
+        return None, None
+    return trace.attempt(method, endpoint.target, delivery.attempt)  # type: ignore[no-any-return]
 
 
 class _Push:
@@ -214,11 +223,7 @@ class UnaryPush(_Push):
         assert worker is not None
         self.open[delivery] = OpenCall(worker, self._clock())
         trace = delivery.trace
-        span, metadata = (
-            (None, None)
-            if trace is None
-            else trace.attempt("HandleMessage", endpoint.target, delivery.attempt)
-        )
+        span, metadata = attempt_span(delivery, "HandleMessage", endpoint)
         result: Classification | None = None
         try:
             result = await self.pusher.push(request, endpoint, metadata)
@@ -400,7 +405,7 @@ class BatchPush(_Push):
 
     async def _traced_call(self, delivery: Delivery, request: Any, endpoint: Any) -> Classification:
         trace = delivery.trace
-        span, metadata = trace.attempt("HandleMessage", endpoint.target, delivery.attempt)
+        span, metadata = attempt_span(delivery, "HandleMessage", endpoint)
         result: Classification | None = None
         try:
             result = await self.pusher.push(request, endpoint, metadata)

@@ -26,7 +26,7 @@ from .core.heartbeat import MAX_PROCESSING_STATUS, CallWatch, Expiry, Limits
 from .core.outcomes import Classification
 from .core.partitions import Delivery
 from .proto.v1 import handler_pb2
-from .push import OpenCall, PushParts, UnaryPush
+from .push import OpenCall, PushParts, UnaryPush, attempt_span
 from .wire import message
 
 
@@ -91,11 +91,7 @@ class StreamPush(UnaryPush):
         self._m_in_flight.inc()
         self._m_open.inc()
         trace = delivery.trace
-        span, metadata = (
-            (None, None)
-            if trace is None
-            else trace.attempt("HandleMessageStream", endpoint.target, delivery.attempt)
-        )
+        span, metadata = attempt_span(delivery, "HandleMessageStream", endpoint)
         result: Classification | None = None
         try:
             result = await self.pusher.push_stream(

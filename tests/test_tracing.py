@@ -84,6 +84,19 @@ def produce_traced(
     return trace_ids
 
 
+async def traced_topic(
+    bootstrap: str, collector: Collector, prefix: str, values: list[str]
+) -> tuple[str, str, list[str]]:
+    """A new topic (2 partitions) holding ``values`` written by an instrumented producer, and
+    a group name; returns (topic, group, each record's trace id)."""
+    topic, group = unique_name(prefix), unique_name(prefix)
+    create_topic(bootstrap, topic, partitions=2)
+    producer = provider(collector, "test-producer")
+    trace_ids = await asyncio.to_thread(produce_traced, bootstrap, topic, producer, values)
+    producer.shutdown()  # exports the producer's spans
+    return topic, group, trace_ids
+
+
 def traced_config(
     bootstrap: str,
     group: str,
@@ -198,15 +211,11 @@ async def test_each_message_is_one_trace_from_the_producer_through_the_proxy_int
     # a poison pill, every 20th (another) flaky (its first attempt fails)
     server, service_tracing = python_service
     bootstrap = kafka.bootstrap
-    topic, group = unique_name("trace"), unique_name("trace")
-    create_topic(bootstrap, topic, partitions=2)
     values = [
         f"order {i}" + (" poison" if i % 20 == 3 else " flaky" if i % 20 == 11 else "")
         for i in range(200)
     ]
-    producer = provider(collector, "test-producer")
-    trace_ids = await asyncio.to_thread(produce_traced, bootstrap, topic, producer, values)
-    producer.force_flush()
+    topic, group, trace_ids = await traced_topic(bootstrap, collector, "trace", values)
 
     # When the proxy, tracing to the collector, pushes them to the Python SDK service and the
     # Go example (two instances of one service)
@@ -332,12 +341,8 @@ async def test_in_batch_mode_each_handler_span_is_its_messages_child_and_the_cal
     # Given 60 messages written with trace context
     server, service_tracing = python_service
     bootstrap = kafka.bootstrap
-    topic, group = unique_name("tracebatch"), unique_name("tracebatch")
-    create_topic(bootstrap, topic, partitions=2)
-    producer = provider(collector, "test-producer")
     values = [f"order {i}" for i in range(60)]
-    trace_ids = await asyncio.to_thread(produce_traced, bootstrap, topic, producer, values)
-    producer.force_flush()
+    topic, group, trace_ids = await traced_topic(bootstrap, collector, "tracebatch", values)
 
     # When the proxy pushes them in batches (HandleMessageBatch) to the Python SDK service and
     # the Go example

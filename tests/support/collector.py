@@ -29,9 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-from .goexample import find_go
+from .goexample import find_go, go
 from .waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,25 +70,14 @@ def build() -> Path:
     target = binary_path()
     if target.exists():
         return target
-    go = find_go()
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another session may be building it right now
         if target.exists():
             return target
         partial = target.with_suffix(".partial")
-        proc = subprocess.run(
-            [go, "build", "-trimpath", "-o", str(partial), "."],
-            cwd=MODULE,
-            capture_output=True,
-            text=True,
-            timeout=BUILD_TIMEOUT_S,
-            check=False,
-            # -mod=readonly: go.mod and go.sum as committed, never edited by the build.
-            env={**os.environ, "GOFLAGS": "-mod=readonly", "CGO_ENABLED": "0"},
-        )
-        if proc.returncode != 0:
-            pytest.fail(f"building the collector failed:\n{proc.stdout}{proc.stderr}")
+        build_cmd = ("build", "-trimpath", "-o", str(partial), ".")
+        go(find_go(), *build_cmd, module=MODULE, timeout_s=BUILD_TIMEOUT_S)
         os.replace(partial, target)
     return target
 

@@ -34,13 +34,16 @@ def find_go() -> str:
     pytest.skip("no go command (a failure under CI=true): set GO or put go on PATH")
 
 
-def go(go_cmd: str, *args: str) -> subprocess.CompletedProcess[str]:
+def go(
+    go_cmd: str, *args: str, module: Path = MODULE, timeout_s: float = GO_TIMEOUT_S
+) -> subprocess.CompletedProcess[str]:
+    """``go ARGS`` in ``module`` (the example's by default); fails the test on an error."""
     proc = subprocess.run(
         [go_cmd, *args],
-        cwd=MODULE,
+        cwd=module,
         capture_output=True,
         text=True,
-        timeout=GO_TIMEOUT_S,
+        timeout=timeout_s,
         check=False,
         # -mod=readonly: the build uses go.mod and go.sum as committed, never edits them.
         env={**os.environ, "GOFLAGS": "-mod=readonly", "CGO_ENABLED": "0"},
