@@ -190,13 +190,15 @@ async def read_trace(
     return await async_wait_until(spans, timeout=60, message=what)
 
 
-def check_attempt(spans: list[dict[str, Any]], attempt: dict[str, Any]) -> dict[str, Any]:
+def check_attempt(
+    spans: list[dict[str, Any]], attempt: dict[str, Any], method: str = "HandleMessage"
+) -> dict[str, Any]:
     """An attempt (CLIENT) span and the one SERVER span it led to; returns the server span."""
     assert attempt["kind"] == CLIENT
-    assert attributes(attempt)["rpc.method"] == "HandleMessage"
+    assert attributes(attempt)["rpc.method"] == method
     (server,) = children(spans, attempt)
     assert server["kind"] == SERVER
-    assert server["name"] == "consumerproxy.v1.MessageHandler/HandleMessage"
+    assert server["name"] == f"consumerproxy.v1.MessageHandler/{method}"
     return server
 
 
@@ -405,6 +407,44 @@ async def test_in_batch_mode_each_handler_span_is_its_messages_child_and_the_cal
         assert attributes(call)["messaging.batch.message_count"] == len(call_links)
         linked |= call_links
     assert len(linked) == 60
+
+
+async def test_a_long_running_call_is_an_attempt_whose_stream_the_service_continues(
+    kafka: Broker, collector: Collector, python_service: tuple[cp.Server, TracerProvider]
+) -> None:
+    # Given 5 messages written with trace context, for a long-running group
+    server, service_tracing = python_service
+    bootstrap = kafka.bootstrap
+    values = [f"job {i}" for i in range(5)]
+    topic, group, trace_ids = await traced_topic(bootstrap, collector, "tracelong", values)
+    long_running = {"heartbeat_timeout_ms": 3000, "max_processing_ms": 20000}
+    config = traced_config(
+        bootstrap,
+        group,
+        [topic],
+        [server.address],
+        collector,
+        delivery={"long_running": long_running},
+    )
+    # When the proxy pushes them through HandleMessageStream to the Python SDK service
+    proxy, task = start_proxy(config)
+    try:
+        await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=60)
+    finally:
+        await proxy.shutdown()
+        await task
+    service_tracing.force_flush()
+    # Then each trace is producer -> process -> the streaming attempt -> the SDK's server span
+    # -> the handler's own span
+    for i, trace_id in enumerate(trace_ids):
+        complete = partial(settled, calls=1, writes=0)
+        spans = await read_trace(collector, trace_id, complete, f"the trace of message {i}")
+        (publish,) = [s for s in spans if s["kind"] == PRODUCER]
+        (process,) = children(spans, publish)
+        (call,) = children(spans, process)
+        served = check_attempt(spans, call, "HandleMessageStream")
+        (work,) = children(spans, served)
+        assert work["name"] == "handle work"
 
 
 OFF_SCRIPT = textwrap.dedent(
