@@ -151,15 +151,13 @@ class GroupRunner:
         parts = PushParts(
             self.name,
             self.partitions,
-            edges.pusher,
+            edges,
             self.breaker,
             self.limiter,
             self.rate,
             self._tally,
             self.metrics,
-            edges.clock,
             self._call_ended,
-            edges.tracer,
         )
         d = self.group.delivery
         if d.long_running is not None:

@@ -43,7 +43,7 @@ from .flow import Breaker, ConcurrencyLimiter, RateLimiter
 from .kafka_log import KafkaLogGate
 from .metrics import ProxyMetrics
 from .parking import Tally
-from .ports import Clock, Pusher
+from .ports import Clock, Edges, Pusher
 from .readyq import ReadyDeque
 from .tracing import Tracer
 from .wire import batch_request, unary_request
@@ -57,17 +57,16 @@ class PushParts:
 
     name: str
     partitions: PartitionSet
-    pusher: Pusher
+    edges: Edges
+    """The pusher, the clock and the tracer (None while tracing is off: a message then costs
+    a None check) are the push's."""
     breaker: Breaker
     limiter: ConcurrencyLimiter
     rate: RateLimiter | None
     tally: Tally
     metrics: ProxyMetrics
-    clock: Clock
     call_ended: asyncio.Event
     """Set after every call (revocation waits on it)."""
-    tracer: Tracer | None = None
-    """The group's tracer; None while tracing is off (a message then costs a None check)."""
 
 
 @dataclass(slots=True)
@@ -96,15 +95,15 @@ class _Push:
     def __init__(self, parts: PushParts) -> None:
         self.name = parts.name
         self.partitions = parts.partitions
-        self.pusher = parts.pusher
+        self.pusher: Pusher = parts.edges.pusher
         self.breaker = parts.breaker
         self.limiter = parts.limiter
         self.rate = parts.rate
         self.tally = parts.tally
         self._metrics = parts.metrics
-        self._clock = parts.clock
+        self._clock: Clock = parts.edges.clock
         self._call_ended = parts.call_ended
-        self._tracer = parts.tracer
+        self._tracer: Tracer | None = parts.edges.tracer
         self.pushing: set[asyncio.Task[Any]] = set()
         """The workers with a call under way (shutdown gives them the grace period)."""
         self.draining = False
