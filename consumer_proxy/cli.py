@@ -228,7 +228,7 @@ def _run_one(config_path: Path, level: str, fmt: str, index: int) -> int:
         config = config.model_copy(update={"health": health})
 
     async def main() -> None:
-        proxy = Proxy(config)
+        proxy = Proxy(config, config_path=config_path)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, proxy.request_shutdown)

@@ -100,8 +100,29 @@ class _Push:
         """The latest service-level failure, said when the breaker opens."""
         self.open: dict[Delivery, OpenCall] = {}
         """One-message calls under way (unary and streaming; not batch calls)."""
+        self.batch_calls: dict[asyncio.Task[Any], tuple[float, list[Delivery]]] = {}
+        """Batch mode: each call slot's call under way (when it started, its messages)."""
         self._m_push = parts.metrics.push_duration.labels(parts.name)
         self._m_in_flight = parts.metrics.in_flight.labels(parts.name)
+
+    def oldest(self) -> dict[tuple[str, int], tuple[int, float, str]]:
+        """Per partition, its oldest call under way (unary, batch or streaming): (offset, age
+        in seconds, the handler's progress note of a streaming call)."""
+        now = self._clock()
+        found: dict[tuple[str, int], tuple[int, float, str]] = {}
+
+        def see(delivery: Delivery, started: float, note: str) -> None:
+            tp = (delivery.part.topic, delivery.part.partition)
+            age = now - started
+            if tp not in found or age > found[tp][1]:
+                found[tp] = (delivery.origin.offset, age, note)
+
+        for delivery, call in self.open.items():
+            see(delivery, call.started, call.watch.progress if call.watch is not None else "")
+        for started, batch in self.batch_calls.values():
+            for delivery in batch:
+                see(delivery, started, "")
+        return found
 
     def _tier_delivered(self, delivery: Delivery) -> None:
         self._metrics.retry_tier_deliveries.labels(self.name, str(delivery.tier)).inc()
@@ -295,6 +316,7 @@ class BatchPush(_Push):
                     if self.rate is not None:
                         await self.rate.acquire(len(began))
                     started = clock()
+                    self.batch_calls[me] = (started, began)
                     outcome = await (
                         self._deliver(began, probe, endpoint)
                         if whole
@@ -304,6 +326,7 @@ class BatchPush(_Push):
                     self._m_push.observe(rtt)
             finally:
                 self.pushing.discard(me)
+                self.batch_calls.pop(me, None)
                 if probe and outcome is None:
                     self.breaker.abandon_probe()
                 if outcome is None:

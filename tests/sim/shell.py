@@ -397,6 +397,9 @@ class SimPusher:
     def batch_support(self) -> str:
         return ""
 
+    def instances(self) -> list[dict[str, Any]]:
+        return []
+
     async def push_stream(
         self, request: Any, endpoint: Any, watch: Any, on_heartbeat: Any
     ) -> Classification:
