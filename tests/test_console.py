@@ -194,6 +194,21 @@ def test_a_lagging_partition_shows_its_lag_growing_and_why_it_is_paused(
             )
             first = lag()
             assert _cells(page, "partitions", key)[5] != "-"
+
+            # And `status --proxy` shows partition 0's oldest open call (issue 30)
+            def oldest_call() -> float:
+                code, out, err = cli(
+                    "status", "--config", str(world.config), "--proxy", world.url, "--json"
+                )
+                assert code == 0, err
+                rows = json.loads(out)["groups"][0]["partitions"]
+                row = next(r for r in rows if (r["topic"], r["partition"]) == (world.topic, 0))
+                assert 1 <= row["in_flight"] <= 8
+                return float(row["oldest_call_age_s"] or 0.0)
+
+            wait_until(lambda: oldest_call() > 0, timeout=20, message="an open call's age")
+            code, out, err = cli("status", "--config", str(world.config), "--proxy", world.url)
+            assert code == 0 and "oldest call" in out, err
             # When more records arrive, the lag shown grows without a reload
             produce(world.bootstrap, world.topic, [{"value": b"slow", "partition": 0}] * 30)
             wait_until(lambda: lag() > first, timeout=30, message="the lag to grow")
