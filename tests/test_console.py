@@ -6,6 +6,7 @@ drained (nothing in flight, nothing lagging) for the next."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import urllib.error
 import urllib.request
@@ -296,7 +297,7 @@ def test_without_the_token_every_action_is_refused_and_none_is_shown(
     with tab(browser, f"{world.url}/console/#/dlq/{group}") as opened:
         page = opened.page
         wait_until(lambda: page.locator("#records tbody tr").count() == 3, timeout=30)
-        assert page.locator("#signin").is_visible()
+        assert page.locator("#signin").is_visible() and not page.locator("#who").is_visible()
         assert page.locator("#actions button, #dry-run, #merge, #purge").count() == 0
         assert opened.errors == []
     assert world.dlq_depth() == 3
@@ -331,20 +332,11 @@ def test_with_the_token_a_merge_dry_run_shows_the_cli_count(
     assert world.dlq_depth() == 3  # a dry run writes nothing
 
 
-def test_purge_asks_with_the_count_and_deletes(world: World, browser: Browser) -> None:
-    with tab(browser, f"{world.url}/console/#/dlq/{world.group}") as opened:
-        page = opened.page
-        _sign_in(page)
-        page.locator("#purge-bound").select_option("all")
-        page.locator("#purge").click()
-        dialog = page.locator("#confirm")
-        dialog.wait_for(state="visible", timeout=60_000)
-        assert "Delete 3 records" in page.locator("#confirm-text").inner_text()
-        assert world.dlq_depth() == 3 and _low(world) == 0  # nothing deleted before the answer
-        page.locator("#confirm-yes").click()
-        wait_until(lambda: _low(world) == 3, timeout=60, message="the DLQ purged")
-        wait_until(lambda: "deleted 3 records" in page.locator("#job").inner_text(), timeout=30)
-        assert opened.errors == []
+def _screenshot(page: Page, name: str) -> None:
+    """With CONSUMER_PROXY_SCREENSHOTS=DIR, save the page (the README's pictures: docs/img)."""
+    directory = os.environ.get("CONSUMER_PROXY_SCREENSHOTS")
+    if directory:
+        page.screenshot(path=str(Path(directory) / name), full_page=True)
 
 
 def _low(world: World) -> int:
@@ -368,6 +360,7 @@ def test_keyboard_navigation_and_no_serious_accessibility_violation(
         page = opened.page
         link = page.locator(f'#groups a[href="#/group/{world.group}"]')
         link.wait_for()
+        _screenshot(page, "console-overview.png")
         assert axe_violations(page) == []
         # When the operator tabs to the group's link and presses Enter
         for _ in range(30):
@@ -384,6 +377,8 @@ def test_keyboard_navigation_and_no_serious_accessibility_violation(
         page.keyboard.press("Enter")
         page.locator("h1", has_text=f"Group {world.group}").wait_for()
         page.locator("#partitions tbody tr").first.wait_for()
+        page.locator("#chart polyline").wait_for(state="attached")
+        _screenshot(page, "console-group.png")
         assert axe_violations(page) == []
         for _ in range(30):
             page.keyboard.press("Tab")
@@ -397,5 +392,23 @@ def test_keyboard_navigation_and_no_serious_accessibility_violation(
         page.keyboard.press("Enter")
         page.locator("h1", has_text="Dead letters").wait_for()
         page.locator("#dlq-summary").filter(has_text="records held").wait_for()
+        page.locator("#records tbody tr").first.wait_for()
+        _screenshot(page, "console-dead-letters.png")
         assert axe_violations(page) == []
+        assert opened.errors == []
+
+
+def test_purge_asks_with_the_count_and_deletes(world: World, browser: Browser) -> None:
+    with tab(browser, f"{world.url}/console/#/dlq/{world.group}") as opened:
+        page = opened.page
+        _sign_in(page)
+        page.locator("#purge-bound").select_option("all")
+        page.locator("#purge").click()
+        dialog = page.locator("#confirm")
+        dialog.wait_for(state="visible", timeout=60_000)
+        assert "Delete 3 records" in page.locator("#confirm-text").inner_text()
+        assert world.dlq_depth() == 3 and _low(world) == 0  # nothing deleted before the answer
+        page.locator("#confirm-yes").click()
+        wait_until(lambda: _low(world) == 3, timeout=60, message="the DLQ purged")
+        wait_until(lambda: "deleted 3 records" in page.locator("#job").inner_text(), timeout=30)
         assert opened.errors == []

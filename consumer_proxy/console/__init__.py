@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import re
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -140,6 +141,8 @@ class Console:
         self._dlq_ends: dict[str, list[tuple[int, int]]] = {}
         self._kafka_error = ""
         self._consumer: Consumer | None = None
+        self._consumer_lock = threading.Lock()
+        self._closed = False
         self._task: asyncio.Task[None] | None = None
         self._dlq_reads: dict[tuple[str, Filter], asyncio.Task[dict[str, Any]]] = {}
         self._dlq_cache: dict[tuple[str, Filter], tuple[float, dict[str, Any]]] = {}
@@ -161,9 +164,15 @@ class Console:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._task = None
         await self.jobs.close()
-        consumer, self._consumer = self._consumer, None
-        if consumer is not None:
-            await asyncio.to_thread(consumer.close)
+        await asyncio.to_thread(self._close_consumer)
+
+    def _close_consumer(self) -> None:
+        # Under the lock: a cancelled sample's thread may still be reading with it.
+        with self._consumer_lock:
+            self._closed = True
+            consumer, self._consumer = self._consumer, None
+            if consumer is not None:
+                consumer.close()
 
     # -- sampling -------------------------------------------------------------------------
 
@@ -201,6 +210,14 @@ class Console:
         self, parts: list[tuple[str, int]], groups: list[GroupConfig]
     ) -> tuple[dict[tuple[str, int], tuple[int, int]], dict[str, list[tuple[int, int]]]]:
         """(low, high) of the owned partitions and of each group's DLQ partitions (blocking)."""
+        with self._consumer_lock:
+            if self._closed:
+                return {}, {}
+            return self._read_ends_locked(parts, groups)
+
+    def _read_ends_locked(
+        self, parts: list[tuple[str, int]], groups: list[GroupConfig]
+    ) -> tuple[dict[tuple[str, int], tuple[int, int]], dict[str, list[tuple[int, int]]]]:
         if self._consumer is None:
             conf = kafka_ops.plain_conf(self._kafka)
             conf.update({"group.id": "consumer-proxy-console", "enable.auto.commit": False})

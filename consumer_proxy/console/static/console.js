@@ -293,10 +293,10 @@
         i.latency_ms + " ms",
       ],
     })));
-    fill(document.getElementById("tiers"), g.tiers.map((t) => ({
+    fill(document.getElementById("tiers"), g.tiers.length ? g.tiers.map((t) => ({
       key: String(t.tier),
       cells: ["tier " + t.tier, t.topic, t.delay_ms + " ms", num(t.depth), when(t.next_due_ms)],
-    })));
+    })) : [{ key: "none", cells: ["none", "no retry tiers configured (delivery.retry_topics)", "", "", ""] }]);
     drawChart(g.history, g.time);
     const list = document.getElementById("lines");
     list.textContent = "";
@@ -330,6 +330,13 @@
       line.setAttribute("points", history.map((h) => x(h[0]).toFixed(1) + "," + y(h[2]).toFixed(1)).join(" "));
       line.setAttribute("class", "limit");
       svg.append(line);
+    }
+    for (const [value, label] of [[top, "limit " + top], [0, "0"]]) {
+      const text = document.createElementNS(SVG, "text");
+      text.setAttribute("x", "4");
+      text.setAttribute("y", (value ? y(value) + 10 : 118).toFixed(1));
+      text.textContent = label;
+      svg.append(text);
     }
     const last = history[history.length - 1];
     const opened = history.filter((h) => h[1]).length;
