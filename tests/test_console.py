@@ -46,8 +46,11 @@ class World:
     service: ThreadedService
     proxy: ProxyProcess
     slow_s: float = 0.0
+    down: bool = False
 
     def behaviour(self, msg: handler_pb2.Message, _n: int) -> Behaviour:
+        if self.down:
+            return Behaviour(status=grpc.StatusCode.UNAVAILABLE, details="down for the test")
         if msg.value.endswith(b"poison"):
             text = msg.value.decode(errors="replace")
             return Behaviour(
@@ -96,6 +99,7 @@ def world(kafka: Broker, tmp_path_factory: pytest.TempPathFactory) -> Iterator[W
             client=FAST_CONSUMER,
         )
         raw["console"] = {"enabled": True}
+        raw["groups"][0]["circuit_breaker"] = {"failure_threshold": 3, "reset_timeout_s": 1.0}
         config = directory / "proxy.json"
         config.write_text(json.dumps(raw))
         log = directory / "proxy.log"
@@ -149,26 +153,39 @@ def _int(text: str) -> int | None:
 
 
 def test_the_overview_shows_what_status_says(world: World, browser: Browser, cli: Cli) -> None:
-    # Given the group drained, three records in its DLQ
+    # Given the group drained, three records in its DLQ; when the service goes down (the
+    # breaker opens) and 25 more records arrive, so that the lag stands still at 25
     wait_until(lambda: world.drained(cli), timeout=60, message="the group caught up")
-    with tab(browser, f"{world.url}/console/") as opened:
-        page = opened.page
+    world.down = True
+    try:
+        produce(world.bootstrap, world.topic, [{"value": f"later-{i}".encode()} for i in range(25)])
+        with tab(browser, f"{world.url}/console/") as opened:
+            page = opened.page
 
-        # Then the overview's lag and DLQ depth equal `consumer-proxy status --json` now
-        def same() -> bool:
-            cells = _cells(page, "groups", world.group)
-            status = json.loads(cli("status", "--config", str(world.config), "--json")[1])
-            g = status["groups"][0]
-            return (
-                len(cells) == 8
-                and cells[1] == "running"
-                and _int(cells[3]) == g["total_lag"]
-                and _int(cells[6]) == g["dlq_depth"] == 3
-                and _int(cells[4]) == 0
+            # Then the overview's lag and DLQ depth equal `consumer-proxy status --json` now
+            def same() -> bool:
+                cells = _cells(page, "groups", world.group)
+                status = json.loads(cli("status", "--config", str(world.config), "--json")[1])
+                g = status["groups"][0]
+                return (
+                    len(cells) == 8
+                    and cells[1].startswith("breaker")
+                    and _int(cells[3]) == g["total_lag"] == 25
+                    and _int(cells[6]) == g["dlq_depth"] == 3
+                )
+
+            wait_until(same, timeout=30, message="the overview to equal status --json")
+            # And once the service is back, the group runs and its lag is gone
+            world.down = False
+            wait_until(
+                lambda: _cells(page, "groups", world.group)[1:4:2] == ["running", "0"],
+                timeout=30,
+                message="running, lag 0",
             )
-
-        wait_until(same, timeout=30, message="the overview to equal status --json")
-        assert opened.errors == []
+            assert opened.errors == []
+    finally:
+        world.down = False
+    wait_until(lambda: world.drained(cli), timeout=60, message="the group caught up")
 
 
 def test_a_lagging_partition_shows_its_lag_growing_and_why_it_is_paused(
