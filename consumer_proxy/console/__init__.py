@@ -98,6 +98,14 @@ class StateLines(logging.Handler):
             g: deque(maxlen=STATE_LINES) for g in groups
         }
 
+    def recent(self, group: str) -> list[tuple[float, str, str]]:
+        """The group's lines, oldest first (appended from any thread: read under the lock)."""
+        self.acquire()
+        try:
+            return list(self.lines[group])
+        finally:
+            self.release()
+
     def emit(self, record: logging.LogRecord) -> None:
         try:
             message = record.getMessage()
@@ -335,7 +343,7 @@ class Console:
             "instances": snap["instances"],
             "rows": rows,
             "history": list(self._history[runner.name]),
-            "lines": list(self._lines.lines[runner.name]),
+            "lines": self._lines.recent(runner.name),
         }
 
     # -- routes ---------------------------------------------------------------------------
