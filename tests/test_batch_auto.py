@@ -18,11 +18,11 @@ import pytest
 
 from consumer_proxy import handler as cp
 from consumer_proxy.config import ProxyConfig
-from consumer_proxy.proto.v1 import handler_pb2, handler_pb2_grpc
 from consumer_proxy.proxy import Proxy
 from tests.support.kafka import Broker, consume_all, create_topic, produce, unique_name
 from tests.support.proxy import caught_up, config_dict, start_proxy
 from tests.support.scrape import http_get, scrape
+from tests.support.service import UnaryOnly, serve
 from tests.support.waiting import async_wait_until
 
 pytestmark = pytest.mark.kafka
@@ -31,32 +31,9 @@ pytestmark = pytest.mark.kafka
 NO_RETRY_SOON = {"backoff": {"initial_ms": 60_000, "max_ms": 60_000}}
 
 
-class UnaryOnly(handler_pb2_grpc.MessageHandlerServicer):
-    """A hand-written service with HandleMessage only (gRPC answers UNIMPLEMENTED to the
-    batch method, as for any method a server does not serve)."""
-
-    def __init__(self) -> None:
-        self.got: list[handler_pb2.Message] = []
-        self.batch_calls = 0
-
-    async def HandleMessage(self, request: Any, context: Any) -> Any:
-        self.got.append(request.message)
-        return handler_pb2.HandleMessageResponse()
-
-    async def HandleMessageBatch(self, request: Any, context: Any) -> Any:
-        self.batch_calls += 1
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
-
-    def HandleMessageStream(self, request: Any, context: Any) -> Any:
-        raise NotImplementedError  # never called: these groups are not long-running
-
-
 async def serve_unary_only(port: int = 0) -> tuple[grpc.aio.Server, UnaryOnly, int]:
     servicer = UnaryOnly()
-    server = grpc.aio.server()
-    handler_pb2_grpc.add_MessageHandlerServicer_to_server(servicer, server)
-    bound = server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
+    server, bound = await serve(servicer, port)
     return server, servicer, bound
 
 
