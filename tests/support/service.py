@@ -715,16 +715,23 @@ class ThreadedService:
         self.call(self.service.restart())
 
 
+Answer = Callable[[handler_pb2.Message], handler_pb2.HandleMessageResponse]
+
+
 class UnaryOnly(handler_pb2_grpc.MessageHandlerServicer):
     """A hand-written service with HandleMessage only: gRPC answers UNIMPLEMENTED to the batch
-    method, as for any method a server does not serve. Records what it got."""
+    method, as for any method a server does not serve. Records what it got; ``answer`` (acks
+    when not given) says what each message gets."""
 
-    def __init__(self) -> None:
+    def __init__(self, answer: Answer | None = None) -> None:
         self.got: list[handler_pb2.Message] = []
         self.batch_calls = 0
+        self._answer = answer
 
     async def HandleMessage(self, request: Any, context: Any) -> Any:
         self.got.append(request.message)
+        if self._answer is not None:
+            return self._answer(request.message)
         return handler_pb2.HandleMessageResponse()
 
     async def HandleMessageBatch(self, request: Any, context: Any) -> Any:
