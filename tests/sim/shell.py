@@ -527,15 +527,18 @@ class ShellSim:
 
     def start_member(self) -> None:
         loop = asyncio.get_running_loop()
+        # Every clock the runner reads is the virtual loop's (monotonic and wall time), and
+        # the core's random jitter is seeded from the schedule's.
         runner = GroupRunner(
-            self.group_config(), ProxyMetrics(CollectorRegistry()), self._open_edges, 5.0
+            self.group_config(),
+            ProxyMetrics(CollectorRegistry()),
+            self._open_edges,
+            5.0,
+            monotonic=loop.time,
+            wall=lambda: WALL_EPOCH_S + loop.time(),
+            rng=random.Random(self.rng.random()),
         )
-        # The seams the runner does not take as arguments: its breaker's and its core's
-        # clocks (monotonic and wall time) and the core's random jitter, all virtual here.
-        runner.breaker._clock = loop.time
         core = runner.partitions
-        core._clock = lambda: WALL_EPOCH_S + loop.time()
-        core._rng = random.Random(self.rng.random())
         self.taken, self.calls, self.parked = set(), set(), set()
         self._spy(runner, core)
         self.runner = runner

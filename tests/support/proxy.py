@@ -114,16 +114,20 @@ def start_proxy(config: ProxyConfig, **kwargs: Any) -> tuple[Proxy, asyncio.Task
     return proxy, asyncio.create_task(proxy.run(), name="proxy")
 
 
-async def caught_up(bootstrap: str, group: str, topic: str) -> bool:
-    """True once the group's committed offsets equal the topic's end offsets everywhere."""
+def caught_up_now(bootstrap: str, group: str, topic: str) -> bool:
+    """True once the group's committed offsets equal the topic's end offsets everywhere (the
+    tests' one such check: ``caught_up`` is it for a loop, ``wait_until`` takes this)."""
     try:
-        ends, committed = await asyncio.gather(
-            asyncio.to_thread(end_offsets, bootstrap, topic),
-            asyncio.to_thread(committed_offsets, bootstrap, group, topic),
-        )
+        ends = end_offsets(bootstrap, topic)
+        committed = committed_offsets(bootstrap, group, topic)
     except KafkaException:  # e.g. the group coordinator of a fresh broker is still loading
         return False
     return all(committed.get(p, (None,))[0] == end for p, end in ends.items() if end > 0)
+
+
+async def caught_up(bootstrap: str, group: str, topic: str) -> bool:
+    """``caught_up_now`` off the event loop."""
+    return await asyncio.to_thread(caught_up_now, bootstrap, group, topic)
 
 
 # -- the proxy as a child process (kill -9, worker storms) -----------------------------------

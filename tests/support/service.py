@@ -713,3 +713,45 @@ class ThreadedService:
 
     def restart(self) -> None:
         self.call(self.service.restart())
+
+
+Answer = Callable[[handler_pb2.Message], handler_pb2.HandleMessageResponse]
+
+
+class UnaryOnly(handler_pb2_grpc.MessageHandlerServicer):
+    """A hand-written service with HandleMessage only: gRPC answers UNIMPLEMENTED to the batch
+    method, as for any method a server does not serve. Records what it got; ``answer`` (acks
+    when not given) says what each message gets."""
+
+    def __init__(self, answer: Answer | None = None) -> None:
+        self.got: list[handler_pb2.Message] = []
+        self.batch_calls = 0
+        self._answer = answer
+
+    async def HandleMessage(self, request: Any, context: Any) -> Any:
+        self.got.append(request.message)
+        if self._answer is not None:
+            return self._answer(request.message)
+        return handler_pb2.HandleMessageResponse()
+
+    async def HandleMessageBatch(self, request: Any, context: Any) -> Any:
+        self.batch_calls += 1
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
+
+    def HandleMessageStream(self, request: Any, context: Any) -> Any:
+        raise NotImplementedError  # never called: the groups using it are not long-running
+
+
+async def serve(
+    servicer: handler_pb2_grpc.MessageHandlerServicer, port: int = 0
+) -> tuple[grpc.aio.Server, int]:
+    """Serve a hand-written servicer (one that misbehaves in a way ``TestService`` does not
+    model) on 127.0.0.1; returns the started server and its port."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    handler_pb2_grpc.add_MessageHandlerServicer_to_server(servicer, server)
+    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    if bound == 0:
+        await server.stop(None)
+        raise OSError(f"cannot listen on 127.0.0.1:{port}")
+    await server.start()
+    return server, bound
