@@ -99,7 +99,7 @@ class _Push:
         self.last_failure = ""
         """The latest service-level failure, said when the breaker opens."""
         self.open: dict[Delivery, OpenCall] = {}
-        """One-message calls under way (unary and streaming; not batch calls)."""
+        """Calls under way, by message (a batch call under each of its messages)."""
         self._m_push = parts.metrics.push_duration.labels(parts.name)
         self._m_in_flight = parts.metrics.in_flight.labels(parts.name)
 
@@ -109,7 +109,9 @@ class _Push:
     def cancel_calls(self, parts: Collection[PartitionState] | None, cause: Cancel) -> int:
         """Cancel the open calls of ``parts`` (None: all); returns how many. The service sees
         the cancellation; each message is given back (``PartitionSet.abandon``), never
-        counted as an attempt, and its worker carries on."""
+        counted as an attempt, and its worker carries on. A batch call goes as a whole once
+        one of its partitions does: its messages of partitions still owned are pushed again
+        (uncounted), rather than the leaving ones being worked on beside their new owner."""
         count = 0
         for delivery, call in self.open.items():
             if call.cancel is None and (parts is None or delivery.part in parts):
@@ -292,16 +294,28 @@ class BatchPush(_Push):
                         self._tier_delivered(d)
                 if began:
                     self.pushing.add(me)
-                    if self.rate is not None:
-                        await self.rate.acquire(len(began))
-                    started = clock()
-                    outcome = await (
-                        self._deliver(began, probe, endpoint)
-                        if whole
-                        else self._deliver_unary(began, probe, endpoint)
-                    )
-                    rtt = clock() - started
-                    self._m_push.observe(rtt)
+                    # Open under each of its messages, for ``cancel_calls``.
+                    call = OpenCall(me, clock())
+                    for d in began:
+                        self.open[d] = call
+                    try:
+                        if self.rate is not None:
+                            await self.rate.acquire(len(began))
+                        started = clock()
+                        outcome = await (
+                            self._deliver(began, probe, endpoint)
+                            if whole
+                            else self._deliver_unary(began, probe, endpoint)
+                        )
+                        rtt = clock() - started
+                        self._m_push.observe(rtt)
+                    except asyncio.CancelledError:
+                        if not self._cancelled_here(began[0]):
+                            raise
+                        self._call_ended.set()  # given back below, none counted
+                    finally:
+                        for d in began:
+                            del self.open[d]
             finally:
                 self.pushing.discard(me)
                 if probe and outcome is None:
