@@ -21,7 +21,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -37,7 +36,7 @@ from tests.support.kafka import (
     unique_name,
     value_of,
 )
-from tests.support.proxy import caught_up, make_config, start_proxy
+from tests.support.proxy import Members, caught_up, make_config, revoke_took, start_proxy
 from tests.support.scrape import parse
 from tests.support.waiting import async_wait_until, wait_until
 
@@ -333,15 +332,13 @@ async def test_a_rebalance_cancels_the_go_examples_long_calls_and_the_new_owner_
         "long_running": {"heartbeat_timeout_ms": 1500, "max_processing_ms": 60_000},
         "revoke_grace_ms": REVOKE_GRACE_MS,
     }
-    config = make_config(bootstrap, group, [topic], [go_longer_service.address], delivery=delivery)
-    first, first_task = start_proxy(config)
-    second: Any = None
-    second_task: Any = None
+    address = go_longer_service.address
 
     def cancelled() -> list[tuple[float, str]]:
         return [(t, line) for t, line in list(go_longer_service.lines) if " cancelled " in line]
 
-    try:
+    async with Members() as members:
+        first = members.start(make_config(bootstrap, group, [topic], [address], delivery=delivery))
 
         def open_calls() -> float:
             scrape = parse(first.metrics.exposition().decode())
@@ -350,51 +347,27 @@ async def test_a_rebalance_cancels_the_go_examples_long_calls_and_the_new_owner_
         await async_wait_until(lambda: open_calls() == 10, timeout=30)
         # When a second member joins and takes one partition (a redrive topic of its own, so
         # the assignor balances the two source partitions between the members)
-        second, second_task = start_proxy(
-            make_config(
-                bootstrap,
-                group,
-                [topic],
-                [go_longer_service.address],
-                delivery=delivery,
-                dlq={"redrive_topic": f"{group}.redrive-second"},
-            )
+        redrive = {"redrive_topic": f"{group}.redrive-second"}
+        second = members.start(
+            make_config(bootstrap, group, [topic], [address], delivery=delivery, dlq=redrive)
         )
-
-        def moved() -> list[tuple[str, int]]:
-            return [tp for tp in second.runners[0].assignment() if tp[0] == topic]
-
-        await async_wait_until(moved, timeout=60)
-        [(_, partition)] = moved()
+        [partition] = await members.owned(second, topic)
         # Then the Go handlers of that partition's 5 calls saw ctx.Done()
         await async_wait_until(lambda: len(cancelled()) >= 5, timeout=10)
-        assert sorted(
-            re.findall(
-                r"cancelled (\S+): context canceled", "".join(line for _, line in cancelled())
-            )
-        ) == [f"{topic}[{partition}]@{offset}" for offset in range(5)]
+        seen = re.findall(r"cancelled (\S+): context canceled", "".join(x for _, x in cancelled()))
+        assert sorted(seen) == [f"{topic}[{partition}]@{offset}" for offset in range(5)]
         # within the revoke grace of the revoke (plus the wait for cancelled calls to end)
-        [revoked] = [
-            r for r in caplog.records if r.getMessage().startswith(f"group {group}: revoked 1 ")
-        ]
-        took = float(re.findall(r"after ([0-9.]+)s", revoked.getMessage())[0])
-        began = revoked.created - took
-        assert took < REVOKE_GRACE_MS / 1000 + 1.0, revoked.getMessage()
+        began, took = revoke_took(caplog.records, group)
+        assert took < REVOKE_GRACE_MS / 1000 + 1.0
         assert all(began < t < began + REVOKE_GRACE_MS / 1000 + 1.0 for t, _ in cancelled())
         # and the new owner delivers those 5 again, to the end: nothing is lost
         await async_wait_until(
             lambda: caught_up(bootstrap, group, topic), timeout=LONG_MS / 1000 + 30
         )
-    finally:
-        await first.shutdown()
-        await first_task
-        if second is not None:
-            await second.shutdown()
-            await second_task
     # Each of the 10 acked once by the Go example, the 5 moving ones after one cancellation
     log = go_longer_service.stop()
     assert "stopped: acked=10 retried=0 dead_lettered=0 cancelled=5" in log, log
-    acks = sum(p.metrics.messages.labels(group, "ack")._value.get() for p in (first, second))
+    acks = sum(p.metrics.messages.labels(group, "ack")._value.get() for p in members.proxies)
     assert acks == 10
 
 
