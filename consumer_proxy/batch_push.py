@@ -25,7 +25,7 @@ from .core.batching import NOT_IMPLEMENTED_REASON, BatchLimits, BatchOutcome, su
 from .core.decision import Action
 from .core.partitions import Delivery
 from .kafka_log import KafkaLogGate
-from .push import Push, PushParts, UnaryPush
+from .push import OpenCall, Push, PushParts, UnaryPush
 from .readyq import ReadyDeque
 from .wire import batch_request, unary_request
 
@@ -99,16 +99,28 @@ class BatchPush(Push):
                         self._tier_delivered(d)
                 if began:
                     self.pushing.add(me)
-                    if self.rate is not None:
-                        await self.rate.acquire(len(began))
-                    started = clock()
-                    outcome = await (
-                        self._deliver(began, probe, endpoint)
-                        if whole
-                        else self._deliver_unary(began, probe, endpoint)
-                    )
-                    rtt = clock() - started
-                    self._m_push.observe(rtt)
+                    # Open under each of its messages, for ``cancel_calls``.
+                    call = OpenCall(me, clock())
+                    for d in began:
+                        self.open[d] = call
+                    try:
+                        if self.rate is not None:
+                            await self.rate.acquire(len(began))
+                        started = clock()
+                        outcome = await (
+                            self._deliver(began, probe, endpoint)
+                            if whole
+                            else self._deliver_unary(began, probe, endpoint)
+                        )
+                        rtt = clock() - started
+                        self._m_push.observe(rtt)
+                    except asyncio.CancelledError:
+                        if not self._cancelled_here(began[0]):
+                            raise
+                        self._call_ended.set()  # given back below, none counted
+                    finally:
+                        for d in began:
+                            del self.open[d]
             finally:
                 self.pushing.discard(me)
                 if probe and outcome is None:

@@ -88,7 +88,7 @@ class Push:
         self.last_failure = ""
         """The latest service-level failure, said when the breaker opens."""
         self.open: dict[Delivery, OpenCall] = {}
-        """One-message calls under way (unary and streaming; not batch calls)."""
+        """Calls under way, by message (a batch call under each of its messages)."""
         self._m_push = parts.metrics.push_duration.labels(parts.name)
         self._m_in_flight = parts.metrics.in_flight.labels(parts.name)
 
@@ -98,7 +98,9 @@ class Push:
     def cancel_calls(self, parts: Collection[PartitionState] | None, cause: Cancel) -> int:
         """Cancel the open calls of ``parts`` (None: all); returns how many. The service sees
         the cancellation; each message is given back (``PartitionSet.abandon``), never
-        counted as an attempt, and its worker carries on."""
+        counted as an attempt, and its worker carries on. A batch call goes as a whole once
+        one of its partitions does: its messages of partitions still owned are pushed again
+        (uncounted), rather than the leaving ones being worked on beside their new owner."""
         count = 0
         for delivery, call in self.open.items():
             if call.cancel is None and (parts is None or delivery.part in parts):

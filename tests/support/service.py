@@ -161,6 +161,8 @@ class Delivery:
     received_at: float
     outcome: str = "PENDING"
     finished_at: float | None = None
+    call: int = -1
+    """The batch call that carried it (its index in ``batch_calls``); -1 alone."""
 
     @property
     def coordinates(self) -> tuple[str, int, int]:
@@ -388,7 +390,7 @@ class TestService:
         with self._lock:
             self._state.in_flight -= 1
 
-    def _receive(self, msg: handler_pb2.Message, *, batch: bool) -> tuple[int, int]:
+    def _receive(self, msg: handler_pb2.Message, *, batch: bool, call: int = -1) -> tuple[int, int]:
         """Record an arriving delivery; returns (its index, n)."""
         coordinates = (msg.topic, msg.partition, msg.offset)
         with self._lock:
@@ -409,6 +411,7 @@ class TestService:
                     n=n,
                     batch=batch,
                     received_at=time.monotonic(),
+                    call=call,
                 )
             )
             return len(self._state.deliveries) - 1, n
@@ -428,14 +431,19 @@ class TestService:
             self._state.errors.append(exc)
 
     async def _deliver(
-        self, msg: handler_pb2.Message, *, batch: bool, chosen: list[Behaviour] | None = None
+        self,
+        msg: handler_pb2.Message,
+        *,
+        batch: bool,
+        chosen: list[Behaviour] | None = None,
+        call: int = -1,
     ) -> Behaviour:
         """Record one delivery and play its behaviour, up to (not including) the answer.
 
         Returns the behaviour (also appended to ``chosen`` as soon as it is known); raises
         _Crash, or CancelledError when the caller went away.
         """
-        index, n = self._receive(msg, batch=batch)
+        index, n = self._receive(msg, batch=batch, call=call)
         try:
             behaviour = self.behaviour(msg, n)
         except Exception as exc:
@@ -530,10 +538,11 @@ class _Servicer(handler_pb2_grpc.MessageHandlerServicer):
         if not self._service._admit():
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "max_concurrency reached")
         with self._service._lock:
+            call = len(self._service._state.batch_calls)
             self._service._state.batch_calls.append(len(request.messages))
         try:
             results = await asyncio.gather(
-                *(self._service._deliver(m, batch=True) for m in request.messages),
+                *(self._service._deliver(m, batch=True, call=call) for m in request.messages),
                 return_exceptions=True,
             )
             if any(isinstance(r, _Crash) for r in results):
