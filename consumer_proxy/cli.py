@@ -22,6 +22,7 @@ from typing import Any
 from . import __version__
 from .config import ProxyConfig, load_config
 from .errors import ConfigError, ConsumerProxyError
+from .tools.render import printable
 
 log = logging.getLogger("consumer_proxy")
 
@@ -56,15 +57,24 @@ class _JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
+class _TextFormatter(logging.Formatter):
+    """One line per record: a message carries data of other teams (a service's reason, a
+    header), so its control characters are escaped (``tools.render.printable``) and it can
+    neither send terminal sequences nor print lines of its own. Our tracebacks stay as they
+    are."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = printable(record.message)
+        return super().formatMessage(record)
+
+
 def setup_logging(level: str, fmt: str) -> None:
     """Log to stderr as text or JSON lines."""
     handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(_JsonFormatter())
-    else:
-        handler.setFormatter(
-            logging.Formatter("%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s")
-        )
+    handler.setFormatter(_JsonFormatter() if fmt == "json" else _TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

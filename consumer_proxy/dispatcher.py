@@ -28,7 +28,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,6 +123,31 @@ def _credentials(tls: TlsConfig) -> tuple[grpc.ChannelCredentials, list[tuple[st
     if tls.server_name:
         options.append(("grpc.ssl_target_name_override", tls.server_name))
     return creds, options
+
+
+async def read_stream(
+    read: Callable[[], Awaitable[Any]],
+    watch: CallWatch,
+    on_heartbeat: Callable[[float], None],
+    classifier: Classifier,
+) -> Classification:
+    """A ``HandleMessageStream`` call's events (``read``: the next one, or ``aio.EOF``) until
+    its result or its expiry by ``watch`` (on the event loop's clock): each heartbeat is told
+    to the watch (its gap to ``on_heartbeat``) and moves the expiry. A failed call's
+    ``AioRpcError`` goes to the caller."""
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout_at(watch.due()[0]) as deadline:
+            while True:
+                event = await read()
+                if event is aio.EOF:
+                    return no_result(classifier)
+                if event.HasField("result"):
+                    return classifier.from_response(event.result)
+                on_heartbeat(watch.heard(loop.time(), event.heartbeat.progress))
+                deadline.reschedule(watch.due()[0])
+    except TimeoutError:
+        return expiry_result(watch.due()[1], watch.limits, classifier)
 
 
 class Dispatcher:
@@ -339,27 +364,13 @@ class Dispatcher:
         when it expires: no heartbeat in time, or the cap; the call is then cancelled (the
         service sees the cancellation) and the expiry classified by the core. Each
         heartbeat's gap goes to ``on_heartbeat``. Times are the event loop's clock."""
-        loop = asyncio.get_running_loop()
         limits: Limits = watch.limits
         endpoint.outstanding += 1
         endpoint.calls += 1
         # gRPC's own deadline is a backstop only (the watch ends the call first).
         call = endpoint.stub.HandleMessageStream(request, timeout=limits.max_processing_s + 30)
-        result: Classification | None = None
         try:
-            async with asyncio.timeout_at(watch.due()[0]) as deadline:
-                while True:
-                    event = await call.read()
-                    if event is aio.EOF:
-                        result = no_result(self._classifier)
-                        break
-                    if event.HasField("result"):
-                        result = self._classifier.from_response(event.result)
-                        break
-                    on_heartbeat(watch.heard(loop.time(), event.heartbeat.progress))
-                    deadline.reschedule(watch.due()[0])
-        except TimeoutError:
-            result = expiry_result(watch.due()[1], limits, self._classifier)
+            result = await read_stream(call.read, watch, on_heartbeat, self._classifier)
         except aio.AioRpcError as exc:
             result = self._classifier.from_status(exc.code(), exc.details())
         finally:

@@ -62,8 +62,9 @@ that run for minutes): the same handler runs as a task while the SDK sends a hea
 (optional; a no-op under ``HandleMessage``). The heartbeats come from the server's event loop:
 **a handler that blocks the loop** (CPU-bound work, a blocking call not moved to a thread)
 stops them, and the proxy fails the call after its heartbeat timeout, as hung. When the
-proxy cancels a call (unary or streaming: no heartbeat in time, its processing cap, a revoked
-partition, its shutdown) the handler sees ``asyncio.CancelledError``; clean up and re-raise.
+proxy cancels a call (unary, streaming or batch: no heartbeat in time, its processing cap, a
+revoked or lost partition, its shutdown) the handler sees ``asyncio.CancelledError`` (in a
+batch call, every message's handler does); clean up and re-raise.
 
 ``serve()`` / :class:`Server` also serve the standard ``grpc.health.v1.Health`` service,
 SERVING for ``""`` and ``"consumerproxy.v1.MessageHandler"``, NOT_SERVING once stopping.

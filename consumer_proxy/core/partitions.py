@@ -1025,6 +1025,8 @@ class PartitionSet:
             bool(part.due),
             bool(part.held),
         )
+        if not any(checks):  # the common case, once per partition on every poll
+            return ()
         return tuple(name for name, hit in zip(PAUSE_REASONS, checks, strict=True) if hit)
 
     def views(self) -> list[PartitionView]:

@@ -75,7 +75,8 @@ from consumer_proxy.core.partitions import Delivery, PartitionSet
 from consumer_proxy.core.records import CP_PREFIX, retry_headers
 from consumer_proxy.flow import Breaker
 from consumer_proxy.proto.v1 import handler_pb2
-from tests.sim.world import TP, Clock, Consumer, Log, Msg, Timer
+from tests.sim.world import TP, Consumer, Log, Msg
+from tests.support.clock import Clock, Timer
 
 TOPIC = "t"
 REDRIVE = "g.redrive"

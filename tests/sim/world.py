@@ -14,63 +14,11 @@ Everything runs on one virtual clock; randomness comes from one seeded ``random.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import random
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 TP = tuple[str, int]
-
-
-class Clock:
-    """Virtual time plus a timer heap; ``call_later`` returns a cancellable handle."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self._heap: list[tuple[float, int, Timer]] = []
-        self._seq = itertools.count()
-
-    def __call__(self) -> float:
-        return self.now
-
-    def call_later(self, delay_s: float, fn: Callable[[], None]) -> Timer:
-        timer = Timer(fn)
-        heapq.heappush(self._heap, (self.now + max(0.0, delay_s), next(self._seq), timer))
-        return timer
-
-    def next_due(self) -> float | None:
-        while self._heap and self._heap[0][2].cancelled:
-            heapq.heappop(self._heap)
-        return self._heap[0][0] if self._heap else None
-
-    def run_until(self, until: float) -> None:
-        """Fire every timer due up to ``until`` in order, then set the time to ``until``."""
-        while True:
-            due = self.next_due()
-            if due is None or due > until:
-                break
-            when, _, timer = heapq.heappop(self._heap)
-            self.now = max(self.now, when)
-            timer.fire()
-        self.now = max(self.now, until)
-
-
-@dataclass(eq=False)
-class Timer:
-    """A scheduled callback."""
-
-    fn: Callable[[], None]
-    cancelled: bool = False
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-    def fire(self) -> None:
-        if not self.cancelled:
-            self.cancelled = True
-            self.fn()
 
 
 @dataclass(frozen=True)
