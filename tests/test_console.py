@@ -20,11 +20,12 @@ import pytest
 from confluent_kafka import KafkaException
 from playwright.sync_api import Browser, Page
 
+from consumer_proxy.console import CSP
 from consumer_proxy.proto.v1 import handler_pb2
 from tests.support.browser import axe_violations, chromium, tab
 from tests.support.kafka import Broker, create_topic, end_offsets, produce, unique_name
 from tests.support.proxy import FAST_CONSUMER, ProxyProcess, config_dict
-from tests.support.service import DEAD_LETTER, Behaviour, ThreadedService
+from tests.support.service import DEAD_LETTER, RETRY, Behaviour, ThreadedService
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.kafka
@@ -47,11 +48,14 @@ class World:
     proxy: ProxyProcess
     slow_s: float = 0.0
     down: bool = False
+    hold_tier: bool = False
 
     def behaviour(self, msg: handler_pb2.Message, _n: int) -> Behaviour:
         if msg.source == handler_pb2.DELIVERY_SOURCE_REDRIVE:
             return Behaviour()  # merged back after a fix: acked
-        if self.down:
+        if msg.value == b"tiered" and msg.source != handler_pb2.DELIVERY_SOURCE_RETRY:
+            return Behaviour(action=RETRY)  # to retry tier 1
+        if self.down or (self.hold_tier and msg.value == b"tiered"):
             return Behaviour(status=grpc.StatusCode.UNAVAILABLE, details="down for the test")
         if msg.value.endswith(b"poison"):
             text = msg.value.decode(errors="replace")
@@ -96,7 +100,7 @@ def world(kafka: Broker, tmp_path_factory: pytest.TempPathFactory) -> Iterator[W
             group,
             [topic],
             [service.address],
-            delivery={"concurrency": 4, "max_in_flight": 8},
+            delivery={"concurrency": 4, "max_in_flight": 8, "retry_topics": [{"delay_ms": 500}]},
             metrics_port=0,
             client=FAST_CONSUMER,
         )
@@ -155,30 +159,34 @@ def _int(text: str) -> int | None:
 
 
 def test_the_overview_shows_what_status_says(world: World, browser: Browser, cli: Cli) -> None:
-    # Given the group drained, three records in its DLQ; when the service goes down (the
-    # breaker opens) and 25 more records arrive, so that the lag stands still at 25
+    # Given the group drained, three records in its DLQ; when a record goes to retry tier 1
+    # and its service fails it there (the breaker opens), and 25 more records arrive while
+    # the service is down: the lag (25 + 1 in the tier) and the tier's depth stand still
     wait_until(lambda: world.drained(cli), timeout=60, message="the group caught up")
-    world.down = True
+    world.hold_tier = world.down = True
     try:
+        produce(world.bootstrap, world.topic, [b"tiered"])
         produce(world.bootstrap, world.topic, [{"value": f"later-{i}".encode()} for i in range(25)])
         with tab(browser, f"{world.url}/console/") as opened:
             page = opened.page
 
-            # Then the overview's lag and DLQ depth equal `consumer-proxy status --json` now
+            # Then the overview's lag and depths equal `consumer-proxy status --json` now
             def same() -> bool:
                 cells = _cells(page, "groups", world.group)
                 status = json.loads(cli("status", "--config", str(world.config), "--json")[1])
                 g = status["groups"][0]
+                tier = g["retry_tiers"][0]["depth"]
                 return (
                     len(cells) == 8
                     and cells[1].startswith("breaker")
-                    and _int(cells[3]) == g["total_lag"] == 25
+                    and _int(cells[3]) == g["total_lag"] == 26
                     and _int(cells[6]) == g["dlq_depth"] == 3
+                    and cells[7] == f"tier 1: {tier}" == "tier 1: 1"
                 )
 
             wait_until(same, timeout=30, message="the overview to equal status --json")
             # And once the service is back, the group runs and its lag is gone
-            world.down = False
+            world.hold_tier = world.down = False
             wait_until(
                 lambda: _cells(page, "groups", world.group)[1:4:2] == ["running", "0"],
                 timeout=30,
@@ -186,7 +194,7 @@ def test_the_overview_shows_what_status_says(world: World, browser: Browser, cli
             )
             assert opened.errors == []
     finally:
-        world.down = False
+        world.hold_tier = world.down = False
     wait_until(lambda: world.drained(cli), timeout=60, message="the group caught up")
 
 
@@ -310,6 +318,11 @@ def test_without_the_token_every_action_is_refused_and_none_is_shown(
         f"/admin/groups/{group}/dlq/purge?bound=all",
         f"/admin/groups/{group}/dlq/purge?bound=all&dry_run=1",
     ]
+    # The page and its API come with a strict content security policy
+    for path in ("/console/", "/console/static/console.js", "/console/api/overview"):
+        with urllib.request.urlopen(f"{world.url}{path}", timeout=10) as answer:
+            assert answer.headers["Content-Security-Policy"] == CSP, path
+            assert answer.headers["X-Content-Type-Options"] == "nosniff", path
     for path in actions:
         assert _post(world.url, path, None) == 403, path
         assert _post(world.url, path, "a-wrong-token-of-enough-length") == 403, path

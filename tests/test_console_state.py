@@ -11,14 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from consumer_proxy.config import CircuitBreakerConfig, DeliveryConfig
+from consumer_proxy.config import CircuitBreakerConfig, DeliveryConfig, ProxyConfig
 from consumer_proxy.console.dlq import Filter
 from consumer_proxy.core.outcomes import Classifier
 from consumer_proxy.core.partitions import PAUSE_REASONS, Delivery, PartitionSet, PartitionView
 from consumer_proxy.flow import Breaker
+from consumer_proxy.metrics import HttpEndpoint
 from consumer_proxy.proto.v1 import handler_pb2
+from consumer_proxy.proxy import Proxy
 from tests.support.clock import Clock
+from tests.support.proxy import config_dict
 from tests.support.records import Rec
+from tests.support.scrape import http_get
 
 ACK = Classifier().from_response(handler_pb2.HandleMessageResponse())
 
@@ -116,3 +120,19 @@ def test_a_console_without_the_http_endpoint_is_bad_config(
     code, _out, err = cli("validate", "--config", str(config))
     assert code == 2
     assert str(config) in err and "console.enabled" in err and "metrics" in err
+
+
+async def test_the_console_is_off_unless_enabled() -> None:
+    raw = config_dict("127.0.0.1:9", "g", ["t"], ["127.0.0.1:9"], metrics_port=0)
+    # Given the default configuration: no console, and the HTTP endpoint does not serve one
+    proxy = Proxy(ProxyConfig(**raw))
+    assert proxy.console is None
+    endpoint = HttpEndpoint(proxy.metrics, proxy.ready, "127.0.0.1", 0, pages=None)
+    await endpoint.start()
+    try:
+        assert (await http_get(endpoint.port, "/console/"))[0] == 404
+        assert (await http_get(endpoint.port, "/console/api/overview"))[0] == 404
+    finally:
+        await endpoint.close()
+    # And with console.enabled the proxy has one
+    assert Proxy(ProxyConfig(**{**raw, "console": {"enabled": True}})).console is not None
