@@ -199,10 +199,12 @@ def service_unary_call(
     """One HandleMessage call answering ``answer`` (``service_answer``'s): its result as the
     proxy classifies it and how long it takes (a hung service, or a deadline: the timeout)."""
     code, action = answer
-    latency = rng.uniform(0.001, 0.05)
+    latency = rng.uniform(0.001, 0.05)  # drawn in every case: the schedule's draws stay aligned
     if outage == "hung" or code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        code, action, latency = grpc.StatusCode.DEADLINE_EXCEEDED, 0, timeout_s
-    elif outage == "unavailable":
+        # the proxy's own deadline: its reason is the one a failed batch call's has
+        deadline = grpc.StatusCode.DEADLINE_EXCEEDED
+        return classifier.from_status(deadline, "deadline"), timeout_s
+    if outage == "unavailable":
         latency = 0.001
     if code != grpc.StatusCode.OK:
         return classifier.from_status(code, code.name), latency
