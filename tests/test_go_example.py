@@ -319,7 +319,7 @@ async def test_a_rebalance_cancels_the_go_examples_long_calls_and_the_new_owner_
 ) -> None:
     # Given 5 long messages on each of two partitions, all 10 open on the Go example (12 s
     # each, kept alive by its heartbeats), and a 1 s revoke grace
-    caplog.set_level(logging.INFO, logger="consumer_proxy.group")
+    caplog.set_level(logging.INFO, logger="consumer_proxy")
     bootstrap = kafka.bootstrap
     topic, group = unique_name("gorebal"), unique_name("gorebal")
     create_topic(bootstrap, topic, partitions=2)

@@ -131,7 +131,7 @@ def _revert_protocol_error_rule(monkeypatch: pytest.MonkeyPatch) -> None:
         retry = Classification(Outcome.RETRY, PROTOCOL_ERROR, counted=False)
         return BatchOutcome([retry] * count, retry, None, protocol_error=outcome.protocol_error)
 
-    monkeypatch.setattr("tests.sim.runner.classify_batch", old_classify)
+    monkeypatch.setattr("tests.sim.world.classify_batch", old_classify)
 
 
 @pytest.mark.parametrize(

@@ -63,7 +63,7 @@ from consumer_proxy.config import (
     LongRunningConfig,
     ServiceConfig,
 )
-from consumer_proxy.core.batching import BatchOutcome, classify_batch, classify_failed_call
+from consumer_proxy.core.batching import BatchOutcome
 from consumer_proxy.core.cadence import FETCH_WAIT_S
 from consumer_proxy.core.codec import decode
 from consumer_proxy.core.decision import Action, Decision
@@ -80,7 +80,16 @@ from consumer_proxy.proto.v1 import handler_pb2
 from consumer_proxy.readyq import ReadyDeque
 from tests.sim.runner import InvariantViolation, Truth
 from tests.sim.vloop import run_virtual
-from tests.sim.world import TP, Consumer, Log, Msg, Record
+from tests.sim.world import (
+    TP,
+    Consumer,
+    Log,
+    Msg,
+    Record,
+    service_answer,
+    service_batch_call,
+    service_unary_call,
+)
 
 TOPIC = "t"
 TIMEOUT_S = 1.0
@@ -939,32 +948,14 @@ class ShellSim:
 
     def _behave(self, ident: int) -> tuple[grpc.StatusCode, int]:
         """The service's answer for one message: (status, response action)."""
-        behaviour = self.truth.behaviour[ident]
         tries = self.truth.attempts.get(ident, 0)
-        if self.outage == "unavailable":
-            return grpc.StatusCode.UNAVAILABLE, 0
-        if behaviour.startswith("timeout:") and tries <= int(behaviour[8:]):
-            return grpc.StatusCode.DEADLINE_EXCEEDED, 0
-        if behaviour == "poison":
-            return grpc.StatusCode.INVALID_ARGUMENT, 0
-        if behaviour == "drop":
-            return grpc.StatusCode.OK, handler_pb2.HandleMessageResponse.DROP
-        if behaviour.startswith("flaky:") and tries <= int(behaviour[6:]):
-            return grpc.StatusCode.INTERNAL, 0
-        return grpc.StatusCode.OK, 0
+        return service_answer(self.truth.behaviour[ident], tries, self.outage)
 
     def answer(self, ident: int) -> tuple[Classification, float]:
         """One unary call's result and how long it takes."""
-        code, action = self._behave(ident)
-        latency = self.rng.uniform(0.001, 0.05)
-        if self.outage == "hung" or code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            code, action, latency = grpc.StatusCode.DEADLINE_EXCEEDED, 0, TIMEOUT_S
-        elif self.outage == "unavailable":
-            latency = 0.001
-        if code != grpc.StatusCode.OK:
-            return self.classifier.from_status(code, code.name), latency
-        response = handler_pb2.HandleMessageResponse(action=action)  # type: ignore[arg-type]
-        return self.classifier.from_response(response), latency
+        return service_unary_call(
+            self.classifier, self.rng, self.outage, self._behave(ident), TIMEOUT_S
+        )
 
     def stream(self, ident: int, interval_s: float) -> _Stream:
         """One streaming call as the service plays it (``delivery.long_running``)."""
@@ -991,36 +982,10 @@ class ShellSim:
 
     def answer_batch(self, idents: list[int]) -> tuple[BatchOutcome, float]:
         """One batch call's outcome (per-message statuses, a failed call, a glitch)."""
-        rng = self.rng
-        count = len(idents)
-        latency = max(rng.uniform(0.001, 0.05) for _ in idents)
-        classifier = self.classifier
-        if self.outage == "hung":
-            code = grpc.StatusCode.DEADLINE_EXCEEDED
-            return classify_failed_call(classifier, code, "deadline", count), TIMEOUT_S
-        if self.outage == "unimplemented":
-            code = grpc.StatusCode.UNIMPLEMENTED
-            return classify_failed_call(classifier, code, "no batch", count), 0.001
-        if self.outage == "unavailable" and rng.random() < 0.5:
-            code = grpc.StatusCode.UNAVAILABLE
-            return classify_failed_call(classifier, code, "down", count), 0.001
-        answers = []
-        for ident in idents:
-            code, action = self._behave(ident)
-            answers.append(
-                handler_pb2.HandleMessageResponse(
-                    status_code=code.value[0] if code != grpc.StatusCode.OK else 0,
-                    action=action,  # type: ignore[arg-type]
-                    reason=code.name,
-                )
-            )
-        if count > 1 and rng.random() < 0.03:  # a glitch: one result too few or too many
-            if rng.random() < 0.5:
-                answers.pop()
-            else:
-                answers.append(handler_pb2.HandleMessageResponse())
-        response = handler_pb2.HandleMessageBatchResponse(results=answers)
-        return classify_batch(classifier, response, count), latency
+        outcome, latency, _ = service_batch_call(
+            self.classifier, self.rng, self.outage, idents, self._behave, TIMEOUT_S
+        )
+        return outcome, latency
 
     # -- the schedule --------------------------------------------------------------------
 
