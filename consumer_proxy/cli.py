@@ -134,6 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
         "status", help="committed offsets, lag, ack state and DLQ depth, read from Kafka"
     )
     _common(status, group=True, as_json=True)
+    status.add_argument(
+        "--proxy",
+        metavar="URL",
+        help="also ask the running proxy at URL (its HTTP endpoint, console.enabled) what it "
+        "knows per partition: the window in flight and the oldest call under way",
+    )
 
     guard = sub.add_parser(
         "guard",
@@ -238,7 +244,7 @@ def _run_one(config_path: Path, level: str, fmt: str, index: int) -> int:
         config = config.model_copy(update={"health": health})
 
     async def main() -> None:
-        proxy = Proxy(config)
+        proxy = Proxy(config, config_path=config_path)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, proxy.request_shutdown)
@@ -262,10 +268,12 @@ def _run_one(config_path: Path, level: str, fmt: str, index: int) -> int:
 
 
 def _status(args: argparse.Namespace, config: ProxyConfig) -> int:
-    from .status import collect_status, render_status
+    from .status import add_open_calls, collect_status, render_status
 
     groups = [config.group(args.group)] if args.group else list(config.groups)
     report = collect_status(config.kafka, groups)
+    if args.proxy:
+        add_open_calls(report, args.proxy)
     print(json.dumps(report, indent=2) if args.json else render_status(report))
     return EXIT_OK
 

@@ -87,6 +87,15 @@ class Endpoint:
     health_service: str = SERVICE_NAME
     outstanding: int = 0
     calls: int = 0
+    latency_s: float = 0.0
+    """A moving average of its calls' durations (unary and batch calls; the console's)."""
+
+    def timed(self, started: float) -> None:
+        """A call that began at ``started`` (time.monotonic) ended now."""
+        took = time.monotonic() - started
+        self.latency_s = (
+            took if not self.latency_s else self.latency_s + 0.1 * (took - self.latency_s)
+        )
 
     @property
     def ejected(self) -> bool:
@@ -286,6 +295,7 @@ class Dispatcher:
         """One call; every failure becomes a classification, never an exception."""
         endpoint.outstanding += 1
         endpoint.calls += 1
+        started = time.monotonic()
         try:
             response = await endpoint.stub.HandleMessage(request, timeout=self._timeout_s)
         except aio.AioRpcError as exc:
@@ -301,6 +311,7 @@ class Dispatcher:
                 result = self._classifier.from_response(response)
         finally:
             endpoint.outstanding -= 1
+            endpoint.timed(started)
         change = self._ejection.observe(endpoint.index, result.service_failure, result.status)
         if change is not None:
             self._changed(change)
@@ -310,6 +321,21 @@ class Dispatcher:
         """Whether the next call to ``endpoint`` is a batch (always, unless ``auto_batch``
         found that it does not serve ``HandleMessageBatch``)."""
         return self._support is None or self._support.batches(endpoint.index)
+
+    def instances(self) -> list[dict[str, Any]]:
+        """Each instance as the console shows it: target, in rotation or not, its last health
+        verdict, calls under way and made, and its latency."""
+        return [
+            {
+                "target": e.target,
+                "ejected": e.ejected,
+                "serving": e.serving,
+                "in_flight": e.outstanding,
+                "calls": e.calls,
+                "latency_ms": round(e.latency_s * 1000, 1),
+            }
+            for e in self.endpoints
+        ]
 
     def batch_support(self) -> str:
         """What ``auto_batch`` knows of the instances, for /readyz ('' without it)."""
@@ -373,6 +399,7 @@ class Dispatcher:
         endpoint.outstanding += 1
         endpoint.calls += 1
         status = "OK"
+        started = time.monotonic()
         try:
             response = await call(payload, timeout=self._timeout_s)
         except aio.AioRpcError as exc:
@@ -386,6 +413,7 @@ class Dispatcher:
             )
         finally:
             endpoint.outstanding -= 1
+            endpoint.timed(started)
         if self._support is not None:
             learnt = self._support.answered(endpoint.index, status)
             if learnt is not None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import random
 import time
@@ -323,7 +324,44 @@ class GroupRunner:
         """Drop lost partitions without committing (``handover.Handover.lost``)."""
         await self._handover.lost(partitions)
 
-    # -- introspection (tests, health) ---------------------------------------------------
+    # -- introspection (tests, health, the console) --------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """The group as the operator console shows it, read-only and JSON-ready: breaker,
+        guard, concurrency limit, the instances, outcome counters, and per owned partition
+        its window, pause reasons and oldest call under way (``PartitionSet.views``)."""
+        oldest = self.push.oldest() if self.push is not None else {}
+        partitions = []
+        for view in self.partitions.views():
+            row = dataclasses.asdict(view)
+            call = oldest.get((view.topic, view.partition))
+            row["oldest_call"] = (
+                None
+                if call is None
+                else {"offset": call[0], "age_s": round(call[1], 3), "note": call[2][:200]}
+            )
+            partitions.append(row)
+        guard = self.partitions.guard_state()
+        breaker = self.breaker
+        return {
+            "name": self.name,
+            "started": self.started.is_set(),
+            "stopping": self._stopping.is_set(),
+            "breaker": {
+                "state": breaker.state,
+                "failures": breaker.failures,
+                "probe_in_s": round(breaker.seconds_until_probe(), 1),
+                "last_failure": self.push.last_failure[:500] if self.push is not None else "",
+            },
+            "guard": (
+                None if guard is None else {**dataclasses.asdict(guard[0]), "messages": guard[1]}
+            ),
+            "limit": self.limiter.limit,
+            "adaptive": self.group.delivery.concurrency == "adaptive",
+            "instances": self.dispatcher.instances() if self.dispatcher is not None else [],
+            "counters": dataclasses.asdict(self.partitions.counters),
+            "partitions": partitions,
+        }
 
     def assignment(self) -> list[TP]:
         """Partitions currently owned."""

@@ -92,6 +92,22 @@ class Push:
         self._m_push = parts.metrics.push_duration.labels(parts.name)
         self._m_in_flight = parts.metrics.in_flight.labels(parts.name)
 
+    def oldest(self) -> dict[tuple[str, int], tuple[int, float, str]]:
+        """Per partition, its oldest call under way (unary, batch or streaming): (offset, age
+        in seconds, the handler's progress note of a streaming call)."""
+        now = self._clock()
+        found: dict[tuple[str, int], tuple[int, float, str]] = {}
+
+        def see(delivery: Delivery, started: float, note: str) -> None:
+            tp = (delivery.part.topic, delivery.part.partition)
+            age = now - started
+            if tp not in found or age > found[tp][1]:
+                found[tp] = (delivery.origin.offset, age, note)
+
+        for delivery, call in self.open.items():
+            see(delivery, call.started, call.watch.progress if call.watch is not None else "")
+        return found
+
     def _tier_delivered(self, delivery: Delivery) -> None:
         self._metrics.retry_tier_deliveries.labels(self.name, str(delivery.tier)).inc()
 

@@ -436,6 +436,9 @@ class SimPusher:
     def batch_support(self) -> str:
         return ""
 
+    def instances(self) -> list[dict[str, Any]]:
+        return []
+
     async def push_stream(
         self,
         request: handler_pb2.HandleMessageStreamRequest,
