@@ -22,18 +22,12 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import (
-    ROOT,
-    HandlerServer,
-    HandlerSpec,
-    Result,
-    base_parser,
-    broker,
-    cpu_seconds,
-    create_topic,
-    unique_name,
-    wait_for,
-)
+from bench.handlers import HandlerServer, HandlerSpec
+from bench.measure import Result, cpu_seconds, wait_for
+from bench.options import ROOT, BenchOptions, broker
+from tests.support.kafka import create_topic, unique_name
+
+OPTIONS = BenchOptions()
 
 PARTITIONS = 4
 
@@ -105,7 +99,7 @@ def floor_main(bootstrap: str, topics: list[str], ready_file: str) -> None:
 
 
 def main() -> int:
-    parser = base_parser(__doc__.splitlines()[0])
+    parser = OPTIONS.parser(__doc__.splitlines()[0])
     parser.add_argument("--groups", type=int, default=40)
     parser.add_argument("--seconds", type=float, default=30.0, help="sampling window")
     parser.add_argument(
