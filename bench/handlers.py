@@ -25,7 +25,7 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -263,32 +263,38 @@ async def _serve(spec: HandlerSpec, conn: Connection) -> None:
 
 
 GO_HANDLER_DIR = ROOT / "bench" / "gohandler"
-_GO_SOURCES = (GO_HANDLER_DIR, ROOT / "examples" / "go" / "gen")
+
+
+def cache_dir() -> Path:
+    """Where the benches keep what they build: ``~/.cache/consumer-proxy`` (XDG)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "consumer-proxy"
+
+
+def stale(target: Path, sources: Sequence[Path]) -> bool:
+    """Whether ``target`` is missing or older than a file under ``sources``."""
+    newest = max(f.stat().st_mtime for d in sources for f in d.rglob("*") if f.is_file())
+    return not target.exists() or target.stat().st_mtime < newest
 
 
 def _find_go() -> str:
     for candidate in (os.environ.get("GO"), shutil.which("go"), "/usr/local/go/bin/go"):
         if candidate and os.access(candidate, os.X_OK):
             return candidate
-    raise RuntimeError(
-        "the Go bench handler needs the go command (set GO or put go on PATH), "
-        "or run the bench with --handler python"
-    )
+    raise RuntimeError("building a Go service needs the go command (set GO or put go on PATH)")
 
 
-def go_handler_binary() -> Path:
-    """The Go bench handler, built into the user's cache when missing or older than its
-    sources (grpc-go comes from the Go module proxy the first time)."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    binary = cache / "consumer-proxy" / "bench-gohandler"
-    newest = max(f.stat().st_mtime for d in _GO_SOURCES for f in d.rglob("*") if f.is_file())
-    if binary.exists() and binary.stat().st_mtime >= newest:
+def go_binary(package: Path, name: str) -> Path:
+    """The Go command in ``package``, built into the cache as ``name`` when missing or older
+    than its sources or the generated stubs (grpc-go comes from the Go module proxy the first
+    time)."""
+    binary = cache_dir() / name
+    if not stale(binary, (package, ROOT / "examples" / "go" / "gen")):
         return binary
-    print("building the Go bench handler ...", flush=True)
+    print(f"building {package.relative_to(ROOT)} ...", flush=True)
     binary.parent.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(
         [_find_go(), "build", "-o", str(binary), "."],
-        cwd=GO_HANDLER_DIR,
+        cwd=package,
         capture_output=True,
         text=True,
         timeout=600,
@@ -296,7 +302,7 @@ def go_handler_binary() -> Path:
         env={**os.environ, "GOFLAGS": "-mod=readonly", "CGO_ENABLED": "0"},
     )
     if proc.returncode != 0:
-        raise RuntimeError(f"building bench/gohandler failed:\n{proc.stdout}{proc.stderr}")
+        raise RuntimeError(f"building {package} failed:\n{proc.stdout}{proc.stderr}")
     return binary
 
 
@@ -304,7 +310,8 @@ class GoHandlerProcess:
     """``bench/gohandler`` as a child process: ``ask(command)`` answers a JSON value."""
 
     def __init__(self, delay_ms: float = 0.0, slow_ms: float = 0.0, latency: bool = False):
-        args = [str(go_handler_binary()), f"-delay-ms={delay_ms}", f"-slow-ms={slow_ms}"]
+        binary = go_binary(GO_HANDLER_DIR, "bench-gohandler")
+        args = [str(binary), f"-delay-ms={delay_ms}", f"-slow-ms={slow_ms}"]
         if latency:
             args.append("-latency")
         self._proc = subprocess.Popen(

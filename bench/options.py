@@ -52,6 +52,17 @@ class BenchOptions:
         return parser
 
 
+def client_settings(pairs: list[str] | None) -> dict[str, str]:
+    """``KEY=VALUE`` arguments as librdkafka properties (``--proxy-client``)."""
+    found = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--proxy-client takes KEY=VALUE, got {pair!r}")
+        found[key] = value
+    return found
+
+
 @contextlib.contextmanager
 def broker(bootstrap: str | None) -> Iterator[str]:
     """Yield a bootstrap address: the given one, or a private broker started for the bench."""
