@@ -42,7 +42,7 @@ from bench.producing import produce_at_rate, produce_bulk, sized_value
 from bench.proxy import BenchProxy, bench_config, drain, drain_figures
 from tests.support.kafka import create_topic, unique_name
 
-OPTIONS = BenchOptions()
+OPTIONS = BenchOptions(handler=True)
 
 VALUE_BYTES = 100
 PC_ONE_PARTITION_20MS = 8327.0  # msg/s, quoted in issue 13 (quiet machine)
@@ -111,12 +111,6 @@ def main() -> int:
         "--pc-window", type=int, default=1000, help="max_in_flight of the 1-partition workload"
     )
     parser.add_argument("--only", nargs="+", choices=["throughput", "pc", "latency"], default=None)
-    parser.add_argument(
-        "--handler",
-        choices=["go", "python"],
-        default="go",
-        help="the handler service: bench/gohandler (default) or the grpc.aio one",
-    )
     args = parser.parse_args()
     n = 20_000 if args.quick else args.n
     rounds = 1 if args.quick else args.rounds

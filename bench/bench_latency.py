@@ -25,10 +25,8 @@ over the window (all their threads).
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
-import time
 from typing import Any
 
 from bench.floors import FloorProcess
@@ -39,7 +37,7 @@ from bench.producing import produce_at_rate
 from bench.proxy import BenchProxy, bench_config
 from tests.support.kafka import create_topic, unique_name
 
-OPTIONS = BenchOptions()
+OPTIONS = BenchOptions(handler=True, proxy_client=True)
 
 LOADS = (("unary", 1000.0), ("batch", 1000.0), ("batch", 10000.0))
 TARGET_ADDED_P99_MS = 1.0
@@ -103,13 +101,6 @@ def main() -> int:
     parser = OPTIONS.parser(__doc__.splitlines()[1])
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per load")
     parser.add_argument("--seconds", type=float, default=6.0, help="window per run")
-    parser.add_argument("--handler", choices=["go", "python"], default="go")
-    parser.add_argument(
-        "--proxy-client",
-        nargs="+",
-        metavar="KEY=VALUE",
-        help="librdkafka properties for the proxy (kafka.client), e.g. fetch.wait.max.ms=20",
-    )
     parser.add_argument(
         "--loads", nargs="+", choices=[f"{m}_{r:.0f}" for m, r in LOADS], help="a subset"
     )
@@ -121,7 +112,6 @@ def main() -> int:
         "bench_latency",
         params={"rounds": rounds, "seconds": seconds, "handler": args.handler, "client": client},
     )
-    result.figure("load_average_at_start", os.getloadavg()[0])
     spec = HandlerSpec(latency=True)
     med = statistics.median
     with broker(args.bootstrap) as bootstrap, HandlerServer(spec, args.handler) as handler:
@@ -159,13 +149,9 @@ def main() -> int:
                 f"{name}.proxy_p99_over_floor_p99",
                 med(p["p99"] / f["p99"] for f, p in zip(runs["floor"], runs["proxy"], strict=True)),
             )
-    result.figure("load_average_at_end", os.getloadavg()[0])
     result.write()
     return 0
 
 
 if __name__ == "__main__":
-    start = time.monotonic()
-    code = main()
-    print(f"bench_latency took {time.monotonic() - start:.0f}s", flush=True)
-    sys.exit(code)
+    sys.exit(main())

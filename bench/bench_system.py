@@ -24,7 +24,6 @@ process, idle included) and prints where its time goes per message.
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
@@ -131,7 +130,6 @@ def main() -> int:
         "bench_system",
         params={"n": n, "rounds": rounds, "proxy": PROXY_DELIVERY, "pc": PC_VERSION},
     )
-    result.figure("load_average_at_start", os.getloadavg()[0])
     systems: tuple[str, ...] = SYSTEMS
     try:
         pc_classpath()
@@ -206,7 +204,6 @@ def main() -> int:
                 f"{system}_rate_over_pc_quoted",
                 med(r["committed_rate"] for r in runs[system]) / PC_QUOTED_MSGS_PER_S,
             )
-    result.figure("load_average_at_end", os.getloadavg()[0])
     result.write()
     return 0
 
@@ -225,7 +222,4 @@ def profile_sdk(bootstrap: str, topic: str, n: int, result: Result) -> None:
 
 
 if __name__ == "__main__":
-    started = time.monotonic()
-    code = main()
-    print(f"bench_system took {time.monotonic() - started:.0f}s", flush=True)
-    sys.exit(code)
+    sys.exit(main())

@@ -24,7 +24,6 @@ microseconds per message (first arrival -> N-th) of each.
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
@@ -39,7 +38,7 @@ from bench.producing import produce_bulk, sized_value
 from bench.proxy import BenchProxy, bench_config, drain, drain_figures
 from tests.support.kafka import create_topic, unique_name
 
-OPTIONS = BenchOptions()
+OPTIONS = BenchOptions(handler=True, proxy_client=True)
 
 VALUE_BYTES = 100
 MAX_MESSAGES = 500
@@ -113,13 +112,6 @@ def main() -> int:
     parser = OPTIONS.parser(__doc__.splitlines()[1])
     parser.add_argument("-n", type=int, default=200_000, help="records")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
-    parser.add_argument("--handler", choices=["go", "python"], default="go")
-    parser.add_argument(
-        "--proxy-client",
-        nargs="+",
-        metavar="KEY=VALUE",
-        help="librdkafka properties for the proxy (kafka.client), e.g. fetch.wait.max.ms=20",
-    )
     args = parser.parse_args()
     n = 40_000 if args.quick else args.n
     rounds = 1 if args.quick else args.rounds
@@ -134,7 +126,6 @@ def main() -> int:
             "client": client,
         },
     )
-    result.figure("load_average_at_start", os.getloadavg()[0])
     med = statistics.median
     with broker(args.bootstrap) as bootstrap:
         topic = create_topic(bootstrap, unique_name("bench-tput"), partitions=4)
@@ -161,13 +152,9 @@ def main() -> int:
                 for f, p in zip(floor, runs[who], strict=True)
             ),
         )
-    result.figure("load_average_at_end", os.getloadavg()[0])
     result.write()
     return 0
 
 
 if __name__ == "__main__":
-    started = time.monotonic()
-    code = main()
-    print(f"bench_throughput took {time.monotonic() - started:.0f}s", flush=True)
-    sys.exit(code)
+    sys.exit(main())

@@ -39,7 +39,7 @@ from confluent_kafka import Consumer, TopicPartition
 
 from bench.handlers import SERVICE
 from bench.loops import in_child
-from bench.measure import cpu_seconds, rate
+from bench.measure import Child, rate
 from bench.options import ROOT
 from consumer_proxy.proto.v1 import handler_pb2
 from tests.support.kafka import unique_name
@@ -184,14 +184,13 @@ def throughput_floor(args: argparse.Namespace) -> int:
     return 0
 
 
-class FloorProcess:
+class FloorProcess(Child):
     """``python -m bench.floors KIND ARGS`` as a child process, with the surface of
     ``bench.proxy.BenchProxy`` that the drain and latency runs use."""
 
     def __init__(self, kind: str, *args: str) -> None:
         self._args = [sys.executable, "-m", "bench.floors", kind, *args]
         self._log = tempfile.NamedTemporaryFile(prefix="cp-bench-floor-", suffix=".log")  # noqa: SIM115
-        self.proc: subprocess.Popen[bytes] | None = None
         self.started_at = 0.0
 
     def start(self) -> FloorProcess:
@@ -201,14 +200,6 @@ class FloorProcess:
         )
         return self
 
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def cpu_seconds(self) -> float:
-        return cpu_seconds(self.pid)
-
     def log_tail(self) -> str:
         return Path(self._log.name).read_text(errors="replace")[-3000:]
 
@@ -216,24 +207,12 @@ class FloorProcess:
         if self.proc is not None and self.proc.poll() is not None:
             raise RuntimeError(f"the floor exited with {self.proc.returncode}:\n{self.log_tail()}")
 
-    def stop(self) -> int | None:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
-
     def __enter__(self) -> FloorProcess:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         try:
-            self.stop()
+            self.terminate()
         finally:
             self._log.close()
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -57,6 +59,36 @@ def cpu_seconds(pid: int) -> float:
     return sum(cpu.get(p, 0.0) for p in wanted)
 
 
+class Child:
+    """A child process a bench measures (set ``proc`` when it starts): its pid, its CPU
+    seconds, and a stop by SIGTERM, then SIGKILL."""
+
+    proc: subprocess.Popen[Any] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds of the process and its children so far."""
+        return cpu_seconds(self.pid)
+
+    def terminate(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM, SIGKILL after ``timeout_s``; the exit code (None when never started)."""
+        proc = self.proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        return proc.returncode
+
+
 def wait_for(
     condition: Callable[[], bool], timeout_s: float, interval_s: float = 0.1, what: str = ""
 ) -> float:
@@ -90,13 +122,17 @@ def steady_rate(first_seen: Sequence[float], lo: float = 0.1, hi: float = 0.9) -
 
 @dataclass
 class Result:
-    """One bench run's figures and ratios, printed as it goes and written as JSON."""
+    """One bench run's figures and ratios, printed as it goes and written as JSON, with the
+    machine's load average when it was made and when written (how shared the run was), and
+    how long the bench took in between."""
 
     bench: str
     params: dict[str, Any] = field(default_factory=dict)
     figures: dict[str, Any] = field(default_factory=dict)
     ratios: dict[str, dict[str, Any]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    loadavg_at_start: list[float] = field(default_factory=lambda: list(os.getloadavg()))
+    started: float = field(default_factory=time.monotonic)
 
     def figure(self, name: str, value: Any, unit: str = "") -> None:
         self.figures[name] = value
@@ -137,7 +173,13 @@ class Result:
                 "loadavg": list(os.getloadavg()),
             },
         }
+        data["seconds"] = round(time.monotonic() - self.started, 1)
         path.write_text(json.dumps(data, indent=2, default=str))
+        print(
+            f"load average {self.loadavg_at_start[0]:.1f} at the start, "
+            f"{os.getloadavg()[0]:.1f} at the end; {data['seconds']:.0f} s",
+            flush=True,
+        )
         print(f"result written to {path.relative_to(ROOT)}", flush=True)
         return path
 

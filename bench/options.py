@@ -30,13 +30,17 @@ class BenchOptions:
     starts a private one). ``quick``: takes ``--quick`` (smaller sizes). ``always_quick``:
     ``run_all`` passes ``--quick`` even in a full run (the bench would run for many minutes).
     ``run_all_args``: extra arguments ``run_all`` passes (small sizes for a bench without
-    ``--quick``).
+    ``--quick``). ``handler``: takes ``--handler go|python`` (the bench handler service, Go by
+    default). ``proxy_client``: takes ``--proxy-client KEY=VALUE ...`` (librdkafka properties
+    for the proxy: ``client_settings(args.proxy_client)``).
     """
 
     bootstrap: bool = True
     quick: bool = True
     always_quick: bool = False
     run_all_args: tuple[str, ...] = ()
+    handler: bool = False
+    proxy_client: bool = False
 
     def parser(self, description: str) -> argparse.ArgumentParser:
         """An argument parser with the declared shared options."""
@@ -49,6 +53,21 @@ class BenchOptions:
             )
         if self.quick:
             parser.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
+        if self.handler:
+            parser.add_argument(
+                "--handler",
+                choices=["go", "python"],
+                default="go",
+                help="the handler service: bench/gohandler (default) or the grpc.aio one",
+            )
+        if self.proxy_client:
+            parser.add_argument(
+                "--proxy-client",
+                nargs="+",
+                metavar="KEY=VALUE",
+                help="librdkafka properties for the proxy (kafka.client), e.g. "
+                "fetch.wait.max.ms=20",
+            )
         return parser
 
 

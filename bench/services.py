@@ -19,7 +19,6 @@ import os
 import queue
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -29,51 +28,38 @@ from pathlib import Path
 from typing import IO, Any
 
 from bench.handlers import cache_dir, go_binary, stale
-from bench.measure import cpu_seconds
+from bench.measure import Child
 from bench.options import ROOT
 
 PC_DIR = ROOT / "bench" / "parallelconsumer"
 PC_VERSION = "0.5.3.2"
 
 
-class ServiceProcess:
+class ServiceProcess(Child):
     """A gRPC service in a child process; its address comes from its ``serving on HOST:PORT``
     log line (the SDK's ``run`` and the Go example both say it)."""
 
     def __init__(self, args: list[str], what: str) -> None:
         self._log = tempfile.NamedTemporaryFile(prefix="cp-bench-service-", suffix=".log")  # noqa: SIM115
         self._what = what
-        self._proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT)
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT)
         deadline = time.monotonic() + 60
         while True:
             found = re.search(r"serving on (\S+)", self.output())
             if found:
                 self.address = found[1]
                 break
-            if self._proc.poll() is not None or time.monotonic() > deadline:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.close()
                 raise RuntimeError(f"{what} did not start:\n{self.output()[-2000:]}")
             time.sleep(0.05)
-
-    @property
-    def pid(self) -> int:
-        return self._proc.pid
-
-    def cpu_seconds(self) -> float:
-        return cpu_seconds(self._proc.pid)
 
     def output(self) -> str:
         return Path(self._log.name).read_text(errors="replace")
 
     def close(self) -> None:
         """SIGTERM (both stop gracefully), then SIGKILL after 20 s."""
-        if self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGTERM)
-            try:
-                self._proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(10)
+        self.terminate(20)
         self._log.close()
 
     def __enter__(self) -> ServiceProcess:
@@ -158,14 +144,14 @@ def pc_classpath() -> str:
     return f"{classes}{os.pathsep}{path_file.read_text().strip()}"
 
 
-class ParallelConsumer:
+class ParallelConsumer(Child):
     """``PcBench`` consuming ``topic`` with a fresh ``group``; :meth:`event` waits for its
     ``first`` and ``last`` (the n-th record processed) lines."""
 
     def __init__(self, bootstrap: str, topic: str, group: str, n: int, concurrency: int) -> None:
         java = _tool("java", "JAVA")
         args = [java, "-cp", pc_classpath(), "bench.PcBench", bootstrap, topic, group]
-        self._proc = subprocess.Popen(
+        self.proc = self._proc = subprocess.Popen(
             [*args, str(n), str(concurrency)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -185,13 +171,6 @@ class ParallelConsumer:
                 self._events.put(json.loads(line))
             else:
                 self._other = [*self._other[-40:], line.rstrip()]
-
-    @property
-    def pid(self) -> int:
-        return self._proc.pid
-
-    def cpu_seconds(self) -> float:
-        return cpu_seconds(self._proc.pid)
 
     def check_alive(self) -> None:
         if self._proc.poll() is not None:
