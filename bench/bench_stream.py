@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Long-running push (``delivery.long_running``): what the streaming call costs.
 
-Every party runs in its own process: the bench handler (``bench.common.HandlerServer``, whose
+Every party runs in its own process: the bench handler (``bench.handlers.HandlerServer``, whose
 ``HandleMessageStream`` heartbeats every ``heartbeat_interval_ms`` while it works as
 ``HandleMessage`` does), the proxy (``consumer-proxy run``) and this process.
 
