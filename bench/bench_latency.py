@@ -28,8 +28,12 @@ microseconds per message of the floor and the proxy over the window (all their t
 from __future__ import annotations
 
 import contextlib
+import json
+import shutil
 import statistics
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from bench.floors import FloorProcess
@@ -49,16 +53,27 @@ WARM_UP = 20
 
 
 def consumer_for(
-    who: str, mode: str, bootstrap: str, topic: str, handler: HandlerServer, client: dict[str, str]
+    who: str,
+    mode: str,
+    bootstrap: str,
+    topic: str,
+    handler: HandlerServer,
+    client: dict[str, str],
+    stages: Path | None = None,
 ) -> BenchProxy | FloorProcess:
-    """The proxy or the floor, not started yet, for one run."""
+    """The proxy or the floor, not started yet, for one run; ``stages``: where it writes when
+    each record passed each of its stages."""
     group = unique_name(f"bench-lat-{who}")
     if who == "proxy":
         delivery = {"batch": "off" if mode == "unary" else "auto"}
         config = bench_config(bootstrap, group, [topic], [handler.address], delivery, client)
-        return BenchProxy(config)
+        if stages is None:
+            return BenchProxy(config)
+        return BenchProxy(config, profile="stages", profile_out=stages)
     args = ["--bootstrap", bootstrap, "--topic", topic, "--group", group]
     args += ["--address", handler.address, "--mode", mode]
+    if stages is not None:
+        args += ["--stages", str(stages)]
     return FloorProcess("latency", *args, "--max-messages", str(BATCH_MAX_MESSAGES))
 
 
@@ -69,14 +84,21 @@ def paired_run(
     per_s: float,
     seconds: float,
     client: dict[str, str] | None = None,
+    stages: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """One window of ``per_s`` records for ``seconds``, read by the floor and the proxy at
-    the same time (each its own group and its own handler service)."""
+    the same time (each its own group and its own handler service). ``stages``: also where
+    each side's latency goes (:func:`stage_figures`)."""
     topic = create_topic(bootstrap, unique_name("bench-lat"), partitions=1)
+    stage_dir = Path(tempfile.mkdtemp(prefix="cp-bench-stages-"))
+    stage_files = {who: stage_dir / f"{who}.json" if stages else None for who in handlers}
     with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, stage_dir, ignore_errors=True)
         processes: dict[str, BenchProxy | FloorProcess] = {}
         for who, handler in handlers.items():
-            processes[who] = consumer_for(who, mode, bootstrap, topic, handler, client or {})
+            processes[who] = consumer_for(
+                who, mode, bootstrap, topic, handler, client or {}, stage_files[who]
+            )
             stack.enter_context(processes[who])
         for handler in handlers.values():
             handler.reset()
@@ -92,6 +114,26 @@ def paired_run(
             cpu[who] = processes[who].cpu_seconds() - cpu[who]
             processes[who].check_alive()
             found[who] = figures(who, n, handler.stats(), cpu[who])
+        for process in processes.values():  # the stage files are written on the way out
+            if isinstance(process, FloorProcess):
+                process.terminate()
+            else:
+                process.stop()
+        for who, path in stage_files.items():
+            if path is not None:
+                found[who]["stages"] = stage_figures(path, found[who])
+    return found
+
+
+def stage_figures(path: Path, run: dict[str, Any]) -> dict[str, dict[str, float | None]]:
+    """p50 / p99 of the latency at each stage a side wrote (the warm-up left out), and at the
+    handler."""
+    stamps = json.loads(path.read_text())
+    found: dict[str, dict[str, float | None]] = {}
+    for stage, pairs in stamps.items():
+        values = [ms for offset, ms in pairs if offset >= WARM_UP]
+        found[stage] = {"p50": percentile(values, 50), "p99": percentile(values, 99)}
+    found["handler"] = {"p50": run["p50"], "p99": run["p99"]}
     return found
 
 
@@ -118,6 +160,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="paired rounds per load")
     parser.add_argument("--seconds", type=float, default=5.0, help="window per round")
     parser.add_argument(
+        "--stages", action="store_true", help="also where each side's latency goes (stamps)"
+    )
+    parser.add_argument(
         "--loads", nargs="+", choices=[f"{m}_{r:.0f}" for m, r in LOADS], help="a subset"
     )
     args = parser.parse_args()
@@ -142,7 +187,7 @@ def main() -> int:
                 continue
             runs: dict[str, list[dict[str, Any]]] = {"floor": [], "proxy": []}
             for round_ in range(rounds):
-                paired = paired_run(bootstrap, handlers, mode, per_s, seconds, client)
+                paired = paired_run(bootstrap, handlers, mode, per_s, seconds, client, args.stages)
                 for who, run in paired.items():
                     runs[who].append(run)
                     print(
@@ -152,6 +197,12 @@ def main() -> int:
                         f"CPU {run['cpu_us_per_msg']:.0f} us/msg",
                         flush=True,
                     )
+                    for stage, at in run.get("stages", {}).items():
+                        print(
+                            f"      {stage:<16} p50 {at['p50'] or 0:8.2f} ms  "
+                            f"p99 {at['p99'] or 0:8.2f} ms",
+                            flush=True,
+                        )
             for who in ("floor", "proxy"):
                 for q in ("p50", "p99", "p999"):
                     result.figure(f"{name}.{who}_{q}_ms", med(r[q] for r in runs[who]), "ms")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import signal
 import subprocess
 import sys
@@ -117,24 +118,37 @@ def _records(consumer: Consumer, max_messages: int, timeout_s: float) -> list[An
 
 
 def latency_floor(args: argparse.Namespace) -> int:
-    """Push every record as soon as it is consumed, one poll's records at a time."""
+    """Push every record as soon as it is consumed, one poll's records at a time.
+    ``--stages OUT``: each record's latency when consumed, as JSON ``{"consumed": [[offset,
+    ms], ...]}`` when it stops (``bench.profiling.staged_proxy_main``'s counterpart)."""
     stop = _Stop()
     consumer = _consumer(args.bootstrap, args.group, args.topic, auto_commit=True)
+    consumed: list[tuple[int, float]] = []
+
+    def take() -> list[Any]:
+        records = _records(consumer, args.max_messages, 0.1)
+        if args.stages:
+            now_ms = time.time() * 1000.0
+            consumed.extend((r.offset(), now_ms - r.timestamp()[1]) for r in records)
+        return records
+
     with grpc.insecure_channel(args.address) as channel:
         if args.mode == "batch":
             call = channel.unary_unary(BATCH_METHOD)
             while not stop.asked:
-                records = _records(consumer, args.max_messages, 0.1)
+                records = take()
                 if records:
                     call(batch_request(records, args.group), timeout=30)
         else:
             call = channel.unary_unary(UNARY_METHOD)
             while not stop.asked:
-                records = _records(consumer, args.max_messages, 0.1)
+                records = take()
                 calls = [call.future(unary_request(r, args.group), timeout=30) for r in records]
                 for answer in calls:
                     answer.result()
     consumer.close()
+    if args.stages:
+        Path(args.stages).write_text(json.dumps({"consumed": consumed}))
     return 0
 
 
@@ -250,6 +264,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--concurrency", type=int, default=4, help="throughput: calls in flight")
     parser.add_argument("--commit-interval-ms", type=int, default=100)
     parser.add_argument("-n", type=int, default=0, help="throughput: records to consume")
+    parser.add_argument("--stages", help="latency: write when each record was consumed here")
     args = parser.parse_args(argv)
     return latency_floor(args) if args.kind == "latency" else throughput_floor(args)
 

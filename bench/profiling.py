@@ -6,18 +6,85 @@ that SIGUSR1 starts and SIGUSR2 stops (``BenchProxy(profile=...)`` sends them), 
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+STAGES = ("consumer_thread", "event_loop", "push")
+"""Where ``stages`` stamps a record on its way through the proxy: handed over by librdkafka
+on the consumer thread, received on the event loop, its push call starting."""
+
+
+def staged_proxy_main(out: str, argv: list[str]) -> int:
+    """``consumer-proxy`` that stamps each record at each of :data:`STAGES` (wall clock minus
+    the record's timestamp, ms) and writes ``{stage: [[offset, ms], ...]}`` as JSON to ``out``
+    when it exits: where the latency a proxy adds goes. It wraps three of the proxy's own
+    methods (``Fetcher._run`` and ``Fetcher.consume``, ``Dispatcher.push``,
+    ``BatchPush._deliver``), so a rename there shows up here as a missing stage."""
+    from consumer_proxy import dispatcher, fetcher, push
+    from consumer_proxy.cli import main as cli_main
+
+    stamps: dict[str, list[tuple[int, float]]] = {stage: [] for stage in STAGES}
+
+    def stamp(stage: str, records: Any) -> None:
+        now_ms = time.time() * 1000.0
+        book = stamps[stage].append
+        for record in records:
+            if record.error() is None:
+                book((record.offset(), now_ms - record.timestamp()[1]))
+
+    run, consume = fetcher.Fetcher._run, fetcher.Fetcher.consume
+
+    async def staged_run(self: Any, fn: Any) -> Any:
+        def call() -> Any:
+            result = fn()
+            if fn.__name__ == "consume":
+                stamp("consumer_thread", result)
+            return result
+
+        return await run(self, call)
+
+    async def staged_consume(self: Any, max_messages: int, timeout_s: float) -> Any:
+        records = await consume(self, max_messages, timeout_s)
+        stamp("event_loop", records)
+        return records
+
+    unary, batch = dispatcher.Dispatcher.push, push.BatchPush._deliver
+
+    async def staged_push(self: Any, request: Any, endpoint: Any) -> Any:
+        message = request.message
+        stamps["push"].append((message.offset, time.time() * 1000.0 - message.timestamp_ms))
+        return await unary(self, request, endpoint)
+
+    async def staged_batch(self: Any, deliveries: Any, probe: bool, endpoint: Any) -> Any:
+        now_ms = time.time() * 1000.0
+        for d in deliveries:
+            stamps["push"].append((d.offset, now_ms - d.origin.timestamp_ms))
+        return await batch(self, deliveries, probe, endpoint)
+
+    fetcher.Fetcher._run = staged_run  # type: ignore[method-assign]
+    fetcher.Fetcher.consume = staged_consume  # type: ignore[method-assign]
+    dispatcher.Dispatcher.push = staged_push  # type: ignore[method-assign]
+    push.BatchPush._deliver = staged_batch  # type: ignore[method-assign,assignment]
+    try:
+        code: int = cli_main(argv)
+    finally:
+        Path(out).write_text(json.dumps(stamps))
+    return code
+
 
 def profiled_proxy_main(kind: str, out: str, argv: list[str]) -> int:
-    """``consumer-proxy`` with a profiler that SIGUSR1 starts and SIGUSR2 stops and saves.
+    """``consumer-proxy`` with a profiler that SIGUSR1 starts and SIGUSR2 stops and saves
+    (``kind`` "stages": :func:`staged_proxy_main` instead).
 
     Both signal handlers run on the main thread, between two bytecodes of the event loop, so
     the profiler sees exactly the loop's thread (not the consumer's executor thread).
     """
+    if kind == "stages":
+        return staged_proxy_main(out, argv)
     from consumer_proxy.cli import main as cli_main
 
     profiler: Any = None
