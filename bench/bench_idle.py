@@ -24,7 +24,7 @@ from pathlib import Path
 
 from bench.handlers import HandlerServer, HandlerSpec
 from bench.measure import Result, cpu_seconds, wait_for
-from bench.options import ROOT, BenchOptions, broker
+from bench.options import ROOT, BenchOptions, broker, client_settings
 from tests.support.kafka import create_topic, unique_name
 
 OPTIONS = BenchOptions()
@@ -115,7 +115,7 @@ def main() -> int:
     )
     args = parser.parse_args()
     groups = 5 if args.quick else args.groups
-    client: dict[str, str] = dict(item.split("=", 1) for item in args.kafka_client)
+    client = client_settings(args.kafka_client)
     seconds = 10.0 if args.quick else args.seconds
     result = Result(
         "bench_idle", params={"groups": groups, "partitions": PARTITIONS, "kafka_client": client}

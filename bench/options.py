@@ -72,12 +72,12 @@ class BenchOptions:
 
 
 def client_settings(pairs: list[str] | None) -> dict[str, str]:
-    """``KEY=VALUE`` arguments as librdkafka properties (``--proxy-client``)."""
+    """``KEY=VALUE`` arguments as librdkafka properties (``--proxy-client``, ``--kafka-client``)."""
     found = {}
     for pair in pairs or []:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise SystemExit(f"--proxy-client takes KEY=VALUE, got {pair!r}")
+            raise SystemExit(f"librdkafka properties are KEY=VALUE, got {pair!r}")
         found[key] = value
     return found
 
