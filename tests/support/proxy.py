@@ -212,7 +212,7 @@ def write_config(
 class ProxyProcess:
     """``python -m consumer_proxy run --config F ARGS`` as a child process, its output in a file.
 
-    The one process harness of the tests and the benches (bench/common.py extends it with
+    The one process harness of the tests and the benches (bench/proxy.py extends it with
     profiling and CPU accounting). ``command`` replaces ``python -m consumer_proxy`` (a
     profiling wrapper, say); ``env`` is added to the environment.
     """
