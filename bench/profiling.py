@@ -24,7 +24,7 @@ def staged_proxy_main(out: str, argv: list[str]) -> int:
     when it exits: where the latency a proxy adds goes. It wraps three of the proxy's own
     methods (``Fetcher._run`` and ``Fetcher.consume``, ``Dispatcher.push``,
     ``BatchPush._deliver``), so a rename there shows up here as a missing stage."""
-    from consumer_proxy import dispatcher, fetcher, push
+    from consumer_proxy import batch_push, dispatcher, fetcher
     from consumer_proxy.cli import main as cli_main
 
     stamps: dict[str, list[tuple[int, float]]] = {stage: [] for stage in STAGES}
@@ -52,7 +52,7 @@ def staged_proxy_main(out: str, argv: list[str]) -> int:
         stamp("event_loop", records)
         return records
 
-    unary, batch = dispatcher.Dispatcher.push, push.BatchPush._deliver
+    unary, batch = dispatcher.Dispatcher.push, batch_push.BatchPush._deliver
 
     async def staged_push(self: Any, request: Any, endpoint: Any) -> Any:
         message = request.message
@@ -68,7 +68,7 @@ def staged_proxy_main(out: str, argv: list[str]) -> int:
     fetcher.Fetcher._run = staged_run  # type: ignore[method-assign]
     fetcher.Fetcher.consume = staged_consume  # type: ignore[method-assign]
     dispatcher.Dispatcher.push = staged_push  # type: ignore[method-assign]
-    push.BatchPush._deliver = staged_batch  # type: ignore[method-assign,assignment]
+    batch_push.BatchPush._deliver = staged_batch  # type: ignore[method-assign,assignment]
     try:
         code: int = cli_main(argv)
     finally:
