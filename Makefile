@@ -15,7 +15,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install test test-fast lint typecheck demo bench simulate protos kafka-start kafka-stop clean
+.PHONY: install test test-fast lint typecheck browser demo bench simulate protos kafka-start kafka-stop clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,7 +35,12 @@ lint: install
 typecheck: install
 	$(VENV)/bin/mypy
 
-test: lint typecheck
+# The console's browser tests drive Debian's Chromium (Playwright's own browser download does
+# not work on a closed network); installed once, as root, like the CI machine runs it.
+browser:
+	@test -x /usr/bin/chromium || { apt-get update -q && apt-get install -y -q chromium; }
+
+test: lint typecheck browser
 	$(PY) scripts/gen_protos.py --check
 	$(PY) scripts/gen_values_schema.py --check
 	$(PY) scripts/gen_go.py --check

@@ -31,12 +31,15 @@ from typing import Any
 import yaml
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
-from bench.common import Result, base_parser, broker, create_topic, rate, unique_name
+from bench.measure import Result, rate
+from bench.options import BenchOptions, broker
 from consumer_proxy.cli import main as cli_main
 from consumer_proxy.core import records as dlq_records
 from consumer_proxy.tools import spark
-from tests.support.kafka import end_offsets
+from tests.support.kafka import create_topic, end_offsets, unique_name
 from tests.support.proxy import make_config
+
+OPTIONS = BenchOptions(always_quick=True)
 
 PARTITIONS = 4
 VALUE = b"v" * 100
@@ -166,7 +169,7 @@ def group_with_dlq(bootstrap: str, directory: Path, n: int) -> tuple[str, Path, 
 
 
 def main() -> int:
-    parser = base_parser(__doc__.splitlines()[0])
+    parser = OPTIONS.parser(__doc__.splitlines()[0])
     parser.add_argument(
         "--sizes", default="100000,1000000", help="DLQ sizes, comma-separated (default %(default)s)"
     )

@@ -19,7 +19,6 @@ good within [K/2, 2K]; and the share of the window spent within [K/2, 2K]).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -30,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.options import BenchOptions
 from consumer_proxy.proto.v1 import handler_pb2
 from tests.support.kafka import (
     create_topic,
@@ -40,6 +40,8 @@ from tests.support.kafka import (
 )
 from tests.support.proxy import make_config, start_proxy
 from tests.support.service import Behaviour, TestService
+
+OPTIONS = BenchOptions(quick=False, run_all_args=("--warmup", "2", "--window", "6"))
 
 LATENCY_S = (0.010, 0.020)
 
@@ -198,8 +200,7 @@ async def run(bootstrap: str, k: int, warmup_s: float, window_s: float) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--bootstrap", help="an existing broker (default: start one)")
+    parser = OPTIONS.parser(__doc__.split("\n", 1)[0])
     parser.add_argument("--k", type=int, default=8, help="calls the service admits at once")
     parser.add_argument("--warmup", type=float, default=3.0, help="seconds before measuring")
     parser.add_argument("--window", type=float, default=10.0, help="seconds measured")

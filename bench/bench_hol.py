@@ -34,25 +34,16 @@ from typing import Any
 import grpc
 from confluent_kafka import Consumer
 
-from bench.common import (
-    SLOW_MARKER,
-    BenchProxy,
-    HandlerServer,
-    HandlerSpec,
-    Result,
-    base_parser,
-    bench_config,
-    broker,
-    committed_sum,
-    create_topic,
-    percentile,
-    produce_at_rate,
-    produce_bulk,
-    proxy_backlog_run,
-    rate,
-    unique_name,
-)
+from bench.handlers import SLOW_MARKER, HandlerServer, HandlerSpec
+from bench.measure import Result, percentile, rate
+from bench.offsets import committed_sum
+from bench.options import BenchOptions, broker
+from bench.producing import produce_at_rate, produce_bulk
+from bench.proxy import BenchProxy, bench_config, proxy_backlog_run
 from consumer_proxy.proto.v1 import handler_pb2, handler_pb2_grpc
+from tests.support.kafka import create_topic, unique_name
+
+OPTIONS = BenchOptions()
 
 FAST_MS, SLOW_MS = 20.0, 2000.0
 
@@ -228,7 +219,7 @@ def sequential_latency(
 
 
 def main() -> int:
-    parser = base_parser(__doc__.splitlines()[1])
+    parser = OPTIONS.parser(__doc__.splitlines()[1])
     parser.add_argument("-n", type=int, default=40000, help="proxy backlog (default 40000)")
     parser.add_argument("--concurrency", type=int, default=200, help="proxy concurrency")
     parser.add_argument("--window", type=float, default=20.0, help="sequential window, s")

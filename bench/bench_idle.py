@@ -22,18 +22,12 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import (
-    ROOT,
-    HandlerServer,
-    HandlerSpec,
-    Result,
-    base_parser,
-    broker,
-    cpu_seconds,
-    create_topic,
-    unique_name,
-    wait_for,
-)
+from bench.handlers import HandlerServer, HandlerSpec
+from bench.measure import Result, cpu_seconds, wait_for
+from bench.options import ROOT, BenchOptions, broker, client_settings
+from tests.support.kafka import create_topic, unique_name
+
+OPTIONS = BenchOptions()
 
 PARTITIONS = 4
 
@@ -105,7 +99,7 @@ def floor_main(bootstrap: str, topics: list[str], ready_file: str) -> None:
 
 
 def main() -> int:
-    parser = base_parser(__doc__.splitlines()[0])
+    parser = OPTIONS.parser(__doc__.splitlines()[0])
     parser.add_argument("--groups", type=int, default=40)
     parser.add_argument("--seconds", type=float, default=30.0, help="sampling window")
     parser.add_argument(
@@ -121,7 +115,7 @@ def main() -> int:
     )
     args = parser.parse_args()
     groups = 5 if args.quick else args.groups
-    client: dict[str, str] = dict(item.split("=", 1) for item in args.kafka_client)
+    client = client_settings(args.kafka_client)
     seconds = 10.0 if args.quick else args.seconds
     result = Result(
         "bench_idle", params={"groups": groups, "partitions": PARTITIONS, "kafka_client": client}

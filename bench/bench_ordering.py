@@ -36,17 +36,14 @@ import statistics
 import sys
 from typing import Any
 
-from bench.common import (
-    HandlerServer,
-    HandlerSpec,
-    Result,
-    base_parser,
-    broker,
-    create_topic,
-    produce_bulk,
-    proxy_backlog_run,
-    unique_name,
-)
+from bench.handlers import HandlerServer, HandlerSpec
+from bench.measure import Result
+from bench.options import BenchOptions, broker
+from bench.producing import produce_bulk
+from bench.proxy import proxy_backlog_run
+from tests.support.kafka import create_topic, unique_name
+
+OPTIONS = BenchOptions(handler=True)
 
 HANDLER_MS = 20.0
 PC_KEY_MODE = 3691.0  # msg/s: Parallel Consumer's KEY mode here (100 keys, 20 ms; issue 14)
@@ -75,17 +72,11 @@ def run(
 
 
 def main() -> int:
-    parser = base_parser(__doc__.splitlines()[0])
+    parser = OPTIONS.parser(__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=20_000, help="per none / key run")
     parser.add_argument("--partition-messages", type=int, default=500)
     parser.add_argument("--keys", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved none/key rounds")
-    parser.add_argument(
-        "--handler",
-        choices=["go", "python"],
-        default="go",
-        help="the handler service: bench/gohandler (default) or the grpc.aio one",
-    )
     args = parser.parse_args()
     if args.quick:
         args.messages, args.partition_messages, args.rounds = 6000, 200, 1

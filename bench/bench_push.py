@@ -30,23 +30,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
-    RESULTS_DIR,
-    ROOT,
-    HandlerServer,
-    HandlerSpec,
-    Result,
-    base_parser,
-    broker,
-    create_topic,
-    produce_bulk,
-    proxy_backlog_run,
-    rate,
-    run_bare_loop,
-    steady_rate,
-    summarise_cprofile,
-    unique_name,
-)
+from bench.handlers import HandlerServer, HandlerSpec
+from bench.loops import run_bare_loop
+from bench.measure import RESULTS_DIR, Result, rate, steady_rate
+from bench.options import ROOT, BenchOptions, broker
+from bench.producing import produce_bulk
+from bench.profiling import summarise_cprofile
+from bench.proxy import proxy_backlog_run
+from tests.support.kafka import create_topic, unique_name
+
+OPTIONS = BenchOptions()
 
 PARTITIONS = 4
 
@@ -138,7 +131,7 @@ def profile_runs(
 
 
 def main() -> int:
-    parser = base_parser(__doc__.splitlines()[1])
+    parser = OPTIONS.parser(__doc__.splitlines()[1])
     parser.add_argument("-n", type=int, default=20000, help="messages per run (default 20000)")
     parser.add_argument(
         "--concurrency", type=int, nargs="+", default=[100, 200], help="default: 100 200"

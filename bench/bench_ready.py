@@ -21,10 +21,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from bench.common import Result, base_parser, broker, create_topic, unique_name
+from bench.measure import Result
+from bench.options import BenchOptions, broker
 from consumer_proxy.config import ProxyConfig
+from tests.support.kafka import create_topic, unique_name
 from tests.support.proxy import config_dict, start_proxy
 from tests.support.service import TestService
+
+OPTIONS = BenchOptions()
 
 
 async def one_round(bootstrap: str) -> tuple[float, float]:
@@ -64,7 +68,7 @@ async def one_round(bootstrap: str) -> tuple[float, float]:
 
 
 def main() -> int:
-    parser = base_parser(__doc__.splitlines()[0])
+    parser = OPTIONS.parser(__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     rounds = 1 if args.quick else args.rounds

@@ -25,13 +25,16 @@ from typing import Any
 import grpc
 from confluent_kafka import Producer
 
-from bench.common import Result, base_parser, broker, percentile
+from bench.measure import Result, percentile
+from bench.options import BenchOptions, broker
 from consumer_proxy.proto.v1 import handler_pb2
 from tests.support.kafka import committed_offsets, create_topic, end_offsets, unique_name
 from tests.support.ledger import Ledger
 from tests.support.proxy import ProxyProcess, write_config
 from tests.support.service import Behaviour, ThreadedService
 from tests.support.waiting import wait_until
+
+OPTIONS = BenchOptions()
 
 
 def _lag(bootstrap: str, group: str, topic: str) -> int:
@@ -141,7 +144,7 @@ def run_one(
 
 
 def main() -> int:
-    parser = base_parser(__doc__ or "")
+    parser = OPTIONS.parser(__doc__ or "")
     parser.add_argument("--rate", type=int, default=400, help="messages per second")
     parser.add_argument("--seconds", type=float, default=20.0, help="how long to produce")
     parser.add_argument("--recover-s", type=float, default=6.0)

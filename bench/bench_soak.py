@@ -28,19 +28,14 @@ from typing import Any
 
 from confluent_kafka import Producer
 
-from bench.common import (
-    BenchProxy,
-    HandlerServer,
-    HandlerSpec,
-    Result,
-    base_parser,
-    bench_config,
-    broker,
-    committed_sum,
-    create_topic,
-    percentile,
-    unique_name,
-)
+from bench.handlers import HandlerServer, HandlerSpec
+from bench.measure import Result, percentile
+from bench.offsets import committed_sum
+from bench.options import BenchOptions, broker
+from bench.proxy import BenchProxy, bench_config
+from tests.support.kafka import create_topic, unique_name
+
+OPTIONS = BenchOptions(always_quick=True)
 
 
 def rss_kib(pid: int) -> tuple[int, int]:
@@ -109,7 +104,7 @@ class SteadyProducer(threading.Thread):
 
 
 def main() -> int:
-    parser = base_parser(__doc__.splitlines()[0])
+    parser = OPTIONS.parser(__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=10.0, help="load duration (default 10)")
     parser.add_argument("--rate", type=float, default=300.0, help="messages/s (default 300)")
     parser.add_argument("--partitions", type=int, default=4)

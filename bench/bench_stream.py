@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Long-running push (``delivery.long_running``): what the streaming call costs.
 
-Every party runs in its own process: the bench handler (``bench.common.HandlerServer``, whose
+Every party runs in its own process: the bench handler (``bench.handlers.HandlerServer``, whose
 ``HandleMessageStream`` heartbeats every ``heartbeat_interval_ms`` while it works as
 ``HandleMessage`` does), the proxy (``consumer-proxy run``) and this process.
 
@@ -20,22 +20,15 @@ from __future__ import annotations
 import statistics
 import time
 
-from bench.common import (
-    SLOW_MARKER,
-    BenchProxy,
-    CommittedReader,
-    HandlerServer,
-    HandlerSpec,
-    Result,
-    base_parser,
-    bench_config,
-    broker,
-    create_topic,
-    produce_bulk,
-    rate,
-    unique_name,
-    wait_for,
-)
+from bench.handlers import SLOW_MARKER, HandlerServer, HandlerSpec
+from bench.measure import Result, rate, wait_for
+from bench.offsets import CommittedReader
+from bench.options import BenchOptions, broker
+from bench.producing import produce_bulk
+from bench.proxy import BenchProxy, bench_config
+from tests.support.kafka import create_topic, unique_name
+
+OPTIONS = BenchOptions()
 
 PARTITIONS = 4
 LONG_RUNNING = {"heartbeat_timeout_ms": 6000, "max_processing_ms": 3_600_000}
@@ -89,7 +82,7 @@ def open_calls(bootstrap: str, calls: int, window_s: float) -> tuple[float, floa
 
 
 def main() -> int:
-    parser = base_parser(__doc__.splitlines()[0])
+    parser = OPTIONS.parser(__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=20_000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=1000)

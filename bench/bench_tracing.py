@@ -23,19 +23,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
-    HandlerServer,
-    HandlerSpec,
-    Result,
-    base_parser,
-    broker,
-    create_topic,
-    produce_bulk,
-    proxy_backlog_run,
-    unique_name,
-)
+from bench.handlers import HandlerServer, HandlerSpec
+from bench.measure import Result
+from bench.options import BenchOptions, broker
+from bench.producing import produce_bulk
+from bench.proxy import proxy_backlog_run
 from tests.support.collector import Collector
+from tests.support.kafka import create_topic, unique_name
 
+OPTIONS = BenchOptions()
 PARTITIONS = 4
 MODES: dict[str, float | None] = {"off": None, "1%": 0.01, "100%": 1.0}
 DELIVERY: dict[str, dict[str, Any]] = {
@@ -62,7 +58,7 @@ def tracing(collector: Collector, ratio: float | None) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = base_parser(__doc__.splitlines()[1])
+    parser = OPTIONS.parser(__doc__.splitlines()[1])
     parser.add_argument("-n", type=int, default=20000, help="unary: messages per run (20000)")
     parser.add_argument(
         "--batch-n", type=int, default=100000, help="batch: messages per run (100000)"

@@ -24,9 +24,12 @@ from collections import deque
 from collections.abc import Callable
 from itertools import groupby
 
+from bench.options import BenchOptions
 from consumer_proxy.core import codec
 from consumer_proxy.core.codec import AckState, decode, encode
 from consumer_proxy.core.tracker import DEFAULT_METADATA_BUDGET, PartitionTracker
+
+OPTIONS = BenchOptions(bootstrap=False, quick=False)
 
 WINDOW = 10_000
 BATCHES = 100  # 1,000,000 pairs per measurement

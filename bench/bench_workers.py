@@ -36,17 +36,14 @@ import statistics
 import sys
 from typing import Any
 
-from bench.common import (
-    HandlerServer,
-    HandlerSpec,
-    Result,
-    base_parser,
-    broker,
-    create_topic,
-    produce_bulk,
-    proxy_backlog_run,
-    unique_name,
-)
+from bench.handlers import HandlerServer, HandlerSpec
+from bench.measure import Result
+from bench.options import BenchOptions, broker
+from bench.producing import produce_bulk
+from bench.proxy import proxy_backlog_run
+from tests.support.kafka import create_topic, unique_name
+
+OPTIONS = BenchOptions()
 
 PARTITIONS = 8
 HANDLER_MS = 5.0
@@ -88,7 +85,7 @@ def one_run(
 
 
 def main() -> int:
-    parser = base_parser(__doc__.splitlines()[1])
+    parser = OPTIONS.parser(__doc__.splitlines()[1])
     parser.add_argument("-n", type=int, default=30000, help="messages per run (default 30000)")
     parser.add_argument("--concurrency", type=int, default=100, help="per worker (default 100)")
     parser.add_argument("--rounds", type=int, default=2, help="default 2")

@@ -9,9 +9,10 @@ From the repository root (every bench runs as a module, ``python -m bench.NAME``
     .venv/bin/python -m bench.run_all --only push hol # a subset (names without "bench_")
 
 One private broker is started for the whole run (or ``--bootstrap`` is used) and passed to every
-bench that takes ``--bootstrap``; ``--quick`` is passed where a bench supports it (both read
-from the bench's source, see ``takes``). Benches that
-have no ``--quick`` but would run long get small sizes from ``SMALL_ARGS``. Each bench's output
+bench that takes ``--bootstrap``; ``--quick`` is passed where a bench takes it. What a bench
+takes is its declared ``OPTIONS`` (``bench.options.BenchOptions``), read by importing the
+module (a bench runs nothing on import); a bench that would run long even in a full run is
+declared ``always_quick`` or gets small sizes from its ``run_all_args``. Each bench's output
 streams through; afterwards the ratios of the JSON results each bench wrote to
 ``bench/results/`` during this run are printed as one table (a bench that writes no JSON shows
 the tail of its output instead), and the whole summary goes to
@@ -21,6 +22,7 @@ the tail of its output instead), and the whole summary goes to
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -29,16 +31,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS_DIR, ROOT, broker
+from bench.measure import RESULTS_DIR
+from bench.options import ROOT, BenchOptions, broker
 
 BENCH_DIR = Path(__file__).resolve().parent
-# Small sizes for benches without --quick (used in full runs too: run_all is a summary, the
-# benches themselves take bigger sizes when run on their own).
-SMALL_ARGS: dict[str, list[str]] = {
-    "bench_flow": ["--warmup", "2", "--window", "6"],
-}
-# Benches that always get --quick from run_all (they would otherwise run for many minutes).
-ALWAYS_QUICK = {"bench_soak", "bench_dlq_merge", "bench_flow"}
 # The order: the fast, broker-free ones first.
 ORDER = [
     "bench_tracker",
@@ -58,21 +54,22 @@ def discover() -> list[Path]:
     return ordered + sorted(found.values())
 
 
-def takes(script: Path, option: str) -> bool:
-    """Whether the bench accepts ``option``, read from its source: running ``--help`` is not
-    safe (a bench without argparse would run in full)."""
-    source = script.read_text()
-    return f'"{option}"' in source or "base_parser(" in source  # common.base_parser: both
+def options_of(script: Path) -> BenchOptions:
+    """The bench's declared options (``OPTIONS``; none declared: no shared option)."""
+    module = importlib.import_module(f"bench.{script.stem}")
+    found = getattr(module, "OPTIONS", None)
+    return found if isinstance(found, BenchOptions) else BenchOptions(bootstrap=False, quick=False)
 
 
 def command(script: Path, bootstrap: str, quick: bool) -> list[str]:
+    options = options_of(script)
     args = [sys.executable, "-m", f"bench.{script.stem}"]
-    if takes(script, "--bootstrap"):
+    if options.bootstrap:
         args += ["--bootstrap", bootstrap]
-    if takes(script, "--quick") and (quick or script.stem in ALWAYS_QUICK):
+    if options.quick and (quick or options.always_quick):
         args.append("--quick")
-    elif script.stem in SMALL_ARGS:
-        args += SMALL_ARGS[script.stem]
+    else:
+        args += options.run_all_args
     return args
 
 
@@ -90,7 +87,18 @@ def results_since(stem: str, since: float) -> list[dict[str, Any]]:
 
 
 def run_one(script: Path, bootstrap: str, quick: bool) -> dict[str, Any]:
-    args = command(script, bootstrap, quick)
+    try:
+        args = command(script, bootstrap, quick)
+    except (ImportError, SyntaxError) as exc:  # reading its OPTIONS: it cannot run either
+        print(f"\n===== {script.stem}: does not import: {exc!r}", flush=True)
+        return {
+            "bench": script.stem,
+            "command": "",
+            "exit": -1,
+            "seconds": 0.0,
+            "results": [],
+            "tail": [repr(exc)],
+        }
     shown = " ".join(a if a != sys.executable else "python" for a in args)
     print(f"\n===== {script.stem}: {shown}", flush=True)
     started_wall, started = time.time(), time.monotonic()

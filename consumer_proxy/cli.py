@@ -22,6 +22,7 @@ from typing import Any
 from . import __version__
 from .config import ProxyConfig, load_config
 from .errors import ConfigError, ConsumerProxyError
+from .tools.render import printable
 
 log = logging.getLogger("consumer_proxy")
 
@@ -56,15 +57,24 @@ class _JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
+class _TextFormatter(logging.Formatter):
+    """One line per record: a message carries data of other teams (a service's reason, a
+    header), so its control characters are escaped (``tools.render.printable``) and it can
+    neither send terminal sequences nor print lines of its own. Our tracebacks stay as they
+    are."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = printable(record.message)
+        return super().formatMessage(record)
+
+
 def setup_logging(level: str, fmt: str) -> None:
     """Log to stderr as text or JSON lines."""
     handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(_JsonFormatter())
-    else:
-        handler.setFormatter(
-            logging.Formatter("%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s")
-        )
+    handler.setFormatter(_JsonFormatter() if fmt == "json" else _TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -124,6 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
         "status", help="committed offsets, lag, ack state and DLQ depth, read from Kafka"
     )
     _common(status, group=True, as_json=True)
+    status.add_argument(
+        "--proxy",
+        metavar="URL",
+        help="also ask the running proxy at URL (its HTTP endpoint, console.enabled) what it "
+        "knows per partition: the window in flight and the oldest call under way",
+    )
 
     guard = sub.add_parser(
         "guard",
@@ -228,7 +244,7 @@ def _run_one(config_path: Path, level: str, fmt: str, index: int) -> int:
         config = config.model_copy(update={"health": health})
 
     async def main() -> None:
-        proxy = Proxy(config)
+        proxy = Proxy(config, config_path=config_path)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, proxy.request_shutdown)
@@ -252,10 +268,12 @@ def _run_one(config_path: Path, level: str, fmt: str, index: int) -> int:
 
 
 def _status(args: argparse.Namespace, config: ProxyConfig) -> int:
-    from .status import collect_status, render_status
+    from .status import add_open_calls, collect_status, render_status
 
     groups = [config.group(args.group)] if args.group else list(config.groups)
     report = collect_status(config.kafka, groups)
+    if args.proxy:
+        add_open_calls(report, args.proxy)
     print(json.dumps(report, indent=2) if args.json else render_status(report))
     return EXIT_OK
 

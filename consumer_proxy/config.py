@@ -701,6 +701,24 @@ class AdminConfig(BaseModel):
     )
 
 
+class ConsoleConfig(BaseModel):
+    """The operator console: a web page of the proxy's groups and their dead letters, served
+    on the HTTP endpoint (metrics.host/metrics.port) under /console/. Read-only unless
+    admin.token is set; its merge and purge run the DLQ commands with that token."""
+
+    model_config = _FROZEN
+    enabled: bool = Field(
+        False, description="Serve the console at /console/ on the HTTP endpoint (needs metrics)."
+    )
+    dlq_scan_records: int = Field(
+        2000,
+        ge=10,
+        le=50_000,
+        description="Most DLQ records one page view of the dead letters reads (the newest, or "
+        "from --since on); counts cover these only, the full report is `dlq report`.",
+    )
+
+
 class HealthConfig(BaseModel):
     """The proxy's own grpc.health.v1 service."""
 
@@ -809,6 +827,9 @@ class ProxyConfig(BaseSettings):
     tracing: TracingConfig = Field(
         default_factory=TracingConfig, description="OpenTelemetry tracing (off by default)."
     )
+    console: ConsoleConfig = Field(
+        default_factory=ConsoleConfig, description="The operator console (a web page)."
+    )
     groups: list[GroupConfig] = Field(..., min_length=1, description="The onboarded services.")
     shutdown_grace_s: float = Field(
         25.0, ge=0, le=3600, description="On SIGTERM, time to drain in-flight calls."
@@ -848,6 +869,16 @@ class ProxyConfig(BaseSettings):
             raise FieldProblem(
                 ("health", "grpc_port"),
                 f"port {port} is also metrics.port; the gRPC health service needs its own port",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _console_needs_http(self) -> ProxyConfig:
+        if self.console.enabled and not self.metrics.enabled:
+            raise FieldProblem(
+                ("console", "enabled"),
+                "the console is served on the HTTP endpoint, which metrics.enabled: false "
+                "turns off; enable metrics or disable the console",
             )
         return self
 

@@ -28,8 +28,9 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from grpc import aio
@@ -87,6 +88,15 @@ class Endpoint:
     health_service: str = SERVICE_NAME
     outstanding: int = 0
     calls: int = 0
+    latency_s: float = 0.0
+    """A moving average of its calls' durations (unary and batch calls; the console's)."""
+
+    def timed(self, started: float) -> None:
+        """A call that began at ``started`` (time.monotonic) ended now."""
+        took = time.monotonic() - started
+        self.latency_s = (
+            took if not self.latency_s else self.latency_s + 0.1 * (took - self.latency_s)
+        )
 
     @property
     def ejected(self) -> bool:
@@ -114,6 +124,31 @@ def _credentials(tls: TlsConfig) -> tuple[grpc.ChannelCredentials, list[tuple[st
     if tls.server_name:
         options.append(("grpc.ssl_target_name_override", tls.server_name))
     return creds, options
+
+
+async def read_stream(
+    read: Callable[[], Awaitable[Any]],
+    watch: CallWatch,
+    on_heartbeat: Callable[[float], None],
+    classifier: Classifier,
+) -> Classification:
+    """A ``HandleMessageStream`` call's events (``read``: the next one, or ``aio.EOF``) until
+    its result or its expiry by ``watch`` (on the event loop's clock): each heartbeat is told
+    to the watch (its gap to ``on_heartbeat``) and moves the expiry. A failed call's
+    ``AioRpcError`` goes to the caller."""
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout_at(watch.due()[0]) as deadline:
+            while True:
+                event = await read()
+                if event is aio.EOF:
+                    return no_result(classifier)
+                if event.HasField("result"):
+                    return classifier.from_response(event.result)
+                on_heartbeat(watch.heard(loop.time(), event.heartbeat.progress))
+                deadline.reschedule(watch.due()[0])
+    except TimeoutError:
+        return expiry_result(watch.due()[1], watch.limits, classifier)
 
 
 class Dispatcher:
@@ -265,6 +300,7 @@ class Dispatcher:
         ``metadata``: the trace context the service continues (tracing on)."""
         endpoint.outstanding += 1
         endpoint.calls += 1
+        started = time.monotonic()
         try:
             response = await endpoint.stub.HandleMessage(
                 request, timeout=self._timeout_s, metadata=metadata
@@ -282,6 +318,7 @@ class Dispatcher:
                 result = self._classifier.from_response(response)
         finally:
             endpoint.outstanding -= 1
+            endpoint.timed(started)
         change = self._ejection.observe(endpoint.index, result.service_failure, result.status)
         if change is not None:
             self._changed(change)
@@ -291,6 +328,21 @@ class Dispatcher:
         """Whether the next call to ``endpoint`` is a batch (always, unless ``auto_batch``
         found that it does not serve ``HandleMessageBatch``)."""
         return self._support is None or self._support.batches(endpoint.index)
+
+    def instances(self) -> list[dict[str, Any]]:
+        """Each instance as the console shows it: target, in rotation or not, its last health
+        verdict, calls under way and made, and its latency."""
+        return [
+            {
+                "target": e.target,
+                "ejected": e.ejected,
+                "serving": e.serving,
+                "in_flight": e.outstanding,
+                "calls": e.calls,
+                "latency_ms": round(e.latency_s * 1000, 1),
+            }
+            for e in self.endpoints
+        ]
 
     def batch_support(self) -> str:
         """What ``auto_batch`` knows of the instances, for /readyz ('' without it)."""
@@ -320,7 +372,6 @@ class Dispatcher:
         when it expires: no heartbeat in time, or the cap; the call is then cancelled (the
         service sees the cancellation) and the expiry classified by the core. Each
         heartbeat's gap goes to ``on_heartbeat``. Times are the event loop's clock."""
-        loop = asyncio.get_running_loop()
         limits: Limits = watch.limits
         endpoint.outstanding += 1
         endpoint.calls += 1
@@ -328,21 +379,8 @@ class Dispatcher:
         call = endpoint.stub.HandleMessageStream(
             request, timeout=limits.max_processing_s + 30, metadata=metadata
         )
-        result: Classification | None = None
         try:
-            async with asyncio.timeout_at(watch.due()[0]) as deadline:
-                while True:
-                    event = await call.read()
-                    if event is aio.EOF:
-                        result = no_result(self._classifier)
-                        break
-                    if event.HasField("result"):
-                        result = self._classifier.from_response(event.result)
-                        break
-                    on_heartbeat(watch.heard(loop.time(), event.heartbeat.progress))
-                    deadline.reschedule(watch.due()[0])
-        except TimeoutError:
-            result = expiry_result(watch.due()[1], limits, self._classifier)
+            result = await read_stream(call.read, watch, on_heartbeat, self._classifier)
         except aio.AioRpcError as exc:
             result = self._classifier.from_status(exc.code(), exc.details())
         finally:
@@ -373,6 +411,7 @@ class Dispatcher:
         endpoint.outstanding += 1
         endpoint.calls += 1
         status = "OK"
+        started = time.monotonic()
         try:
             response = await call(payload, timeout=self._timeout_s, metadata=metadata)
         except aio.AioRpcError as exc:
@@ -386,6 +425,7 @@ class Dispatcher:
             )
         finally:
             endpoint.outstanding -= 1
+            endpoint.timed(started)
         if self._support is not None:
             learnt = self._support.answered(endpoint.index, status)
             if learnt is not None:

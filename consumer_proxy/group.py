@@ -30,31 +30,33 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import random
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from confluent_kafka import KafkaException, TopicPartition
 
+from .batch_push import BatchPush, build_push
 from .committer import Committer
 from .config import GroupConfig
 from .core.heartbeat import Cancel
-from .core.partitions import TP, Delivery, PartitionSet, PartitionState
+from .core.partitions import TP, Delivery, PartitionSet
 from .flow import Breaker, RateLimiter, group_limiter
 from .guarding import GuardControl
+from .handover import CANCEL_WAIT_S, Handover
 from .health import KafkaLink
 from .intake import Intake
 from .metrics import ProxyMetrics
 from .parking import Parking, Tally
 from .ports import Clock, DeadLetterSink, EdgeHooks, MessageSource, OpenEdges, Pusher
-from .push import BatchPush, PushParts, UnaryPush, build_push
+from .push import PushParts, UnaryPush
 from .readyq import ReadyDeque
 from .stream import StreamPush
 
 log = logging.getLogger(__name__)
-
-CANCEL_WAIT_S = 1.0
-"""After cancelling calls (revoke, shutdown): how long to wait for their workers to end them."""
 
 
 class GroupRunner:
@@ -66,9 +68,14 @@ class GroupRunner:
         metrics: ProxyMetrics,
         open_edges: OpenEdges,
         shutdown_grace_s: float = 25.0,
+        *,
+        monotonic: Clock = time.monotonic,
+        wall: Clock = time.time,
+        rng: random.Random | None = None,
     ) -> None:
         """``open_edges`` builds the group's consumer, pusher, DLQ sink and clock when it runs
-        (``adapters.RealEdges``)."""
+        (``adapters.RealEdges``). ``monotonic`` (the breaker's), ``wall`` (epoch seconds: the
+        core's due times) and ``rng`` (backoff jitter) are seams for the simulation."""
         self._open_edges = open_edges
         self._grace_s = shutdown_grace_s
         self.group = group
@@ -84,7 +91,6 @@ class GroupRunner:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._failure: BaseException | None = None  # a task that crashed fails the group
         self._call_ended = asyncio.Event()  # revocation waits on it for in-flight calls
-        self._clock: Clock = _loop_time  # the edges' clock once the group runs
         self.started = asyncio.Event()
         self.kafka_link = KafkaLink()  # the consumer's broker connections, for health
         self.on_health_change: Callable[[], None] | None = None
@@ -96,7 +102,9 @@ class GroupRunner:
         limit_gauge = metrics.concurrency_limit.labels(self.name)
         self.limiter = group_limiter(d, limit_gauge.set)
         self.rate = RateLimiter(d.rate_limit_per_s) if d.rate_limit_per_s else None
-        self.breaker = Breaker(self.name, group.circuit_breaker, self._breaker_changed)
+        self.breaker = Breaker(
+            self.name, group.circuit_breaker, self._breaker_changed, clock=monotonic
+        )
         self.partitions = PartitionSet(
             self.name,
             d,
@@ -107,10 +115,15 @@ class GroupRunner:
             on_idle=lambda: self.committer.wake(),
             retry_topics=group.retry_topics,
             guard=group.dead_letter_guard,
+            clock=wall,
+            rng=rng,
         )
         self.committer = Committer(self.name, d, self.partitions, metrics)
         self._parking = Parking(
             group, self.partitions, metrics, self._spawn, self._call_ended, self.committer.wake
+        )
+        self._handover = Handover(
+            self.name, self.partitions, self._parking, metrics, self._call_ended, d.revoke_grace_ms
         )
         self._tally = Tally(self.name, metrics, self._parking.start)
         self.guard = GuardControl(
@@ -146,7 +159,7 @@ class GroupRunner:
             return
         self.fetcher, self.dispatcher = edges.source, edges.pusher
         self.writer = self._parking.sink = edges.sink
-        self._clock = edges.clock
+        self._handover.clock = edges.clock
         self.committer.attach(edges.source, edges.clock)
         parts = PushParts(
             self.name,
@@ -167,7 +180,7 @@ class GroupRunner:
             )
         else:
             push = build_push(parts, self.ready, self._workers, d.batch, self._health_changed)
-        self.push = push
+        self.push = self._handover.push = push
         committer = self.committer
         intake = Intake(
             self.name,
@@ -302,80 +315,53 @@ class GroupRunner:
     async def partitions_revoked(
         self, partitions: Sequence[TopicPartition]
     ) -> list[TopicPartition]:
-        """Wait up to the revoke grace for in-flight calls, then hand back the final commits.
-
-        No new push starts on a leaving partition. After the grace, DLQ writes still under
-        way are cancelled (the next owner dead-letters those messages) and late push results
-        are ignored: the partition is no longer this member's.
-        """
-        parts = self.partitions.owned([(tp.topic, tp.partition) for tp in partitions])
-        self.partitions.leave(parts)
-        grace = 0.0 if self._draining else self.group.delivery.revoke_grace_ms / 1000.0
-        clock = self._clock
-        started = clock()
-        deadline = started + grace
-        await self._calls_end(parts, deadline)
-        if self.push is not None and self.push.cancel_calls(parts, Cancel.REVOKE):
-            # Cancelled calls end at once (their workers give the messages back, never an
-            # attempt): a short wait lets the service hear the cancellations first.
-            await self._calls_end(parts, clock() + CANCEL_WAIT_S)
-        await self._parking.cancel(set(parts))
-        offsets = []
-        for part in parts:
-            final = self.partitions.final_commit(part)
-            if final is not None:
-                offsets.append(
-                    TopicPartition(
-                        part.topic, part.partition, final.offset, metadata=final.metadata
-                    )
-                )
-            self._forget(part)
-        busy = sum(p.calls for p in parts)
-        log.info(
-            "group %s: revoked %d partitions after %.1fs%s",
-            self.name,
-            len(parts),
-            clock() - started,
-            f" ({busy} calls still running: their results will be ignored)" if busy else "",
-        )
-        return offsets
-
-    async def _calls_end(self, parts: Sequence[PartitionState], deadline: float) -> None:
-        """Wait until ``parts`` have no call under way, or ``deadline`` (the clock's)."""
-        clock = self._clock
-        while any(p.calls for p in parts) and clock() < deadline:
-            self._call_ended.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(deadline - clock()):  # not wait_for (3.11)
-                    await self._call_ended.wait()
+        """Wait up to the revoke grace for in-flight calls, then hand back the final commits
+        (``handover.Handover.revoked``)."""
+        return await self._handover.revoked(partitions, self._draining)
 
     async def partitions_lost(self, partitions: Sequence[TopicPartition]) -> None:
-        """Drop lost partitions without committing (another member owns them now), and
-        cancel their DLQ and retry tier writes at once: the new owner makes them again, and a
-        write that went on retrying here would add a copy outside the documented bound."""
-        parts = self.partitions.owned([(tp.topic, tp.partition) for tp in partitions])
-        if self.push is not None:
-            self.push.cancel_calls(parts, Cancel.LOST)  # the new owner delivers them
-        writes = await self._parking.cancel(set(parts))
-        for part in parts:
-            self._forget(part)
-        log.warning(
-            "group %s: lost %d partitions (no commit possible; %d DLQ/tier writes cancelled)",
-            self.name,
-            len(partitions),
-            writes,
-        )
+        """Drop lost partitions without committing (``handover.Handover.lost``)."""
+        await self._handover.lost(partitions)
 
-    def _forget(self, part: PartitionState) -> None:
-        self.partitions.forget(part)
-        self.metrics.forget_partition(self.name, part.topic, part.partition)
+    # -- introspection (tests, health, the console) --------------------------------------
 
-    # -- introspection (tests, health) ---------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """The group as the operator console shows it, read-only and JSON-ready: breaker,
+        guard, concurrency limit, the instances, outcome counters, and per owned partition
+        its window, pause reasons and oldest call under way (``PartitionSet.views``)."""
+        oldest = self.push.oldest() if self.push is not None else {}
+        partitions = []
+        for view in self.partitions.views():
+            row = dataclasses.asdict(view)
+            call = oldest.get((view.topic, view.partition))
+            row["oldest_call"] = (
+                None
+                if call is None
+                else {"offset": call[0], "age_s": round(call[1], 3), "note": call[2][:200]}
+            )
+            partitions.append(row)
+        guard = self.partitions.guard_state()
+        breaker = self.breaker
+        return {
+            "name": self.name,
+            "started": self.started.is_set(),
+            "stopping": self._stopping.is_set(),
+            "breaker": {
+                "state": breaker.state,
+                "failures": breaker.failures,
+                "probe_in_s": round(breaker.seconds_until_probe(), 1),
+                "last_failure": self.push.last_failure[:500] if self.push is not None else "",
+            },
+            "guard": (
+                None if guard is None else {**dataclasses.asdict(guard[0]), "messages": guard[1]}
+            ),
+            "limit": self.limiter.limit,
+            "adaptive": self.group.delivery.concurrency == "adaptive",
+            "instances": self.dispatcher.instances() if self.dispatcher is not None else [],
+            "counters": dataclasses.asdict(self.partitions.counters),
+            "partitions": partitions,
+        }
 
     def assignment(self) -> list[TP]:
         """Partitions currently owned."""
         return list(self.partitions.parts)
-
-
-def _loop_time() -> float:
-    return asyncio.get_running_loop().time()

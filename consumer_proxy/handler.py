@@ -62,8 +62,9 @@ that run for minutes): the same handler runs as a task while the SDK sends a hea
 (optional; a no-op under ``HandleMessage``). The heartbeats come from the server's event loop:
 **a handler that blocks the loop** (CPU-bound work, a blocking call not moved to a thread)
 stops them, and the proxy fails the call after its heartbeat timeout, as hung. When the
-proxy cancels a call (unary or streaming: no heartbeat in time, its processing cap, a revoked
-partition, its shutdown) the handler sees ``asyncio.CancelledError``; clean up and re-raise.
+proxy cancels a call (unary, streaming or batch: no heartbeat in time, its processing cap, a
+revoked or lost partition, its shutdown) the handler sees ``asyncio.CancelledError`` (in a
+batch call, every message's handler does); clean up and re-raise.
 
 Tracing: when the service has OpenTelemetry (``opentelemetry-api``, with an SDK it configures
 itself), each message runs in a SERVER span ("consumerproxy.v1.MessageHandler/<method>"), the
@@ -85,7 +86,7 @@ import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from types import TracebackType
+from types import CoroutineType, TracebackType
 from typing import Any, Final, Literal, Protocol, TypeAlias, runtime_checkable
 
 import grpc
@@ -192,18 +193,22 @@ class Message:
 
         An unspecified (or unknown) delivery source is read as ``"primary"``.
         """
+        # Positional, and no generator for the (usual) empty headers: this runs for every
+        # message of a batch, and keywords plus the generator were half its cost (measured:
+        # 4.2 -> 2.3 us per message).
+        headers = message.headers
         return cls(
+            message.topic,
+            message.partition,
+            message.offset,
+            message.key if message.has_key else None,
+            message.value if message.has_value else None,
+            tuple([(h.key, h.value) for h in headers]) if headers else (),
+            message.timestamp_ms,
+            message.consumer_group,
+            message.attempt,
+            _SOURCE_OF_PROTO.get(message.source, "primary"),
             _progress=_progress,
-            topic=message.topic,
-            partition=message.partition,
-            offset=message.offset,
-            key=message.key if message.has_key else None,
-            value=message.value if message.has_value else None,
-            headers=tuple((h.key, h.value) for h in message.headers),
-            timestamp_ms=message.timestamp_ms,
-            consumer_group=message.consumer_group,
-            attempt=message.attempt,
-            source=_SOURCE_OF_PROTO.get(message.source, "primary"),
         )
 
     def to_proto(self) -> handler_pb2.Message:
@@ -433,7 +438,7 @@ def _as_function(handler: Handler) -> HandlerFunc:
 
 async def _call_handler(handle: HandlerFunc, message: Message) -> Result | None:
     pending = handle(message)
-    if not inspect.isawaitable(pending):
+    if type(pending) is not CoroutineType and not inspect.isawaitable(pending):
         raise TypeError(f"the handler must be async; it returned {type(pending).__name__}")
     result = await pending
     if result is not None and not isinstance(result, Result):
@@ -634,7 +639,16 @@ class _MessageHandlerServicer(handler_pb2_grpc.MessageHandlerServicer):
                     tasks = [
                         group.create_task(self._batch_item(m, metadata)) for m in request.messages
                     ]
-                return handler_pb2.HandleMessageBatchResponse(results=[t.result() for t in tasks])
+                # Added in place: an ack is an empty result (no message built and copied).
+                response = handler_pb2.HandleMessageBatchResponse()
+                results = response.results
+                for task in tasks:
+                    result = task.result()
+                    if result is None:
+                        results.add()
+                    else:
+                        results.append(result)
+                return response
         await context.abort(
             grpc.StatusCode.RESOURCE_EXHAUSTED, f"over max_concurrency={self._max_concurrency}"
         )
@@ -642,13 +656,15 @@ class _MessageHandlerServicer(handler_pb2_grpc.MessageHandlerServicer):
 
     async def _batch_item(
         self, wire: handler_pb2.Message, metadata: Any
-    ) -> handler_pb2.HandleMessageResponse:
-        # Never raises (but for cancellation): an exception escaping here would fail every
-        # message of the batch through the task group.
+    ) -> handler_pb2.HandleMessageResponse | None:
+        """The message's result; None for an ack. Never raises (but for cancellation): an
+        exception escaping here would fail every message of the batch through the task
+        group."""
         message = Message.from_proto(wire)
         with self._spans.span("HandleMessageBatch", wire, metadata, in_batch=True):
             try:
-                return _response(await _call_handler(self._handle, message))
+                result = await _call_handler(self._handle, message)
+                return None if result is None else result.to_proto()
             except HandlerError as exc:
                 log.debug("%s: handler raised %r", _where(message), exc)
                 self._spans.failed(exc.code)

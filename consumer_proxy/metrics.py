@@ -12,7 +12,7 @@ import contextlib
 import hmac
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -267,9 +267,26 @@ class ProxyMetrics:
         return generate_latest(self.registry)
 
 
+class Answer(NamedTuple):
+    """One HTTP answer: status line, content type, body and any further headers."""
+
+    status: str
+    ctype: str
+    body: bytes
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+def text_answer(status: str, text: str) -> Answer:
+    """A text/plain answer of one line."""
+    return Answer(status, "text/plain; charset=utf-8", f"{text}\n".encode())
+
+
 ADMIN_PREFIX = "/admin/"
-Admin = Callable[[str], Awaitable[tuple[str, str]]]
-"""An admin action: the path after /admin/ -> (HTTP status line, text)."""
+Admin = Callable[[str, str], Awaitable[Answer]]
+"""An admin action, already authorised: (the path after /admin/, the query string) -> answer."""
+Pages = Callable[[str, str], Awaitable[Answer | None]]
+"""Read-only pages beside /metrics (the console): (path, query) of a GET -> answer, or None
+when the path is not theirs."""
 MAX_LINE_BYTES = 8192
 """Longest request line or header line the HTTP endpoint reads (the usual servers' limit)."""
 MAX_HEAD_BYTES = 32 * 1024
@@ -313,10 +330,12 @@ class HttpEndpoint:
         request_timeout_s: float = 5.0,
         admin: Admin | None = None,
         admin_token: str | None = None,
+        pages: Pages | None = None,
     ) -> None:
         self._metrics = metrics
         self._ready = ready
         self._admin = admin
+        self._pages = pages
         self._admin_token = admin_token.encode() if admin_token else None
         self._host = host
         self._port = port
@@ -381,7 +400,7 @@ class HttpEndpoint:
             request = await self._read_head(reader)
         except _Refusal as refusal:
             self._refused("too_large", peer, str(refusal))
-            self._answer(writer, refusal.status, "text/plain", f"{refusal}\n".encode())
+            self._answer(writer, Answer(refusal.status, "text/plain", f"{refusal}\n".encode()))
             await writer.drain()
             writer.write_eof()
             lingered = 0
@@ -395,32 +414,35 @@ class HttpEndpoint:
             return  # closed before a whole request arrived
         line, authorization = request
         parts = line.decode("latin-1").split()
-        path = parts[1].split("?", 1)[0] if len(parts) >= 2 else ""
+        method = parts[0] if parts else ""
+        path, _, query = parts[1].partition("?") if len(parts) >= 2 else ("", "", "")
+        answer: Answer | None = None
         if path.startswith(ADMIN_PREFIX):
-            method = parts[0] if parts else ""
-            answer = await self._admin_route(method, path, authorization, peer)
-        else:
+            answer = await self._admin_route(method, path, query, authorization, peer)
+        elif self._pages is not None and method in ("GET", "HEAD"):
+            answer = await self._pages(path, query)
+        if answer is None:
             answer = self._route(path)
-        self._answer(writer, *answer)
+        self._answer(writer, answer, head_only=method == "HEAD")
         await writer.drain()
 
     async def _admin_route(
-        self, method: str, path: str, authorization: bytes, peer: object
-    ) -> tuple[str, str, bytes]:
-        """POST /admin/groups/<group>/guard/<release|hold> with ``Authorization: Bearer T``.
+        self, method: str, path: str, query: str, authorization: bytes, peer: object
+    ) -> Answer:
+        """POST /admin/... (the guard's release or hold, the console's actions) with
+        ``Authorization: Bearer T``.
 
         Off (404) unless a token is configured; a missing or wrong token is 403 (compared in
         constant time), and every refusal is counted, never logged above debug."""
         if self._admin is None or self._admin_token is None:
-            return "404 Not Found", "text/plain", b"admin endpoint off: set admin.token\n"
+            return text_answer("404 Not Found", "admin endpoint off: set admin.token")
         scheme, _, token = authorization.strip().partition(b" ")
         if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._admin_token):
             self._refused("forbidden", peer, "admin request without the right token")
-            return "403 Forbidden", "text/plain", b"forbidden: a valid admin token is required\n"
+            return text_answer("403 Forbidden", "forbidden: a valid admin token is required")
         if method != "POST":
-            return "405 Method Not Allowed", "text/plain", b"use POST\n"
-        status, text = await self._admin(path[len(ADMIN_PREFIX) :])
-        return status, "text/plain", f"{text}\n".encode()
+            return text_answer("405 Method Not Allowed", "use POST")
+        return await self._admin(path[len(ADMIN_PREFIX) :], query)
 
     @staticmethod
     async def _read_head(reader: asyncio.StreamReader) -> tuple[bytes, bytes] | None:
@@ -456,23 +478,26 @@ class HttpEndpoint:
                 authorization = line[14:].strip()
 
     @staticmethod
-    def _answer(writer: asyncio.StreamWriter, status: str, ctype: str, body: bytes) -> None:
+    def _answer(writer: asyncio.StreamWriter, answer: Answer, *, head_only: bool = False) -> None:
+        extra = "".join(f"{name}: {value}\r\n" for name, value in answer.headers)
         head = (
-            f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            f"HTTP/1.0 {answer.status}\r\nContent-Type: {answer.ctype}\r\n"
+            f"Content-Length: {len(answer.body)}\r\n{extra}Connection: close\r\n\r\n"
         )
-        writer.write(head.encode("latin-1") + body)
+        writer.write(head.encode("latin-1") + (b"" if head_only else answer.body))
 
-    def _route(self, path: str) -> tuple[str, str, bytes]:
+    def _route(self, path: str) -> Answer:
         if path == "/metrics":
-            return "200 OK", CONTENT_TYPE_LATEST, self._metrics.exposition()
+            return Answer("200 OK", CONTENT_TYPE_LATEST, self._metrics.exposition())
         if path == "/healthz":
-            return "200 OK", "text/plain", b"ok\n"
+            return Answer("200 OK", "text/plain", b"ok\n")
         if path == "/readyz":
             ok, detail = self._ready()
-            return (
+            return Answer(
                 ("200 OK" if ok else "503 Service Unavailable"),
                 "text/plain",
                 f"{detail}\n".encode(),
             )
-        return "404 Not Found", "text/plain", b"not found; try /metrics, /healthz, /readyz\n"
+        return Answer(
+            "404 Not Found", "text/plain", b"not found; try /metrics, /healthz, /readyz\n"
+        )

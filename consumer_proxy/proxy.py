@@ -8,14 +8,16 @@ docs/architecture.md for how the pieces fit.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 from .adapters import RealEdges
 from .config import ProxyConfig
+from .console import Console, console_admin_paths
 from .dlq import SharedProducers
 from .group import GroupRunner
-from .health import ProxyHealth
-from .metrics import HttpEndpoint, ProxyMetrics
+from .health import ProxyHealth, group_verdict
+from .metrics import Answer, HttpEndpoint, ProxyMetrics, text_answer
 from .tracing import start_tracing
 
 
@@ -27,7 +29,10 @@ class Proxy:
         config: ProxyConfig,
         metrics: ProxyMetrics | None = None,
         consumer_overrides: dict[str, Any] | None = None,
+        config_path: Path | None = None,
     ) -> None:
+        """``config_path``: the file ``config`` was read from (the console's DLQ actions run
+        the CLI's commands with it)."""
         self.config = config
         self.metrics = metrics or ProxyMetrics()
         # One DLQ producer for every group (per distinct producer configuration): an idle
@@ -47,29 +52,49 @@ class Proxy:
         self.health = ProxyHealth(self.runners)
         for runner in self.runners:
             runner.on_health_change = self.health.changed
+        self.console: Console | None = None
+        if config.console.enabled:
+            self.console = Console(
+                config.console,
+                config.kafka,
+                self.runners,
+                group_verdict,
+                admin=config.admin.token is not None,
+                config_path=config_path,
+            )
 
     def ready(self) -> tuple[bool, str]:
         """Ready when every group serves: consumer up, Kafka reachable, breaker closed."""
         return self.health.ready()
 
-    async def admin(self, action: str) -> tuple[str, str]:
-        """An operator action, already authorised: ``groups/<group>/guard/<release|hold>``."""
+    async def admin(self, action: str, query: str = "") -> Answer:
+        """An operator action, already authorised: ``groups/<group>/guard/<release|hold>``,
+        or the console's (``console/check``, ``groups/<group>/dlq/<merge|purge>``)."""
+        console_parts = console_admin_paths(action)
+        if console_parts is not None and self.console is not None:
+            return await self.console.action(console_parts, query)
         parts = action.split("/")
         if len(parts) != 4 or parts[0] != "groups" or parts[2] != "guard":
-            return "404 Not Found", "unknown action; use groups/<group>/guard/<release|hold>"
+            return text_answer(
+                "404 Not Found", "unknown action; use groups/<group>/guard/<release|hold>"
+            )
         name, verb = parts[1], parts[3]
         runner = next((r for r in self.runners if r.name == name), None)
         if runner is None:
-            return "404 Not Found", "no such group in this proxy"
+            return text_answer("404 Not Found", "no such group in this proxy")
         if not runner.guard.enabled:
-            return "409 Conflict", f"group {name}: the dead-letter guard is disabled"
+            return text_answer("409 Conflict", f"group {name}: the dead-letter guard is disabled")
         if verb == "release":
             count = runner.guard.release()
-            return "200 OK", f"group {name}: guard released; {count} held messages go to the DLQ"
+            return text_answer(
+                "200 OK", f"group {name}: guard released; {count} held messages go to the DLQ"
+            )
         if verb == "hold":
             changed = runner.guard.hold()
-            return "200 OK", f"group {name}: guard held" + ("" if changed else " (already)")
-        return "404 Not Found", "unknown guard action; use release or hold"
+            return text_answer(
+                "200 OK", f"group {name}: guard held" + ("" if changed else " (already)")
+            )
+        return text_answer("404 Not Found", "unknown guard action; use release or hold")
 
     async def run(self) -> None:
         """Start every group and run until ``shutdown()`` or a group fails."""
@@ -88,8 +113,11 @@ class Proxy:
                     if self.config.admin.token is not None
                     else None
                 ),
+                pages=self.console.page if self.console is not None else None,
             )
             await self.http.start()
+            if self.console is not None:
+                await self.console.start()
         if self.config.health.grpc_port is not None:
             try:
                 await self.health.start(self.config.health.host, self.config.health.grpc_port)
@@ -113,6 +141,8 @@ class Proxy:
             await self.health.close()
             if self.http is not None:
                 await self.http.close()
+            if self.console is not None:
+                await self.console.close()
             if self.tracing is not None:
                 await asyncio.to_thread(self.tracing.shutdown)  # exports what is queued
             self._finished.set()

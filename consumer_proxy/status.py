@@ -8,6 +8,7 @@ records, read with an assigned consumer that never commits. Nothing is written.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -18,7 +19,7 @@ from confluent_kafka import Consumer, KafkaException, TopicPartition
 from .config import GroupConfig, KafkaConfig
 from .core.codec import CodecError, decode
 from .core.records import due_at_from_headers, split_headers
-from .errors import KafkaUnavailableError
+from .errors import ConsumerProxyError, KafkaUnavailableError
 
 
 def _client_conf(kafka: KafkaConfig, group: str) -> dict[str, Any]:
@@ -170,6 +171,39 @@ def _tier_status(consumer: Consumer, group: GroupConfig, index: int) -> dict[str
     return entry
 
 
+PROXY_ANSWER_LIMIT = 4 << 20
+"""Most bytes read of one answer of a running proxy's console API."""
+
+
+def add_open_calls(report: dict[str, Any], url: str) -> None:
+    """Add what a running proxy knows to each partition row it owns: the oldest call under
+    way (``oldest_call_age_s``, ``oldest_call_offset``) and its window (``in_flight``), read
+    from its console API (``console.enabled``). Rows of partitions it does not own get None.
+    A proxy that cannot be read is a ConsumerProxyError naming the address (exit 1)."""
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    for group in report["groups"]:
+        address = f"{url.rstrip('/')}/console/api/groups/{urllib.parse.quote(group['group'])}"
+        try:
+            with urllib.request.urlopen(address, timeout=10) as answer:
+                state = json.loads(answer.read(PROXY_ANSWER_LIMIT))
+        except urllib.error.HTTPError as exc:
+            hint = " (is console.enabled set?)" if exc.code == 404 else ""
+            raise ConsumerProxyError(f"{address}: HTTP {exc.code}{hint}") from exc
+        except (OSError, ValueError) as exc:
+            raise ConsumerProxyError(f"cannot read the proxy's state at {address}: {exc}") from exc
+        owned = {(r["topic"], r["partition"]): r for r in state.get("rows", [])}
+        for row in group["partitions"]:
+            mine = owned.get((row["topic"], row["partition"]))
+            call = mine.get("oldest_call") if mine else None
+            row["in_flight"] = mine["window"] if mine else None
+            row["oldest_call_age_s"] = call["age_s"] if call else None
+            row["oldest_call_offset"] = call["offset"] if call else None
+        group["proxy"] = url
+
+
 def _when(epoch_ms: int | None) -> str:
     if epoch_ms is None:
         return "-"
@@ -195,14 +229,22 @@ def render_status(report: dict[str, Any]) -> str:
             lines.append(f"  push: {group['push']}")
         if group["missing_topics"]:
             lines.append(f"  missing topics: {', '.join(group['missing_topics'])}")
+        proxy = "proxy" in group  # --proxy: what the running proxy knows, per partition
         lines.append(
             f"  {'topic':<32} {'part':>4} {'committed':>10} {'end':>10} {'lag':>8} "
             f"{'acked>commit':>12} {'state':>7}"
+            + (f" {'in flight':>9} {'oldest call':>18}" if proxy else "")
         )
         for r in group["partitions"]:
             committed = "-" if r["committed"] is None else str(r["committed"])
-            lines.append(
+            line = (
                 f"  {r['topic']:<32} {r['partition']:>4} {committed:>10} {r['end']:>10} "
                 f"{r['lag']:>8} {r['acked_above_commit']:>12} {r['ack_state']:>7}"
             )
+            if proxy:
+                flight = "-" if r["in_flight"] is None else str(r["in_flight"])
+                age = r["oldest_call_age_s"]
+                oldest = "-" if age is None else f"{age:.1f}s @{r['oldest_call_offset']}"
+                line += f" {flight:>9} {oldest:>18}"
+            lines.append(line)
     return "\n".join(lines)

@@ -56,18 +56,6 @@ class StreamPush(UnaryPush):
         oldest = self.oldest()
         return max((age for _, age, _ in oldest.values()), default=0.0)
 
-    def oldest(self) -> dict[tuple[str, int], tuple[int, float, str]]:
-        """Per partition, its oldest open call: (offset, age in seconds, progress note)."""
-        now = self._clock()
-        found: dict[tuple[str, int], tuple[int, float, str]] = {}
-        for delivery, call in self.open.items():
-            tp = (delivery.part.topic, delivery.part.partition)
-            age = now - call.started
-            if tp not in found or age > found[tp][1]:
-                note = call.watch.progress if call.watch is not None else ""
-                found[tp] = (delivery.origin.offset, age, note)
-        return found
-
     def request(self, delivery: Delivery) -> handler_pb2.HandleMessageStreamRequest:
         """The ``HandleMessageStreamRequest`` of one push (attempt and limits set)."""
         m = message(delivery, self.name)

@@ -28,9 +28,24 @@ from tests.support.kafka import (
     unique_name,
 )
 from tests.support.ledger import Ledger
-from tests.support.proxy import ProxyProcess, caught_up, make_config, start_proxy, write_config
+from tests.support.proxy import (
+    ProxyProcess,
+    caught_up,
+    caught_up_now,
+    make_config,
+    start_proxy,
+    write_config,
+)
 from tests.support.scrape import http_get, scrape
-from tests.support.service import DROP, RETRY, Behaviour, TestService, ThreadedService
+from tests.support.service import (
+    DROP,
+    RETRY,
+    Behaviour,
+    TestService,
+    ThreadedService,
+    UnaryOnly,
+    serve,
+)
 from tests.support.waiting import async_wait_until, wait_until
 
 pytestmark = pytest.mark.kafka
@@ -211,24 +226,6 @@ async def _outage(bootstrap: str, where: str) -> None:
     assert opened_after >= 3
 
 
-class _UnaryOnly(handler_pb2_grpc.MessageHandlerServicer):
-    """A service that never implemented HandleMessageBatch (gRPC answers UNIMPLEMENTED)."""
-
-    def __init__(self) -> None:
-        self.unary_calls = 0
-
-    async def HandleMessage(self, request: Any, context: Any) -> Any:
-        self.unary_calls += 1
-        return handler_pb2.HandleMessageResponse()
-
-    async def HandleMessageBatch(self, request: Any, context: Any) -> Any:
-        # What gRPC answers for a method the service never implemented.
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
-
-    def HandleMessageStream(self, request: Any, context: Any) -> Any:
-        raise NotImplementedError  # never called: these groups push in batches
-
-
 async def test_a_service_without_handle_message_batch_is_an_outage_said_everywhere(
     kafka: Broker, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -240,11 +237,8 @@ async def _unimplemented(bootstrap: str, caplog: pytest.LogCaptureFixture) -> No
     # that implements only HandleMessage
     topic, group = unique_name("noimpl"), unique_name("noimpl")
     create_topic(bootstrap, topic, partitions=2)
-    servicer = _UnaryOnly()
-    server = grpc.aio.server()
-    handler_pb2_grpc.add_MessageHandlerServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    servicer = UnaryOnly()
+    server, port = await serve(servicer)
     caplog.set_level(logging.ERROR, logger="consumer_proxy")
     proxy, task = start_proxy(
         make_config(
@@ -288,7 +282,7 @@ async def _unimplemented(bootstrap: str, caplog: pytest.LogCaptureFixture) -> No
             lambda: proxy.runners[0].breaker.is_open and proxy.runners[0].breaker.openings >= 2,
             timeout=30,
         )
-        assert servicer.unary_calls == 0
+        assert servicer.got == []
         assert metrics.total("consumer_proxy_dlq_writes_total", group=group) == 0
         assert not await caught_up(bootstrap, group, topic)
     finally:
@@ -345,10 +339,7 @@ async def _wrong_length(bootstrap: str, caplog: pytest.LogCaptureFixture) -> Non
     topic, group = unique_name("wronglen"), unique_name("wronglen")
     create_topic(bootstrap, topic, partitions=2)
     servicer = _WrongLength()
-    server = grpc.aio.server()
-    handler_pb2_grpc.add_MessageHandlerServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    server, port = await serve(servicer)
     caplog.set_level(logging.WARNING, logger="consumer_proxy")
     proxy, task = start_proxy(
         make_config(
@@ -424,7 +415,7 @@ def test_kill_9_in_batch_mode_loses_nothing(kafka: Broker, tmp_path: Path) -> No
         try:
 
             def finished() -> bool:
-                return asyncio.run(caught_up(bootstrap, group, topic))
+                return caught_up_now(bootstrap, group, topic)
 
             wait_until(finished, timeout=120, interval=0.3)
         finally:

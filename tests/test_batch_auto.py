@@ -18,11 +18,12 @@ import pytest
 
 from consumer_proxy import handler as cp
 from consumer_proxy.config import ProxyConfig
-from consumer_proxy.proto.v1 import handler_pb2, handler_pb2_grpc
+from consumer_proxy.proto.v1 import handler_pb2
 from consumer_proxy.proxy import Proxy
 from tests.support.kafka import Broker, consume_all, create_topic, produce, unique_name
 from tests.support.proxy import caught_up, config_dict, start_proxy
 from tests.support.scrape import http_get, scrape
+from tests.support.service import UnaryOnly, serve
 from tests.support.waiting import async_wait_until
 
 pytestmark = pytest.mark.kafka
@@ -31,32 +32,9 @@ pytestmark = pytest.mark.kafka
 NO_RETRY_SOON = {"backoff": {"initial_ms": 60_000, "max_ms": 60_000}}
 
 
-class UnaryOnly(handler_pb2_grpc.MessageHandlerServicer):
-    """A hand-written service with HandleMessage only (gRPC answers UNIMPLEMENTED to the
-    batch method, as for any method a server does not serve)."""
-
-    def __init__(self) -> None:
-        self.got: list[handler_pb2.Message] = []
-        self.batch_calls = 0
-
-    async def HandleMessage(self, request: Any, context: Any) -> Any:
-        self.got.append(request.message)
-        return handler_pb2.HandleMessageResponse()
-
-    async def HandleMessageBatch(self, request: Any, context: Any) -> Any:
-        self.batch_calls += 1
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
-
-    def HandleMessageStream(self, request: Any, context: Any) -> Any:
-        raise NotImplementedError  # never called: these groups are not long-running
-
-
 async def serve_unary_only(port: int = 0) -> tuple[grpc.aio.Server, UnaryOnly, int]:
     servicer = UnaryOnly()
-    server = grpc.aio.server()
-    handler_pb2_grpc.add_MessageHandlerServicer_to_server(servicer, server)
-    bound = server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
+    server, bound = await serve(servicer, port)
     return server, servicer, bound
 
 
@@ -122,7 +100,7 @@ async def test_an_sdk_service_gets_batches_by_default(
             await task
 
 
-@pytest.mark.parametrize("ordering", ["none", "key"])
+@pytest.mark.parametrize("ordering", ["none", "key", "partition"])
 async def test_a_unary_only_service_gets_unary_calls_with_no_message_delayed(
     kafka: Broker, caplog: pytest.LogCaptureFixture, ordering: str
 ) -> None:
@@ -155,11 +133,12 @@ async def test_a_unary_only_service_gets_unary_calls_with_no_message_delayed(
         assert proxy.http is not None
         metrics = await scrape(proxy.http.port)
         assert metrics.total("consumer_proxy_dlq_writes_total", group=group) == 0
-        # and with key ordering each key's messages came in offset order
-        if ordering == "key":
+        # and with key (partition) ordering each key's (partition's) messages came in offset
+        # order
+        if ordering != "none":
             offsets: dict[tuple[int, bytes], list[int]] = defaultdict(list)
             for m in service.got:
-                offsets[(m.partition, m.key)].append(m.offset)
+                offsets[(m.partition, m.key if ordering == "key" else b"")].append(m.offset)
             assert all(seq == sorted(seq) for seq in offsets.values())
         # and the metric, /readyz and the log (once) say the instance gets unary calls
         assert await instances(proxy, group) == {"batch": 0, "unary": 1, "unknown": 0}
@@ -172,6 +151,67 @@ async def test_a_unary_only_service_gets_unary_calls_with_no_message_delayed(
         await task
         await server.stop(None)
     assert await asyncio.to_thread(consume_all, bootstrap, f"{group}.dlq", 3.0) == []
+
+
+async def test_a_unary_only_service_s_retries_go_through_the_retry_tiers(kafka: Broker) -> None:
+    # Given a hand-written service without HandleMessageBatch that asks for a retry of every
+    # tenth message on its first two attempts, and a group with two retry tiers that does not
+    # mention batch
+    bootstrap = kafka.bootstrap
+    topic, group = unique_name("autotiers"), unique_name("autotiers")
+    create_topic(bootstrap, topic, partitions=2)
+    retry, ack = handler_pb2.HandleMessageResponse.RETRY, handler_pb2.HandleMessageResponse.ACK
+
+    def answer(m: handler_pb2.Message) -> handler_pb2.HandleMessageResponse:
+        flaky = int(m.value[1:]) % 10 == 0 and m.attempt <= 2
+        return handler_pb2.HandleMessageResponse(action=retry if flaky else ack)
+
+    server, port = await serve(service := UnaryOnly(answer))
+    tiers = [{"delay_ms": 300}, {"delay_ms": 600}]
+    config = default_config(
+        bootstrap,
+        group,
+        topic,
+        f"127.0.0.1:{port}",
+        retry_topics=tiers,
+        in_memory_attempts=1,
+        max_attempts=5,
+    )
+    proxy, task = start_proxy(config)
+    try:
+        # When 100 messages arrive
+        values = [f"m{i}" for i in range(100)]
+        await asyncio.to_thread(produce, bootstrap, topic, values)
+        # Then each flaky one was tried from the source, then from each tier, in unary calls,
+        # and acked on its third attempt; every message acked once, none dead-lettered
+        await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=60)
+        await async_wait_until(
+            lambda: _acked(service) == set(values), timeout=60, message="every message acked"
+        )
+        flaky = sorted(
+            (m.value.decode(), m.attempt) for m in service.got if m.value in {b"m0", b"m10"}
+        )
+        assert flaky == [("m0", 1), ("m0", 2), ("m0", 3), ("m10", 1), ("m10", 2), ("m10", 3)]
+        sources = {m.attempt: m.source for m in service.got if m.value == b"m0"}
+        assert sources == {
+            1: handler_pb2.DELIVERY_SOURCE_PRIMARY,
+            2: handler_pb2.DELIVERY_SOURCE_RETRY,
+            3: handler_pb2.DELIVERY_SOURCE_RETRY,
+        }
+        assert await instances(proxy, group) == {"batch": 0, "unary": 1, "unknown": 0}
+        assert proxy.runners[0].breaker.openings == 0
+    finally:
+        await proxy.shutdown()
+        await task
+        await server.stop(None)
+    assert await asyncio.to_thread(consume_all, bootstrap, f"{group}.dlq", 3.0) == []
+
+
+def _acked(service: UnaryOnly) -> set[str]:
+    """The values the service acked (every answer but the flaky first two)."""
+    return {
+        m.value.decode() for m in service.got if not (int(m.value[1:]) % 10 == 0 and m.attempt <= 2)
+    }
 
 
 async def test_a_rolling_replacement_switches_the_instance_without_a_restart(

@@ -5,14 +5,7 @@ from __future__ import annotations
 import pytest
 
 from consumer_proxy.core.support import REPROBE_S, SAYS_NOTHING, BatchSupport
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support.clock import Clock
 
 
 def test_an_instance_is_asked_with_a_batch_until_it_answers() -> None:

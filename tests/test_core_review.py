@@ -27,7 +27,7 @@ from consumer_proxy.core.records import Origin, retry_headers
 from consumer_proxy.core.tracker import PartitionTracker
 from consumer_proxy.flow import Breaker
 from consumer_proxy.proto.v1 import handler_pb2
-from tests.sim.world import Clock
+from tests.support.clock import Clock
 from tests.support.records import Rec
 
 C = grpc.StatusCode

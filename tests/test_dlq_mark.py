@@ -16,6 +16,7 @@ from consumer_proxy.core.codec import AckState
 from consumer_proxy.tools.mark import MergeMark, fit_islands
 from consumer_proxy.tools.pacing import Pacer
 from consumer_proxy.tools.render import reason_template
+from tests.support.clock import Clock
 
 # -- the merge mark ---------------------------------------------------------------------------
 
@@ -99,18 +100,10 @@ def test_a_merge_that_would_overflow_the_metadata_takes_a_prefix_that_fits() -> 
 # -- the pacer --------------------------------------------------------------------------------
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.mark.parametrize("seed", range(5))
 def test_the_pacer_holds_the_rate_and_no_second_goes_over(seed: int) -> None:
     # Given a writer that oversleeps by up to 3 ms and sometimes stalls for 300 ms
-    rng, clock, rate = random.Random(seed), Clock(), 200.0
+    rng, clock, rate = random.Random(seed), Clock(1000.0), 200.0
     pacer = Pacer(rate, clock)
     sent = []
     for _ in range(2000):
@@ -136,7 +129,7 @@ def test_the_pacer_holds_the_rate_and_no_second_goes_over(seed: int) -> None:
 
 def test_a_pacer_needs_a_positive_rate() -> None:
     with pytest.raises(ValueError, match="rate must be positive"):
-        Pacer(0, Clock())
+        Pacer(0, Clock(1000.0))
 
 
 # -- reason templates -------------------------------------------------------------------------

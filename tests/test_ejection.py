@@ -23,25 +23,13 @@ from consumer_proxy.core.ejection import (
     Ejection,
     Verdict,
 )
+from tests.support.clock import Clock
 
 relaxed = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-class Clock:
-    """A clock that moves only when told."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
 def rotation(n: int, *, checking: bool = True) -> tuple[Ejection, Clock]:
-    clock = Clock()
+    clock = Clock(1000.0)
     ejection = Ejection(n, clock, health_interval_s=5.0, ejected_check_interval_s=0.5)
     ejection.checking = checking
     return ejection, clock
@@ -171,7 +159,7 @@ def test_the_last_one_is_ejected_once_another_returns() -> None:
 
 def test_there_is_no_instance_to_rotate() -> None:
     with pytest.raises(ValueError, match="at least one"):
-        Ejection(0, Clock())
+        Ejection(0, Clock(1000.0))
 
 
 # -- active health checks ------------------------------------------------------------------
@@ -386,13 +374,15 @@ class Expected:
     next_check: float = 0.0
 
 
-class Simulation:
-    """One seeded schedule of calls, checks, clock moves and changes of the instances."""
+class EjectionModel:
+    """A model check of the ejection rules (not the group simulation of ``tests/sim``): one
+    seeded schedule of calls, checks, clock moves and changes of the instances, each answer of
+    ``Ejection`` compared with what the model expects."""
 
     def __init__(self, seed: int, trace: Callable[[str], None] | None) -> None:
         self.rng = rng = random.Random(seed)
         self.trace = trace or (lambda line: None)
-        self.clock = Clock()
+        self.clock = Clock(1000.0)
         self.n = n = rng.randint(1, 5)
         self.health_interval = rng.choice([0.2, 1.0, 5.0])
         self.ejected_interval = rng.choice([0.05, 0.5])
@@ -555,7 +545,7 @@ class Simulation:
 
 def simulate(seed: int, steps: int = 400, trace: Callable[[str], None] | None = None) -> None:
     """Run one schedule, checking every rule at every step, then heal every instance."""
-    simulation = Simulation(seed, trace)
+    simulation = EjectionModel(seed, trace)
     for number in range(steps):
         simulation.step(number)
     simulation.heal()

@@ -45,6 +45,7 @@ from tests.support.ledger import Ledger
 from tests.support.proxy import (
     ProxyProcess,
     caught_up,
+    caught_up_now,
     make_config,
     start_proxy,
     write_config,
@@ -67,10 +68,6 @@ def _distinct_acked(ledger: Ledger, *services: ThreadedService | TestService) ->
             if d.outcome == "ACK":
                 seen.add(Ledger.id_of(d.headers))
     return len(seen & set(ledger.ids))
-
-
-def _caught_up(bootstrap: str, group: str, topic: str) -> bool:
-    return asyncio.run(caught_up(bootstrap, group, topic))
 
 
 def _assert_committed_to_end(bootstrap: str, group: str, topic: str) -> None:
@@ -122,7 +119,7 @@ def test_kill_9_the_proxy_repeatedly_loses_nothing(kafka: Broker, tmp_path: Path
         # and started once more to finish
         proxy = ProxyProcess(config, log).start()
         try:
-            wait_until(lambda: _caught_up(bootstrap, group, topic), timeout=120, interval=0.3)
+            wait_until(lambda: caught_up_now(bootstrap, group, topic), timeout=120, interval=0.3)
         finally:
             code = proxy.stop()
         assert code == 0, proxy.output()[-3000:]
@@ -161,14 +158,14 @@ def test_a_kill_9_after_a_partition_went_idle_redelivers_nothing(
         try:
             wait_until(lambda: _distinct_acked(ledger, service) == 400, timeout=90)
             # When the partitions go idle, their progress is committed soon (not in 60 s)
-            wait_until(lambda: _caught_up(bootstrap, group, topic), timeout=20, interval=0.2)
+            wait_until(lambda: caught_up_now(bootstrap, group, topic), timeout=20, interval=0.2)
         finally:
             proxy.kill()
         # and the proxy, killed with SIGKILL, is started again and takes one more message
         produce(bootstrap, topic, ledger.records(1, partitions=4))
         proxy = ProxyProcess(config, log).start()
         try:
-            wait_until(lambda: _caught_up(bootstrap, group, topic), timeout=90, interval=0.3)
+            wait_until(lambda: caught_up_now(bootstrap, group, topic), timeout=90, interval=0.3)
         finally:
             code = proxy.stop()
         assert code == 0, proxy.output()[-3000:]
@@ -622,7 +619,7 @@ def test_a_rebalance_storm_of_worker_processes_loses_nothing(kafka: Broker, tmp_
             while len(members) > 1:
                 leave()
             # Then the last member finishes the topic
-            wait_until(lambda: _caught_up(bootstrap, group, topic), timeout=120, interval=0.3)
+            wait_until(lambda: caught_up_now(bootstrap, group, topic), timeout=120, interval=0.3)
         finally:
             for member in members:
                 member.stop()

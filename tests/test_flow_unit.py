@@ -22,18 +22,7 @@ from consumer_proxy.flow import (
     Breaker,
     TokenBucket,
 )
-
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
+from tests.support.clock import Clock
 
 ACK = Classification(Outcome.ACK, "OK")
 EXHAUSTED = Classification(Outcome.RETRY, "RESOURCE_EXHAUSTED", slow_down=True)
@@ -242,7 +231,7 @@ def test_against_a_service_that_queues_the_latency_guard_bounds_the_limit() -> N
 
 
 async def test_the_adaptive_limiter_holds_callers_to_the_limit_and_follows_it_down() -> None:
-    clock = FakeClock(0.0)
+    clock = Clock(0.0)
     changes: list[int] = []
     limiter = AdaptiveLimiter(
         AdaptiveConfig(min=1, max=50, initial=4), on_change=changes.append, clock=clock
@@ -280,7 +269,7 @@ async def test_the_adaptive_limiter_holds_callers_to_the_limit_and_follows_it_do
 
 
 async def test_a_retry_after_answer_slows_the_whole_group() -> None:
-    clock = FakeClock(0.0)
+    clock = Clock(0.0)
     limiter = AdaptiveLimiter(AdaptiveConfig(min=1, max=100, initial=10), clock=clock)
     for _ in range(10):
         await limiter.acquire()
@@ -313,8 +302,8 @@ async def test_a_retry_after_answer_slows_the_whole_group() -> None:
 
 def make_breaker(
     threshold: int = 3, reset_s: float = 10.0
-) -> tuple[Breaker, FakeClock, list[tuple[str, str]]]:
-    clock = FakeClock()
+) -> tuple[Breaker, Clock, list[tuple[str, str]]]:
+    clock = Clock(1000.0)
     changes: list[tuple[str, str]] = []
     breaker = Breaker(
         "g",

@@ -9,6 +9,7 @@ Without Go these tests skip locally and fail in CI (CI=true), like every integra
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +30,8 @@ from tests.support.kafka import (
     unique_name,
     value_of,
 )
-from tests.support.proxy import caught_up, make_config, start_proxy
+from tests.support.proxy import Members, caught_up, make_config, revoke_took, start_proxy
+from tests.support.scrape import parse
 from tests.support.waiting import async_wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -191,6 +193,74 @@ async def test_the_go_example_heartbeats_long_calls_and_sees_the_proxy_cancel_th
     (dead,) = consume_all(bootstrap, f"{group}.dlq")
     assert value_of(dead) == b"a stuck job"
     assert headers_of(dead)["cp-status"] == b"MAX_PROCESSING_EXCEEDED"
+
+
+LONG_MS = 12_000
+REVOKE_GRACE_MS = 1000
+
+
+@pytest.fixture
+def go_longer_service(go_binary: Path) -> Iterator[GoService]:
+    """The example with "long" messages of LONG_MS: open through a rebalance."""
+    yield from run_go_service(go_binary, "-long-ms", str(LONG_MS))
+
+
+@pytest.mark.kafka
+async def test_a_rebalance_cancels_the_go_examples_long_calls_and_the_new_owner_delivers_them(
+    kafka: Broker, go_longer_service: GoService, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given 5 long messages on each of two partitions, all 10 open on the Go example (12 s
+    # each, kept alive by its heartbeats), and a 1 s revoke grace
+    caplog.set_level(logging.INFO, logger="consumer_proxy")
+    bootstrap = kafka.bootstrap
+    topic, group = unique_name("gorebal"), unique_name("gorebal")
+    create_topic(bootstrap, topic, partitions=2)
+    produce(
+        bootstrap,
+        topic,
+        [{"value": f"a long job {p}-{i}", "partition": p} for p in (0, 1) for i in range(5)],
+    )
+    delivery = {
+        "long_running": {"heartbeat_timeout_ms": 1500, "max_processing_ms": 60_000},
+        "revoke_grace_ms": REVOKE_GRACE_MS,
+    }
+    address = go_longer_service.address
+
+    def cancelled() -> list[tuple[float, str]]:
+        return [(t, line) for t, line in list(go_longer_service.lines) if " cancelled " in line]
+
+    async with Members() as members:
+        first = members.start(make_config(bootstrap, group, [topic], [address], delivery=delivery))
+
+        def open_calls() -> float:
+            scrape = parse(first.metrics.exposition().decode())
+            return scrape.value("consumer_proxy_long_calls_open", group=group) or 0
+
+        await async_wait_until(lambda: open_calls() == 10, timeout=30)
+        # When a second member joins and takes one partition (a redrive topic of its own, so
+        # the assignor balances the two source partitions between the members)
+        redrive = {"redrive_topic": f"{group}.redrive-second"}
+        second = members.start(
+            make_config(bootstrap, group, [topic], [address], delivery=delivery, dlq=redrive)
+        )
+        [partition] = await members.owned(second, topic)
+        # Then the Go handlers of that partition's 5 calls saw ctx.Done()
+        await async_wait_until(lambda: len(cancelled()) >= 5, timeout=10)
+        seen = re.findall(r"cancelled (\S+): context canceled", "".join(x for _, x in cancelled()))
+        assert sorted(seen) == [f"{topic}[{partition}]@{offset}" for offset in range(5)]
+        # within the revoke grace of the revoke (plus the wait for cancelled calls to end)
+        began, took = revoke_took(caplog.records, group)
+        assert took < REVOKE_GRACE_MS / 1000 + 1.0
+        assert all(began < t < began + REVOKE_GRACE_MS / 1000 + 1.0 for t, _ in cancelled())
+        # and the new owner delivers those 5 again, to the end: nothing is lost
+        await async_wait_until(
+            lambda: caught_up(bootstrap, group, topic), timeout=LONG_MS / 1000 + 30
+        )
+    # Each of the 10 acked once by the Go example, the 5 moving ones after one cancellation
+    log = go_longer_service.stop()
+    assert "stopped: acked=10 retried=0 dead_lettered=0 cancelled=5" in log, log
+    acks = sum(p.metrics.messages.labels(group, "ack")._value.get() for p in members.proxies)
+    assert acks == 10
 
 
 def test_the_go_code_in_the_docs_is_code_that_compiles() -> None:

@@ -23,7 +23,7 @@ from consumer_proxy.core.outcomes import Classifier
 from consumer_proxy.core.partitions import Delivery, PartitionSet
 from consumer_proxy.flow import Breaker
 from consumer_proxy.proto.v1 import handler_pb2
-from tests.sim.world import Clock
+from tests.support.clock import Clock
 from tests.support.records import Rec
 
 CLASSIFY = Classifier()

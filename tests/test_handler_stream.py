@@ -63,7 +63,7 @@ async def test_a_handler_error_fails_the_stream_as_it_fails_handle_message() -> 
     assert caught.value.details() == "bad input"
 
 
-async def test_a_cancelled_call_cancels_the_handler_unary_and_streaming_alike() -> None:
+async def test_a_cancelled_call_cancels_the_handler_unary_streaming_and_batch_alike() -> None:
     # Given a handler that would run for a minute and notes its cancellation
     started: list[int] = []
     cancelled: list[int] = []
@@ -83,12 +83,19 @@ async def test_a_cancelled_call_cancels_the_handler_unary_and_streaming_alike() 
         unary = stub.HandleMessage(
             handler_pb2.HandleMessageRequest(message=_request(50, offset=2).message), timeout=30
         )
-        await async_wait_until(lambda: sorted(started) == [1, 2], timeout=10)
-        # When the proxy cancels both calls
+        batch = stub.HandleMessageBatch(
+            handler_pb2.HandleMessageBatchRequest(
+                messages=[_request(50, offset=o).message for o in (3, 4)]
+            ),
+            timeout=30,
+        )
+        await async_wait_until(lambda: sorted(started) == [1, 2, 3, 4], timeout=10)
+        # When the proxy cancels the three calls
         stream.cancel()
         unary.cancel()
-        # Then the handler saw both cancellations
-        await async_wait_until(lambda: sorted(cancelled) == [1, 2], timeout=10)
+        batch.cancel()
+        # Then the handler saw every cancellation, each of the batch's messages' too
+        await async_wait_until(lambda: sorted(cancelled) == [1, 2, 3, 4], timeout=10)
 
 
 def test_a_handler_that_blocks_its_event_loop_stops_the_heartbeats() -> None:

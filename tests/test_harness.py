@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.common import bench_config
+from bench.proxy import bench_config
 from consumer_proxy.config import ProxyConfig, load_config
 from tests.support.proxy import FAST_CONSUMER, ProxyProcess, config_dict, make_config, write_config
 

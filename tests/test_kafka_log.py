@@ -11,19 +11,12 @@ import logging
 from confluent_kafka import KafkaError
 
 from consumer_proxy.kafka_log import STATS_INTERVAL_MS, KafkaLogGate, broker_states
+from tests.support.clock import Clock
 
 FAIL = (
     "FAIL [rdkafka#consumer-1] [thrd:127.0.0.1:9092/bootstrap]: 127.0.0.1:9092/bootstrap: "
     "Connect to ipv4#127.0.0.1:9092 failed: Connection refused (after %dms in state CONNECT)"
 )
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Lines(logging.Handler):
@@ -40,7 +33,7 @@ class Lines(logging.Handler):
 
 
 def _gate(**kwargs: float) -> tuple[KafkaLogGate, Clock, Lines]:
-    clock, lines = Clock(), Lines()
+    clock, lines = Clock(1000.0), Lines()
     log = logging.getLogger(f"test_kafka_log.{id(lines)}")
     log.propagate = False
     log.setLevel(logging.DEBUG)

@@ -51,7 +51,16 @@ def test_grpc_is_used_in_the_core_for_its_status_codes_only() -> None:
 
 
 PACKAGE = CORE.parent
-SHELL_OBJECTS = {"push", "intake", "committer", "parking", "guarding"}
+SHELL_OBJECTS = {
+    "push",
+    "batch_push",
+    "stream",
+    "intake",
+    "committer",
+    "parking",
+    "guarding",
+    "handover",
+}
 """The group shell's jobs: each is given the callbacks and ports it needs, so none imports the
 runner, the process, or a concrete adapter (those are built by ``adapters`` and handed in)."""
 ABOVE_THE_OBJECTS = {"group", "proxy", "cli", "adapters", "fetcher", "dispatcher", "dlq"}

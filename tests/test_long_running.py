@@ -35,9 +35,11 @@ from tests.support.kafka import (
     value_of,
 )
 from tests.support.proxy import (
+    Members,
     ProxyProcess,
     caught_up,
     config_dict,
+    revoke_took,
     start_proxy,
     write_config,
 )
@@ -388,37 +390,13 @@ async def test_a_rebalance_cancels_the_moving_long_calls_and_the_new_owner_deliv
     if mode == "unary":
         delivery["long_running"] = None
     caplog.set_level(logging.INFO, logger="consumer_proxy")
-    topic, group = unique_name("rebal"), unique_name("rebal")
-    create_topic(bootstrap, topic, partitions=2)
-    records = [{"value": "long", "partition": p} for p in (0, 1) for _ in range(20)]
-    await asyncio.to_thread(produce, bootstrap, topic, records)
+    topic, group = await _two_partitions(bootstrap, "rebal", 20)
     with ThreadedService(lambda m, n: Behaviour(delay_s=LONG_S if n == 1 else 0.01)) as service:
-        config = _config(bootstrap, group, topic, [service.address], delivery)
-        first, first_task = start_proxy(config)
-        second: Any = None
-        second_task: Any = None
-        try:
+        async with Members() as members:
+            members.start(_config(bootstrap, group, topic, [service.address], delivery))
             await async_wait_until(lambda: len(service.deliveries) == 40, timeout=30)
-            # When a second member joins and takes one partition of the topic. (It names a
-            # redrive topic of its own, so the assignor balances the two source partitions
-            # between the members and the moving partition is never the redrive one.)
-            second, second_task = start_proxy(
-                _config(
-                    bootstrap,
-                    group,
-                    topic,
-                    [service.address],
-                    delivery,
-                    dlq={"redrive_topic": f"{group}.redrive-second"},
-                )
-            )
-            await async_wait_until(
-                lambda: [tp for tp in second.runners[0].assignment() if tp[0] == topic],
-                timeout=60,
-            )
-            moved = [tp for tp in second.runners[0].assignment() if tp[0] == topic]
-            assert len(moved) == 1
-            moved_partition = moved[0][1]
+            # When a second member joins and takes one partition of the topic
+            [moved_partition] = await _join(members, bootstrap, group, topic, service, delivery)
 
             # Then the service saw the moving partition's 20 calls cancelled, at once
             def cancellations() -> list[Any]:
@@ -431,24 +409,97 @@ async def test_a_rebalance_cancels_the_moving_long_calls_and_the_new_owner_deliv
             ends = [d.finished_at or 0 for d in cancelled]
             assert max(ends) - min(ends) < 1.0
             # within the revoke grace of the revoke (the first member's log says how long)
-            assert any(
-                "revoked 1 partitions after 1." in r.getMessage()
-                or "revoked 1 partitions after 0." in r.getMessage()
-                for r in caplog.records
-            )
+            assert revoke_took(caplog.records, group)[1] < 2.0
             # and the new owner delivers those 20, and everything is committed
             await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=LONG_S + 30)
-        finally:
-            await first.shutdown()
-            await first_task
-            if second is not None:
-                await second.shutdown()
-                await second_task
         counts = service.counts
         twice = {k for k, n in counts.items() if n == 2}
         assert len(counts) == 40
         assert twice == {(d.topic, d.partition, d.offset) for d in cancelled}
         assert all(n in (1, 2) for n in counts.values())
+
+
+async def _two_partitions(bootstrap: str, name: str, each: int) -> tuple[str, str]:
+    """A new topic of two partitions with ``each`` "long" messages on each; a new group."""
+    topic, group = unique_name(name), unique_name(name)
+    create_topic(bootstrap, topic, partitions=2)
+    records = [{"value": "long", "partition": p} for p in (0, 1) for _ in range(each)]
+    await asyncio.to_thread(produce, bootstrap, topic, records)
+    return topic, group
+
+
+async def _join(
+    members: Members,
+    bootstrap: str,
+    group: str,
+    topic: str,
+    service: ThreadedService,
+    delivery: dict[str, Any],
+) -> list[int]:
+    """A second member joins; returns the partitions of ``topic`` it took. (It names a
+    redrive topic of its own, so the assignor balances the two source partitions between the
+    members and the moving partition is never the redrive one.)"""
+    second = members.start(
+        _config(
+            bootstrap,
+            group,
+            topic,
+            [service.address],
+            delivery,
+            dlq={"redrive_topic": f"{group}.redrive-second"},
+        )
+    )
+    return await members.owned(second, topic)
+
+
+async def test_a_rebalance_cancels_the_batch_calls_holding_a_moving_partitions_messages(
+    kafka: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    bootstrap = kafka.bootstrap
+    # Given batch mode (10 a call, a linger that lets both partitions' messages meet in one
+    # call), 15 long messages on each of two partitions, and a 1 s revoke grace
+    delivery: dict[str, Any] = {
+        "revoke_grace_ms": 1000,
+        "long_running": None,
+        "batch": {"mode": "always", "max_messages": 10, "linger_ms": 1500},
+    }
+    caplog.set_level(logging.INFO, logger="consumer_proxy")
+    topic, group = await _two_partitions(bootstrap, "rebatch", 15)
+    with ThreadedService(lambda m, n: Behaviour(delay_s=LONG_S if n == 1 else 0.01)) as service:
+        async with Members() as members:
+            first = members.start(_config(bootstrap, group, topic, [service.address], delivery))
+            await async_wait_until(lambda: len(service.deliveries) == 30, timeout=30)
+            calls: dict[int, set[int]] = {}
+            for d in service.deliveries:
+                calls.setdefault(d.call, set()).add(d.partition)
+            assert -1 not in calls and {0, 1} in calls.values(), "a call spans both partitions"
+            # When a second member joins and takes one partition
+            [moved_partition] = await _join(members, bootstrap, group, topic, service, delivery)
+            # Then every call holding one of its messages is cancelled as a whole, at once
+            # (the still-owned messages of a mixed call with it); the others run on
+            hit = {call for call, held in calls.items() if moved_partition in held}
+            firsts = [d for d in service.deliveries if d.n == 1]
+            expected = {d.coordinates for d in firsts if d.call in hit}
+
+            def cancelled() -> list[Any]:
+                return [d for d in firsts if d.outcome == "CANCELLED"]
+
+            await async_wait_until(lambda: len(cancelled()) >= len(expected), timeout=10)
+            assert {d.coordinates for d in cancelled()} == expected
+            assert all(d.outcome == "PENDING" for d in firsts if d.call not in hit)
+            ends = [d.finished_at or 0 for d in cancelled()]
+            assert max(ends) - min(ends) < 1.0
+            assert revoke_took(caplog.records, group)[1] < 2.0
+            # and each of those is delivered again, none counted as an attempt (the moving
+            # ones by the new owner, the others by the first member); nothing is lost
+            await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=LONG_S + 30)
+        counts = service.counts
+        assert len(counts) == 30
+        assert {k for k, n in counts.items() if n == 2} == expected
+        assert all(n in (1, 2) for n in counts.values())
+        assert all(d.attempt == 1 for d in service.deliveries)
+        scrape = parse_metrics(first.metrics.exposition().decode())
+        assert scrape.value("consumer_proxy_calls_cancelled_total", group=group, cause="revoke")
 
 
 def test_sigterm_cancels_open_long_calls_within_the_grace_and_exits_0(

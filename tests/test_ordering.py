@@ -36,7 +36,14 @@ from tests.support.kafka import (
     unique_name,
 )
 from tests.support.ledger import Ledger
-from tests.support.proxy import ProxyProcess, caught_up, make_config, start_proxy, write_config
+from tests.support.proxy import (
+    ProxyProcess,
+    caught_up,
+    caught_up_now,
+    make_config,
+    start_proxy,
+    write_config,
+)
 from tests.support.scrape import parse
 from tests.support.service import RETRY, Behaviour, Delivery, TestService, ThreadedService
 from tests.support.waiting import async_wait_until, wait_until
@@ -111,10 +118,6 @@ def _assert_committed_to_end(bootstrap: str, group: str, topic: str) -> None:
     assert {p: c[0] for p, c in committed.items()} == ends
 
 
-def _caught_up(bootstrap: str, group: str, topic: str) -> bool:
-    return asyncio.run(caught_up(bootstrap, group, topic))
-
-
 def _membership_lines(members: Iterable[ProxyProcess]) -> int:
     return sum(m.output().count(": assigned ") + m.output().count(": revoked ") for m in members)
 
@@ -163,7 +166,7 @@ def test_key_order_holds_for_20000_messages_over_200_keys_through_three_members(
             _settle(members)
             # When the messages arrive once the group has settled
             produce(bootstrap, topic, ledger.records(n, partitions=partitions, key=_key))
-            wait_until(lambda: _caught_up(bootstrap, group, topic), timeout=180, interval=0.3)
+            wait_until(lambda: caught_up_now(bootstrap, group, topic), timeout=180, interval=0.3)
         finally:
             codes = [m.stop() for m in members]
         assert codes == [0, 0, 0], [m.output()[-2000:] for m in members]
@@ -251,7 +254,7 @@ def test_key_order_holds_through_a_rebalance_storm_and_a_kill_9(
             while len(members) > 1:
                 assert members[0].stop() == 0, members[0].output()[-3000:]
                 members.pop(0)
-            wait_until(lambda: _caught_up(bootstrap, group, topic), timeout=120, interval=0.3)
+            wait_until(lambda: caught_up_now(bootstrap, group, topic), timeout=120, interval=0.3)
         finally:
             for member in members:
                 member.stop()

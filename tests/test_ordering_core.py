@@ -27,7 +27,8 @@ from consumer_proxy.core.partitions import Delivery, PartitionSet
 from consumer_proxy.core.records import H_ORDERING, Origin, dlq_headers
 from consumer_proxy.flow import Breaker
 from consumer_proxy.proto.v1 import handler_pb2
-from tests.sim.world import Clock, Msg, Record
+from tests.sim.world import Msg, Record
+from tests.support.clock import Clock
 
 CLASSIFIER = Classifier()
 ACK = CLASSIFIER.from_response(handler_pb2.HandleMessageResponse())

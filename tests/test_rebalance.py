@@ -16,7 +16,7 @@ import pytest
 
 from consumer_proxy.config import ProxyConfig
 from tests.support.kafka import Broker, create_topic, produce, unique_name
-from tests.support.proxy import caught_up, start_proxy
+from tests.support.proxy import caught_up, caught_up_now, start_proxy
 from tests.support.proxy import make_config as _make_config
 from tests.support.service import Behaviour, ThreadedService
 from tests.support.waiting import async_wait_until, wait_until
@@ -106,7 +106,7 @@ def test_workers_share_the_partitions_of_a_group(kafka: Broker, tmp_path: Path) 
                 )
                 produce(bootstrap, topic, [f"m{i}" for i in range(3000)])
                 wait_until(
-                    lambda: asyncio.run(caught_up(bootstrap, group, topic)),
+                    lambda: caught_up_now(bootstrap, group, topic),
                     timeout=120,
                     interval=0.5,
                 )

@@ -37,7 +37,7 @@ from consumer_proxy.core.records import (
 from consumer_proxy.flow import Breaker
 from consumer_proxy.handler import Message
 from consumer_proxy.proto.v1 import handler_pb2
-from tests.sim.world import Clock
+from tests.support.clock import Clock
 
 C = grpc.StatusCode
 CLASSIFY = Classifier()

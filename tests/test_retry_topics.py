@@ -30,17 +30,20 @@ from tests.support.kafka import (
     unique_name,
 )
 from tests.support.ledger import Ledger
-from tests.support.proxy import ProxyProcess, caught_up, make_config, start_proxy, write_config
+from tests.support.proxy import (
+    ProxyProcess,
+    caught_up,
+    caught_up_now,
+    make_config,
+    start_proxy,
+    write_config,
+)
 from tests.support.service import Behaviour, TestService, ThreadedService
 from tests.support.waiting import async_wait_until, wait_until
 
 pytestmark = pytest.mark.kafka
 
 FLAKY = Behaviour(status=grpc.StatusCode.INTERNAL, details="not yet")
-
-
-def _caught_up(bootstrap: str, group: str, topic: str) -> bool:
-    return asyncio.run(caught_up(bootstrap, group, topic))
 
 
 def test_the_source_commit_does_not_wait_for_the_tiers_and_a_kill_9_loses_nothing(
@@ -89,7 +92,7 @@ def test_the_source_commit_does_not_wait_for_the_tiers_and_a_kill_9_loses_nothin
         try:
             # When the source is delivered, Then its commit reaches the end while the flaky
             # messages still wait in the tiers (at least 7 s of tier delays each)
-            wait_until(lambda: _caught_up(bootstrap, group, topic), timeout=90, interval=0.2)
+            wait_until(lambda: caught_up_now(bootstrap, group, topic), timeout=90, interval=0.2)
             waiting = len(flaky) - flaky_acked()
             assert waiting > 0, "every retry was done before the source commit reached the end"
             # When the proxy is killed with SIGKILL while they wait
@@ -104,7 +107,7 @@ def test_the_source_commit_does_not_wait_for_the_tiers_and_a_kill_9_loses_nothin
             tiers = (f"{group}.retry.1", f"{group}.retry.2")
 
             def tiers_committed() -> bool:
-                return all(_caught_up(bootstrap, group, t) for t in tiers)
+                return all(caught_up_now(bootstrap, group, t) for t in tiers)
 
             wait_until(tiers_committed, timeout=30, interval=0.3)
         finally:

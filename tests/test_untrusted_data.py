@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import re
 import shutil
 import subprocess
@@ -21,7 +22,7 @@ import grpc
 import pytest
 from confluent_kafka import Producer
 
-from consumer_proxy.cli import main
+from consumer_proxy.cli import main, setup_logging
 from consumer_proxy.config import KafkaConfig
 from consumer_proxy.core import records as dlq_records
 from consumer_proxy.proto.v1 import handler_pb2
@@ -299,6 +300,40 @@ def test_terminal_output_escapes_every_character_that_is_not_printable() -> None
     assert not RAW_CONTROL.search(shown)
     assert render.printable("plain text, caf\u00e9 \u2603") == "plain text, caf\u00e9 \u2603"
     assert render.printable("a\nb\x1b[0m") == "a\\nb\\x1b[0m"
+
+
+def test_a_text_log_line_escapes_what_a_service_said_and_stays_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Given the proxy's text log format, and a service reason that tries to forge a line
+    # of its own and colour the terminal
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        setup_logging("info", "text")
+        reason = "bad\n2026-11-26 00:00:00 ERROR [1] consumer_proxy: forged\x1b[31m\u202e"
+        # When the proxy logs it (as a circuit-open line does), with one of its own tracebacks
+        log = logging.getLogger("consumer_proxy.group")
+        log.error("group g: circuit open; last failure: %s", reason)
+        try:
+            raise ValueError("ours")
+        except ValueError:
+            log.exception("group g: task failed")
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    # Then the service's text is one escaped line: no forged line, no escape sequence
+    [circuit] = [line for line in lines if "circuit open" in line]
+    assert circuit.endswith(
+        r"last failure: bad\n2026-11-26 00:00:00 ERROR [1] consumer_proxy: "
+        r"forged\x1b[31m\u202e"
+    )
+    assert not any(line.startswith("2026-11-26 00:00:00") for line in lines)
+    assert "\x1b" not in err and "\u202e" not in err
+    # and our own traceback keeps its lines
+    assert "Traceback (most recent call last):" in lines and "ValueError: ours" in lines
 
 
 def test_merge_dry_run_prints_statuses_escaped() -> None:

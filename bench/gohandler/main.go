@@ -1,5 +1,5 @@
 // Command gohandler is the benches' handler service in Go: the same books as the Python
-// handlers in bench/common.py and bench/bench_batch.py, at a small fraction of their CPU, so a
+// handler in bench/handlers.py (both kinds of books), at a small fraction of its CPU, so a
 // bench on a two-core machine measures the proxy rather than its service.
 //
 //	gohandler [-delay-ms 20] [-slow-ms 2000] [-latency]

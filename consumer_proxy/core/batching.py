@@ -1,6 +1,6 @@
 """Batch push decisions: what goes into the next call, and what a batch answer means.
 
-Pure: no asyncio, no gRPC I/O. The shell (``push.BatchPush``) takes a batch from its ready
+Pure: no asyncio, no gRPC I/O. The shell (``batch_push.BatchPush``) takes a batch from its ready
 deque with :func:`take` when a call slot is free, sends it with ``Dispatcher.push_batch``,
 which maps the answer onto one classification per message with :func:`classify_batch`, and
 then records the call in the breaker once (one call, one breaker record; what it records is

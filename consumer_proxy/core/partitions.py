@@ -217,6 +217,36 @@ class Counters:
     held: int = 0  # dead-letter decisions the guard held (each time one was held)
 
 
+PAUSE_REASONS = ("breaker", "budget", "backlog", "window", "metadata", "tier_due", "guard")
+"""Why a partition is paused (``PartitionSet.views``): the breaker is open and it holds
+messages; the group's byte budget is spent; a backlog waits for room in its window; its window
+(``max_in_flight``) is full; its ack state is over the metadata budget; a retry tier record it
+read is not due yet; the dead-letter guard holds a message of it."""
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionView:
+    """One owned partition as an operator sees it (plain data, read-only)."""
+
+    topic: str
+    partition: int
+    tier: int  # the retry tier this topic is (0: a source or redrive topic)
+    committed: int | None  # the last confirmed commit
+    ack_state_bytes: int  # its commit metadata
+    window: int  # tracked offsets at or above the committable one
+    window_max: int
+    pending: int  # tracked and not done
+    calls: int  # pushes and DLQ writes under way
+    backlog: int
+    retrying: int  # waiting for an in-memory retry
+    due: int  # retry tier records read and not due yet
+    next_due_ms: int | None  # the earliest of them (epoch ms)
+    held: int  # by the dead-letter guard
+    paused: bool
+    reasons: tuple[str, ...]
+    leaving: bool  # being revoked
+
+
 @dataclass(frozen=True, slots=True)
 class KeyBacklog:
     """The ordering gates' backlog (all zero when ordering is none)."""
@@ -975,22 +1005,60 @@ class PartitionSet:
         for part in self.parts.values():
             if part.backlog and not breaker_open:
                 self._drain_backlog(part)
-            tracker = part.tracker
-            holding = bool(part.backlog) or (tracker is not None and tracker.pending > 0)
-            want = (
-                (breaker_open and holding)
-                or part.budget.spent
-                or bool(part.backlog)
-                or (tracker is not None and self._full(part))
-                or (part.meta_over_budget and tracker is not None and not tracker.restoring)
-                or bool(part.due)
-                or bool(part.held)
-            )
+            want = bool(self._pause_reasons(part, breaker_open))
             if want is not part.paused:
                 (pause if want else resume).append(part.tp)
                 part.paused = want
             paused += want
         return PausePlan(pause, resume, paused)
+
+    def _pause_reasons(self, part: PartitionState, breaker_open: bool) -> tuple[str, ...]:
+        """Why ``part`` should be paused now (empty: it should fetch), named as in
+        ``PAUSE_REASONS``."""
+        tracker = part.tracker
+        holding = bool(part.backlog) or (tracker is not None and tracker.pending > 0)
+        checks = (
+            breaker_open and holding,
+            part.budget.spent,
+            bool(part.backlog),
+            tracker is not None and self._full(part),
+            part.meta_over_budget and tracker is not None and not tracker.restoring,
+            bool(part.due),
+            bool(part.held),
+        )
+        if not any(checks):  # the common case, once per partition on every poll
+            return ()
+        return tuple(name for name, hit in zip(PAUSE_REASONS, checks, strict=True) if hit)
+
+    def views(self) -> list[PartitionView]:
+        """A read-only picture of every owned partition (the operator console's)."""
+        breaker_open = self._breaker.is_open
+        views = []
+        for part in self.parts.values():
+            tracker = part.tracker
+            due_ms = min((d.due_at_ms for d, _ in part.due.values()), default=0)
+            views.append(
+                PartitionView(
+                    topic=part.topic,
+                    partition=part.partition,
+                    tier=part.tier,
+                    committed=part.last_commit[0] if part.last_commit is not None else None,
+                    ack_state_bytes=len(part.last_commit[1]) if part.last_commit else 0,
+                    window=tracker.in_flight if tracker is not None else 0,
+                    window_max=self._max_in_flight,
+                    pending=tracker.pending if tracker is not None else 0,
+                    calls=part.calls,
+                    backlog=len(part.backlog),
+                    retrying=len(part.retrying),
+                    due=len(part.due),
+                    next_due_ms=due_ms or None,
+                    held=len(part.held),
+                    paused=bool(part.paused),
+                    reasons=self._pause_reasons(part, breaker_open),
+                    leaving=part.leaving,
+                )
+            )
+        return views
 
     def _full(self, part: PartitionState) -> bool:
         """The partition's window is full: ``max_in_flight`` offsets above the committable

@@ -244,7 +244,7 @@ def _as_bytes(data: str | bytes | None) -> bytes | None:
     return data.encode() if isinstance(data, str) else data
 
 
-def _plain_consumer(kafka: KafkaConfig) -> Consumer:
+def plain_consumer(kafka: KafkaConfig) -> Consumer:
     conf = _client_conf(kafka, f"consumer-proxy-inspect-{int(time.time())}")
     conf.update({"enable.partition.eof": True, "auto.offset.reset": "earliest"})
     return Consumer(conf)
@@ -254,7 +254,7 @@ def inspect_dlq(kafka: KafkaConfig, group: GroupConfig, limit: int) -> InspectRe
     """Counts, time range, marks and a sample of the group's DLQ (assign, never subscribe)."""
     topic = group.dlq_topic
     state = dlq_partitions(kafka, group)
-    consumer = _plain_consumer(kafka)
+    consumer = plain_consumer(kafka)
     partitions: list[PartitionInspect] = []
     sample: list[SampleRecord] = []
     try:
@@ -265,7 +265,9 @@ def inspect_dlq(kafka: KafkaConfig, group: GroupConfig, limit: int) -> InspectRe
                 oldest = _timestamp_at(consumer, topic, p, low)
                 newest = _timestamp_at(consumer, topic, p, high - 1)
                 if len(sample) < limit:
-                    sample += _read(consumer, topic, p, low, min(high, low + limit - len(sample)))
+                    sample += read_range(
+                        consumer, topic, p, low, min(high, low + limit - len(sample))
+                    )
             partitions.append(
                 PartitionInspect(
                     partition=p,
@@ -296,19 +298,25 @@ def inspect_dlq(kafka: KafkaConfig, group: GroupConfig, limit: int) -> InspectRe
 
 
 def _timestamp_at(consumer: Consumer, topic: str, partition: int, offset: int) -> int | None:
-    records = _read(consumer, topic, partition, offset, offset + 1)
+    records = read_range(consumer, topic, partition, offset, offset + 1)
     return records[0].timestamp_ms if records else None
 
 
-def _read(
-    consumer: Consumer, topic: str, partition: int, start: int, end: int
+def read_range(
+    consumer: Consumer, topic: str, partition: int, start: int, end: int, timeout_s: float = 10.0
 ) -> list[SampleRecord]:
+    """The records of ``partition`` in [start, end) as ``SampleRecord``s, read with an
+    assigned ``consumer`` (``plain_consumer``) for at most ``timeout_s``, or until the
+    partition's end."""
     consumer.assign([TopicPartition(topic, partition, start)])
     records: list[SampleRecord] = []
-    deadline = time.monotonic() + 10
-    while len(records) < end - start and time.monotonic() < deadline:
+    deadline = time.monotonic() + timeout_s
+    at_end = False
+    while len(records) < end - start and time.monotonic() < deadline and not at_end:
         for msg in consumer.consume(end - start - len(records), 1.0):
-            if msg.error() is not None:
+            error = msg.error()
+            if error is not None:
+                at_end = at_end or error.code() == KafkaError._PARTITION_EOF
                 continue
             offset = msg.offset() or 0
             if offset >= end:

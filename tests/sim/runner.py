@@ -62,20 +62,25 @@ from consumer_proxy.config import (
 )
 from consumer_proxy.core.batching import (
     BatchLimits,
-    BatchOutcome,
-    classify_batch,
-    classify_failed_call,
     take,
 )
 from consumer_proxy.core.codec import decode
 from consumer_proxy.core.decision import Action, Decision
 from consumer_proxy.core.ordering import ORDERINGS, Ordering
-from consumer_proxy.core.outcomes import Classification, Classifier
+from consumer_proxy.core.outcomes import Classifier
 from consumer_proxy.core.partitions import Delivery, PartitionSet
 from consumer_proxy.core.records import CP_PREFIX, retry_headers
 from consumer_proxy.flow import Breaker
-from consumer_proxy.proto.v1 import handler_pb2
-from tests.sim.world import TP, Clock, Consumer, Log, Msg, Timer
+from tests.sim.world import (
+    TP,
+    Consumer,
+    Log,
+    Msg,
+    service_answer,
+    service_batch_call,
+    service_unary_call,
+)
+from tests.support.clock import Clock, Timer
 
 TOPIC = "t"
 REDRIVE = "g.redrive"
@@ -518,48 +523,17 @@ class Simulation:
         """One HandleMessageBatch call: the service answers per message (statuses included),
         or fails the call, or answers the wrong number of results."""
         idents = [self._pushed(d, batch) for d in batch]
-        rng = self.rng
         count = len(batch)
-        latency = max(rng.uniform(0.001, 0.05) for _ in batch)
-        outcome: BatchOutcome
-        if self.outage == "hung":
-            outcome = classify_failed_call(
-                self.classifier, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline", count
-            )
-            latency = TIMEOUT_S
-        elif self.outage == "unimplemented":
-            outcome = classify_failed_call(
-                self.classifier, grpc.StatusCode.UNIMPLEMENTED, "no batch", count
-            )
-            latency = 0.001
-        elif self.outage == "unavailable" and rng.random() < 0.5:
-            outcome = classify_failed_call(
-                self.classifier, grpc.StatusCode.UNAVAILABLE, "down", count
-            )
-            latency = 0.001
-        else:
-            answers = []
-            for ident in idents:
-                code, action = self._behave(ident)
-                answers.append(
-                    handler_pb2.HandleMessageResponse(
-                        status_code=code.value[0] if code != grpc.StatusCode.OK else 0,
-                        action=action,  # type: ignore[arg-type]
-                        reason=code.name,
-                    )
-                )
-            if count > 1 and rng.random() < 0.03:  # a glitch: one result too few or too many
-                if answers and rng.random() < 0.5:
-                    answers.pop()
-                else:
-                    answers.append(handler_pb2.HandleMessageResponse())
-                self.stats.protocol_errors += 1
-            elif any(self.truth.behaviour[i] == "garbled" for i in idents):
-                answers.pop()  # a message the service's batch code always mishandles
-                self.stats.protocol_errors += 1
-            outcome = classify_batch(
-                self.classifier, handler_pb2.HandleMessageBatchResponse(results=answers), count
-            )
+        outcome, latency, wrong = service_batch_call(
+            self.classifier,
+            self.rng,
+            self.outage,
+            idents,
+            self._behave,
+            TIMEOUT_S,
+            garbled=lambda ident: self.truth.behaviour[ident] == "garbled",
+        )
+        self.stats.protocol_errors += wrong
         member = self.member
         key = tuple(batch)
         self.stats.batch_calls += 1
@@ -580,25 +554,12 @@ class Simulation:
         member.calls[key] = self.clock.call_later(latency, done)
 
     def _behave(self, ident: int) -> tuple[grpc.StatusCode, int]:
-        """The service's answer for one message of a batch: (status, action)."""
-        truth = self.truth
-        behaviour = truth.behaviour[ident]
-        if self.outage == "unavailable":
-            return grpc.StatusCode.UNAVAILABLE, 0
-        if self.bad_deploy:
-            truth.rejected.add(ident)
+        """The service's answer for one message: (status, action); a bad deploy rejects every
+        message while the service is up."""
+        if self.bad_deploy and self.outage not in ("unavailable", "hung"):
+            self.truth.rejected.add(ident)
             return grpc.StatusCode.INVALID_ARGUMENT, 0
-        if behaviour.startswith("timeout:") and self._tries(ident) <= int(behaviour[8:]):
-            # The service's own per-message deadline inside the call (a slow message does
-            # not hold its batch): the same status as a unary deadline.
-            return grpc.StatusCode.DEADLINE_EXCEEDED, 0
-        if behaviour == "poison":
-            return grpc.StatusCode.INVALID_ARGUMENT, 0
-        if behaviour == "drop":
-            return grpc.StatusCode.OK, handler_pb2.HandleMessageResponse.DROP
-        if behaviour.startswith("flaky:") and self._tries(ident) <= int(behaviour[6:]):
-            return grpc.StatusCode.INTERNAL, 0
-        return grpc.StatusCode.OK, 0
+        return service_answer(self.truth.behaviour[ident], self._tries(ident), self.outage)
 
     def _decided(self, delivery: Delivery, ident: int, decision: Decision | None) -> None:
         truth = self.truth
@@ -648,31 +609,9 @@ class Simulation:
 
     def _push(self, delivery: Delivery, probe: bool) -> None:
         ident = self._pushed(delivery)
-        truth = self.truth
-        behaviour = truth.behaviour[ident]
-        latency = self.rng.uniform(0.001, 0.05)
-        result: Classification
-        if self.outage == "unavailable":
-            result = self.classifier.from_status(grpc.StatusCode.UNAVAILABLE, "down")
-            latency = 0.001
-        elif self.outage == "hung" or (
-            behaviour.startswith("timeout:") and self._tries(ident) <= int(behaviour[8:])
-        ):
-            result = self.classifier.from_status(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline")
-            latency = TIMEOUT_S
-        elif self.bad_deploy:
-            truth.rejected.add(ident)
-            result = self.classifier.from_status(grpc.StatusCode.INVALID_ARGUMENT, "bad deploy")
-        elif behaviour == "poison":
-            result = self.classifier.from_status(grpc.StatusCode.INVALID_ARGUMENT, "poison")
-        elif behaviour == "drop":
-            result = self.classifier.from_response(
-                handler_pb2.HandleMessageResponse(action=handler_pb2.HandleMessageResponse.DROP)
-            )
-        elif behaviour.startswith("flaky:") and self._tries(ident) <= int(behaviour[6:]):
-            result = self.classifier.from_status(grpc.StatusCode.INTERNAL, "flaky")
-        else:
-            result = self.classifier.from_response(handler_pb2.HandleMessageResponse())
+        result, latency = service_unary_call(
+            self.classifier, self.rng, self.outage, self._behave(ident), TIMEOUT_S
+        )
         member = self.member
 
         def done() -> None:

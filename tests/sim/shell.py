@@ -9,11 +9,17 @@ virtual-time event loop (``tests.sim.vloop``) with simulated edges (``ports``):
   rebalance callbacks (revoke, then assign back: cooperative-sticky) and re-reads positions
   every ``POSITIONS_INTERVAL_S``; a cancelled call still runs to its end;
 - ``SimPusher`` (``ports.Pusher``): the service (ok, poison, drop, flaky, timeouts; outages:
-  UNAVAILABLE, hung, UNIMPLEMENTED for batch calls; wrong-length batch answers);
+  UNAVAILABLE, hung, UNIMPLEMENTED for batch calls; wrong-length batch answers). Under
+  ``delivery.long_running`` (some unary schedules) each call is a ``HandleMessageStream``
+  read by the dispatcher's own loop (``dispatcher.read_stream``: the core's ``CallWatch``
+  and ``expiry_result``): heartbeats while the handler runs (long handlers, several heartbeat
+  timeouts long), then the result; a hung handler (the timeouts) or a dead instance (the
+  hung outage) heartbeats a while and goes silent; an endless one heartbeats until the cap;
 - ``SimSink`` (``ports.DeadLetterSink``): the DLQ, retried while it is down.
 
-The schedule produces records, rebalances, restarts (graceful, or a crash: nothing is
-committed after it), takes the service, the DLQ and commits down. Checked at every step, on
+The schedule produces records, rebalances (a fifth of them lose their partitions: no final
+commit), restarts (graceful, or a crash: nothing is committed after it), takes the service,
+the DLQ and commits down. Checked at every step, on
 top of the core simulation's invariants (commits never pass a message not done nor go back,
 nothing acked is pushed again unless a crash or the metadata budget allowed it, no message
 dead-lettered by an outage, per-key order, window and concurrency bounds, liveness):
@@ -23,7 +29,11 @@ dead-lettered by an outage, per-key order, window and concurrency bounds, livene
   call, a DLQ write, a retry timer, the key gate);
 - a due commit never waits behind an idle wait: no commit waits for the consumer thread
   longer than a normal poll (``FETCH_WAIT_S``), unless a rebalance ran on it meanwhile;
-- after ``stop()`` returns no task of the group is left running and no timer is scheduled.
+- after ``stop()`` returns no task of the group is left running and no timer is scheduled;
+- a call the proxy cancelled (revoke, lost, shutdown) is never an attempt: its message goes
+  out again with the attempt it had; a silence is charged only under the outage rule (a dead
+  instance dead-letters nothing) and an endless handler is dead-lettered by the cap
+  (``MAX_PROCESSING_EXCEEDED``).
 
 Same seed, same trace: ``ShellSim.digest`` hashes every push, commit, dead letter and
 rebalance with its virtual time. Replay with ``python -m tests.sim --shell --seed N``.
@@ -50,15 +60,18 @@ from consumer_proxy.config import (
     DeadLetterGuardConfig,
     DeliveryConfig,
     GroupConfig,
+    LongRunningConfig,
     ServiceConfig,
 )
-from consumer_proxy.core.batching import BatchOutcome, classify_batch, classify_failed_call
+from consumer_proxy.core.batching import BatchOutcome
 from consumer_proxy.core.cadence import FETCH_WAIT_S
 from consumer_proxy.core.codec import decode
 from consumer_proxy.core.decision import Action, Decision
+from consumer_proxy.core.heartbeat import MAX_PROCESSING_STATUS, CallWatch
 from consumer_proxy.core.ordering import ORDERINGS, Ordering
 from consumer_proxy.core.outcomes import Classification, Classifier
 from consumer_proxy.core.partitions import Delivery, PartitionSet
+from consumer_proxy.dispatcher import read_stream
 from consumer_proxy.fetcher import CONSUME_CHUNK_S, POSITIONS_INTERVAL_S
 from consumer_proxy.group import GroupRunner
 from consumer_proxy.metrics import ProxyMetrics
@@ -67,7 +80,16 @@ from consumer_proxy.proto.v1 import handler_pb2
 from consumer_proxy.readyq import ReadyDeque
 from tests.sim.runner import InvariantViolation, Truth
 from tests.sim.vloop import run_virtual
-from tests.sim.world import TP, Consumer, Log, Msg, Record
+from tests.sim.world import (
+    TP,
+    Consumer,
+    Log,
+    Msg,
+    Record,
+    service_answer,
+    service_batch_call,
+    service_unary_call,
+)
 
 TOPIC = "t"
 TIMEOUT_S = 1.0
@@ -102,6 +124,12 @@ class ShellStats:
     batch_schedules: int = 0
     batch_calls: int = 0
     batched_messages: int = 0
+    losses: int = 0  # rebalances that lost their partitions (no final commit)
+    long_schedules: int = 0  # delivery.long_running: streaming calls kept alive by heartbeats
+    heartbeats: int = 0
+    silences: int = 0  # streaming calls ended by no heartbeat in time
+    capped: int = 0  # streaming calls ended by max_processing_ms
+    calls_cancelled: int = 0  # calls the proxy cancelled (revoke, lost, shutdown)
     virtual_s: int = 0
 
 
@@ -164,7 +192,8 @@ class SimSource:
         self.positions_read = 0
         self._positions_due = 0.0
         self._rebalanced = False
-        self.pending: list[list[TP] | None] = [None]  # None: join (assign everything)
+        # (partitions, lost); None: join (assign everything)
+        self.pending: list[tuple[list[TP], bool] | None] = [None]
         self.errors: list[_ErrorRecord] = []  # handed over by the next consume
         self.rebalancing = False  # the consumer thread is serving a rebalance
         self.arrived = asyncio.Event()
@@ -254,12 +283,12 @@ class SimSource:
         self._rebalanced = True
         self._positions_due = 0.0
         while self.pending:
-            tps = self.pending.pop(0)
-            if tps is None:
+            pending = self.pending.pop(0)
+            if pending is None:
                 tps = list(self.sim.tps)
             else:
-                tps = [tp for tp in tps if tp in self.consumer.assigned]
-                await self._revoke(tps)
+                tps = [tp for tp in pending[0] if tp in self.consumer.assigned]
+                await (self._lose(tps) if pending[1] else self._revoke(tps))
             self.sim.trace(f"assign {tps}")
             committed = self.consumer.assign(tps)
             await self.listener.partitions_assigned(
@@ -285,6 +314,16 @@ class SimSource:
                 # Acked messages beyond what the ack state could encode are redelivered.
                 if part.tracker is not None and not part.tracker.metadata(sim.budget)[1]:
                     sim.allow_dups(part.tp)
+        self.consumer.revoke(tps)
+
+    async def _lose(self, tps: list[TP]) -> None:
+        """The session expired: another member may own ``tps`` now; nothing is committed, so
+        what was acked since the last commit may be delivered again."""
+        sim = self.sim
+        sim.trace(f"lose {tps}")
+        for tp in tps:
+            sim.allow_dups(tp)
+        await self.listener.partitions_lost([TopicPartition(*tp) for tp in tps])
         self.consumer.revoke(tps)
 
     async def set_paused(self, pause: Sequence[TP], resume: Sequence[TP]) -> None:
@@ -399,13 +438,61 @@ class SimPusher:
     def batch_support(self) -> str:
         return ""
 
+    def instances(self) -> list[dict[str, Any]]:
+        return []
+
     async def push_stream(
-        self, request: Any, endpoint: Any, watch: Any, on_heartbeat: Any, metadata: Any = None
+        self,
+        request: handler_pb2.HandleMessageStreamRequest,
+        endpoint: Any,
+        watch: CallWatch,
+        on_heartbeat: Callable[[float], None],
+        metadata: Any = None,
     ) -> Classification:
-        raise NotImplementedError  # no schedule runs long-running calls
+        sim = self.sim
+        ident = _ident(request.message.headers)
+        stream = sim.stream(ident, request.heartbeat_interval_ms / 1000.0)
+        try:
+            return await read_stream(stream.read, watch, on_heartbeat, sim.classifier)
+        except _Failed as failed:
+            return sim.classifier.from_status(failed.code, failed.code.name)
 
     async def close(self) -> None:
         pass
+
+
+class _Failed(Exception):
+    """A streaming call the service failed with a status (an ``AioRpcError`` in gRPC)."""
+
+    def __init__(self, code: grpc.StatusCode) -> None:
+        super().__init__(code.name)
+        self.code = code
+
+
+_BEAT = handler_pb2.HandleMessageStreamEvent(heartbeat=handler_pb2.Heartbeat(progress="sim"))
+
+
+class _Stream:
+    """One ``HandleMessageStream`` call as the service plays it: ``steps`` (wait, then an
+    event, or a status that fails the call), then silence, or heartbeats for ever."""
+
+    def __init__(
+        self, steps: list[tuple[float, Any]], interval_s: float, endless: bool = False
+    ) -> None:
+        self._steps = deque(steps)
+        self._interval_s = interval_s
+        self._endless = endless
+
+    async def read(self) -> Any:
+        if not self._steps:
+            if not self._endless:
+                await asyncio.Event().wait()  # silent: only the proxy's watch ends the call
+            self._steps.append((self._interval_s, _BEAT))
+        wait, event = self._steps.popleft()
+        await asyncio.sleep(wait)
+        if isinstance(event, grpc.StatusCode):
+            raise _Failed(event)
+        return event
 
 
 class SimSink:
@@ -429,7 +516,7 @@ class SimSink:
                 on_failure(KafkaException(KafkaError(KafkaError._TRANSPORT, "dlq down")))
             await asyncio.sleep(0.2)
         await asyncio.sleep(sim.rng.uniform(0.001, 0.02))
-        sim.dead_lettered(ident)
+        sim.dead_lettered(ident, dict(headers)["cp-status"].decode())
         return 0
 
     async def close(self, timeout_s: float = 10.0) -> None:
@@ -470,6 +557,15 @@ class ShellSim:
             else None
         )
         self.commit_interval_ms = choose.choice([100, 500, 1000, 5000])
+        # Some unary schedules push through the streaming call (validate refuses it with
+        # batch mode); drawn last, so that the other schedules keep their configuration.
+        self.long_running: LongRunningConfig | None = None
+        if self.batch is None and choose.random() < 0.4:
+            self.long_running = LongRunningConfig(
+                heartbeat_timeout_ms=choose.choice([300, 600]),
+                max_processing_ms=choose.choice([2000, 4000]),
+            )
+        self.losses = random.Random(f"shell-lost:{seed}")  # which rebalances lose
         self.tps: list[TP] = [(TOPIC, p) for p in range(partitions)]
         self.logs = {tp: Log() for tp in self.tps}
         self.commits: dict[TP, tuple[int, str]] = {}
@@ -477,7 +573,10 @@ class ShellSim:
         self.lanes: dict[tuple[TP, object], list[tuple[int, int]]] = {}
         self.lane_head: dict[tuple[TP, object], int] = {}
         self.truth = Truth()
-        self.stats = ShellStats(batch_schedules=int(self.batch is not None))
+        self.stats = ShellStats(
+            batch_schedules=int(self.batch is not None),
+            long_schedules=int(self.long_running is not None),
+        )
         self.classifier = Classifier()
         self.next_ident = 0
         self.step_no = 0
@@ -494,6 +593,9 @@ class ShellSim:
         self.taken: set[Delivery] = set()  # a worker took it from the ready queue
         self.calls: set[Delivery] = set()  # begun, not finished
         self.parked: set[Delivery] = set()  # a DLQ write under way
+        # (attempt, counted) of each call under way, and of each call given back (abandoned)
+        self.began_with: dict[Delivery, tuple[int, int]] = {}
+        self.given_back: dict[Delivery, tuple[int, int]] = {}
         self.cuts: dict[TP, int] = {}  # where a log was cut, until a commit comes back to it
         self.rebalanced_at = -1.0  # when the consumer thread last served a rebalance
 
@@ -509,6 +611,7 @@ class ShellSim:
             backoff=BackoffConfig(initial_ms=10, max_ms=500),
             ordering=self.ordering,
             batch=self.batch,
+            long_running=self.long_running,
             commit_interval_ms=self.commit_interval_ms,
             revoke_grace_ms=int((TIMEOUT_S + 0.5) * 1000),
             fetch_batch=5,
@@ -529,16 +632,21 @@ class ShellSim:
 
     def start_member(self) -> None:
         loop = asyncio.get_running_loop()
+        # Every clock the runner reads is the virtual loop's (monotonic and wall time), and
+        # the core's random jitter is seeded from the schedule's.
+        self.registry = CollectorRegistry()
         runner = GroupRunner(
-            self.group_config(), ProxyMetrics(CollectorRegistry()), self._open_edges, 5.0
+            self.group_config(),
+            ProxyMetrics(self.registry),
+            self._open_edges,
+            5.0,
+            monotonic=loop.time,
+            wall=lambda: WALL_EPOCH_S + loop.time(),
+            rng=random.Random(self.rng.random()),
         )
-        # The seams the runner does not take as arguments: its breaker's and its core's
-        # clocks (monotonic and wall time) and the core's random jitter, all virtual here.
-        runner.breaker._clock = loop.time
         core = runner.partitions
-        core._clock = lambda: WALL_EPOCH_S + loop.time()
-        core._rng = random.Random(self.rng.random())
         self.taken, self.calls, self.parked = set(), set(), set()
+        self.began_with, self.given_back = {}, {}
         self._spy(runner, core)
         self.runner = runner
         self._run_task = loop.create_task(runner.run(), name="sim:runner")
@@ -563,16 +671,25 @@ class ShellSim:
 
         def begun(began: bool, d: Delivery) -> None:
             self.taken.discard(d)
+            before = self.given_back.pop(d, None)
             if began:
+                if before is not None and before != (d.attempt, d.counted_here):
+                    self.fail(
+                        f"message {int(dict(d.headers)['id'])}: a cancelled call counted as an "
+                        f"attempt (attempt, counted) {before} -> {(d.attempt, d.counted_here)}"
+                    )
                 self.calls.add(d)
+                self.began_with[d] = (d.attempt, d.counted_here)
                 self._pushed(d)
 
         def finished(decision: Decision | None, d: Delivery, *_: Any) -> None:
             self.calls.discard(d)
+            self.began_with.pop(d, None)
             self._decided(d, decision)
 
         def ended(_: Any, d: Delivery) -> None:
             self.calls.discard(d)
+            self.given_back[d] = self.began_with.pop(d)
 
         def unparked(_: Any, d: Delivery) -> None:
             self.parked.discard(d)
@@ -613,8 +730,21 @@ class ShellSim:
         runner.stop()
         await task
         self.crashing = False
+        self._count_long_calls()
         self.check_nothing_left()
         self.runner = self.source = self._run_task = None
+
+    def _count_long_calls(self) -> None:
+        """The member's streaming and cancelled calls, as its metrics counted them."""
+        stats, sample = self.stats, self.registry.get_sample_value
+        cancelled = "consumer_proxy_calls_cancelled_total"
+        stats.heartbeats += int(
+            sample("consumer_proxy_heartbeat_gap_seconds_count", {"group": GROUP}) or 0
+        )
+        stats.silences += int(sample(cancelled, {"group": GROUP, "cause": "heartbeat"}) or 0)
+        stats.capped += int(sample(cancelled, {"group": GROUP, "cause": "max_processing"}) or 0)
+        for cause in ("revoke", "lost", "shutdown"):
+            stats.calls_cancelled += int(sample(cancelled, {"group": GROUP, "cause": cause}) or 0)
 
     def check_nothing_left(self) -> None:
         """After ``stop()``: no task of the group left, no timer scheduled."""
@@ -750,12 +880,14 @@ class ShellSim:
         elif action is Action.DROP:
             truth.done.add(ident)
         elif action is Action.DEAD_LETTER:
-            if not truth.behaviour[ident].startswith(("poison", "timeout:", "garbled")):
+            if not truth.behaviour[ident].startswith(("poison", "timeout:", "garbled", "endless")):
                 self.fail(f"message {ident} ({truth.behaviour[ident]}) dead-lettered")
         elif action is not Action.RETRY:
             self.fail(f"message {ident}: unexpected decision {decision}")
 
-    def dead_lettered(self, ident: int) -> None:
+    def dead_lettered(self, ident: int, status: str) -> None:
+        if self.truth.behaviour[ident] == "endless" and status != MAX_PROCESSING_STATUS:
+            self.fail(f"endless message {ident} dead-lettered as {status}, not by the cap")
         self.truth.dlq.append(ident)
         self.truth.done.add(ident)
         self.stats.dead_lettered += 1
@@ -819,65 +951,44 @@ class ShellSim:
 
     def _behave(self, ident: int) -> tuple[grpc.StatusCode, int]:
         """The service's answer for one message: (status, response action)."""
-        behaviour = self.truth.behaviour[ident]
         tries = self.truth.attempts.get(ident, 0)
-        if self.outage == "unavailable":
-            return grpc.StatusCode.UNAVAILABLE, 0
-        if behaviour.startswith("timeout:") and tries <= int(behaviour[8:]):
-            return grpc.StatusCode.DEADLINE_EXCEEDED, 0
-        if behaviour == "poison":
-            return grpc.StatusCode.INVALID_ARGUMENT, 0
-        if behaviour == "drop":
-            return grpc.StatusCode.OK, handler_pb2.HandleMessageResponse.DROP
-        if behaviour.startswith("flaky:") and tries <= int(behaviour[6:]):
-            return grpc.StatusCode.INTERNAL, 0
-        return grpc.StatusCode.OK, 0
+        return service_answer(self.truth.behaviour[ident], tries, self.outage)
 
     def answer(self, ident: int) -> tuple[Classification, float]:
         """One unary call's result and how long it takes."""
+        return service_unary_call(
+            self.classifier, self.rng, self.outage, self._behave(ident), TIMEOUT_S
+        )
+
+    def stream(self, ident: int, interval_s: float) -> _Stream:
+        """One streaming call as the service plays it (``delivery.long_running``)."""
+        rng = self.rng
+        behaviour = self.truth.behaviour[ident]
         code, action = self._behave(ident)
-        latency = self.rng.uniform(0.001, 0.05)
+        beat = interval_s * rng.uniform(0.5, 1.05)  # the SDK's pace, give or take
         if self.outage == "hung" or code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            code, action, latency = grpc.StatusCode.DEADLINE_EXCEEDED, 0, TIMEOUT_S
-        elif self.outage == "unavailable":
-            latency = 0.001
+            # a dead instance, or a hung handler: heartbeats a while, then nothing
+            return _Stream([(beat, _BEAT)] * rng.randint(0, 4), interval_s)
+        if self.outage == "unavailable":
+            return _Stream([(0.001, grpc.StatusCode.UNAVAILABLE)], interval_s)
+        if behaviour == "endless":
+            return _Stream([], beat, endless=True)
+        took = float(behaviour[5:]) if behaviour.startswith("long:") else rng.uniform(0.001, 0.05)
+        steps: list[tuple[float, Any]] = [(beat, _BEAT)] * int(took / beat)
+        last = took - beat * len(steps)
         if code != grpc.StatusCode.OK:
-            return self.classifier.from_status(code, code.name), latency
-        response = handler_pb2.HandleMessageResponse(action=action)  # type: ignore[arg-type]
-        return self.classifier.from_response(response), latency
+            steps.append((last, code))
+        else:
+            response = handler_pb2.HandleMessageResponse(action=action)  # type: ignore[arg-type]
+            steps.append((last, handler_pb2.HandleMessageStreamEvent(result=response)))
+        return _Stream(steps, interval_s)
 
     def answer_batch(self, idents: list[int]) -> tuple[BatchOutcome, float]:
         """One batch call's outcome (per-message statuses, a failed call, a glitch)."""
-        rng = self.rng
-        count = len(idents)
-        latency = max(rng.uniform(0.001, 0.05) for _ in idents)
-        classifier = self.classifier
-        if self.outage == "hung":
-            code = grpc.StatusCode.DEADLINE_EXCEEDED
-            return classify_failed_call(classifier, code, "deadline", count), TIMEOUT_S
-        if self.outage == "unimplemented":
-            code = grpc.StatusCode.UNIMPLEMENTED
-            return classify_failed_call(classifier, code, "no batch", count), 0.001
-        if self.outage == "unavailable" and rng.random() < 0.5:
-            code = grpc.StatusCode.UNAVAILABLE
-            return classify_failed_call(classifier, code, "down", count), 0.001
-        answers = []
-        for ident in idents:
-            code, action = self._behave(ident)
-            answers.append(
-                handler_pb2.HandleMessageResponse(
-                    status_code=code.value[0] if code != grpc.StatusCode.OK else 0,
-                    action=action,  # type: ignore[arg-type]
-                    reason=code.name,
-                )
-            )
-        if count > 1 and rng.random() < 0.03:  # a glitch: one result too few or too many
-            if rng.random() < 0.5:
-                answers.pop()
-            else:
-                answers.append(handler_pb2.HandleMessageResponse())
-        response = handler_pb2.HandleMessageBatchResponse(results=answers)
-        return classify_batch(classifier, response, count), latency
+        outcome, latency, _ = service_batch_call(
+            self.classifier, self.rng, self.outage, idents, self._behave, TIMEOUT_S
+        )
+        return outcome, latency
 
     # -- the schedule --------------------------------------------------------------------
 
@@ -897,6 +1008,14 @@ class ShellSim:
                 if x < 0.12
                 else "ok"
             )
+            long_running = self.long_running
+            if long_running is not None and behaviour == "ok":
+                y = rng.random()
+                if y < 0.15:  # several heartbeat timeouts long, within the cap
+                    took = rng.uniform(0.5, 0.8) * long_running.max_processing_ms / 1000
+                    behaviour = f"long:{took:.3f}"
+                elif y < 0.16:
+                    behaviour = "endless"
             key = rng.choice(self.keys) if self.ordering != "none" else None
             msg = Msg(self.next_ident, behaviour, key=key, value=b"v" * rng.randint(0, 40))
             if self.value_max > 40 and rng.random() < 0.3:
@@ -915,9 +1034,11 @@ class ShellSim:
         if source is None:
             return
         tps = self.rng.sample(self.tps, self.rng.randint(1, len(self.tps)))
-        source.pending.append(sorted(tps))
+        lost = self.losses.random() < 0.2
+        source.pending.append((sorted(tps), lost))
         source.arrived.set()
         self.stats.rebalances += 1
+        self.stats.losses += lost
 
     def truncate(self) -> None:
         """An unclean leader election cuts a log at or above its commit; the member is told

@@ -14,63 +14,18 @@ Everything runs on one virtual clock; randomness comes from one seeded ``random.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
+
+from consumer_proxy.core.batching import BatchOutcome, classify_batch, classify_failed_call
+from consumer_proxy.core.outcomes import Classification, Classifier
+from consumer_proxy.proto.v1 import handler_pb2
+
 TP = tuple[str, int]
-
-
-class Clock:
-    """Virtual time plus a timer heap; ``call_later`` returns a cancellable handle."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self._heap: list[tuple[float, int, Timer]] = []
-        self._seq = itertools.count()
-
-    def __call__(self) -> float:
-        return self.now
-
-    def call_later(self, delay_s: float, fn: Callable[[], None]) -> Timer:
-        timer = Timer(fn)
-        heapq.heappush(self._heap, (self.now + max(0.0, delay_s), next(self._seq), timer))
-        return timer
-
-    def next_due(self) -> float | None:
-        while self._heap and self._heap[0][2].cancelled:
-            heapq.heappop(self._heap)
-        return self._heap[0][0] if self._heap else None
-
-    def run_until(self, until: float) -> None:
-        """Fire every timer due up to ``until`` in order, then set the time to ``until``."""
-        while True:
-            due = self.next_due()
-            if due is None or due > until:
-                break
-            when, _, timer = heapq.heappop(self._heap)
-            self.now = max(self.now, when)
-            timer.fire()
-        self.now = max(self.now, until)
-
-
-@dataclass(eq=False)
-class Timer:
-    """A scheduled callback."""
-
-    fn: Callable[[], None]
-    cancelled: bool = False
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-    def fire(self) -> None:
-        if not self.cancelled:
-            self.cancelled = True
-            self.fn()
 
 
 @dataclass(frozen=True)
@@ -209,3 +164,97 @@ class Consumer:
     def commit(self, tp: TP, offset: int, metadata: str) -> None:
         if tp in self.assigned:
             self.commits[tp] = (offset, metadata)
+
+
+# -- the service -------------------------------------------------------------------------
+# Both drivers (``runner`` and ``shell``) answer with the same model: a message's behaviour
+# ("ok", "poison", "drop", "flaky:N", "timeout:N", and the drivers' own kinds) and the
+# service's outage ("unavailable", "hung", "unimplemented" for batch calls).
+
+
+def service_answer(behaviour: str, tries: int, outage: str | None) -> tuple[grpc.StatusCode, int]:
+    """The service's answer to one message on its ``tries``-th attempt: (status, action)."""
+    if outage == "unavailable":
+        return grpc.StatusCode.UNAVAILABLE, 0
+    if behaviour.startswith("timeout:") and tries <= int(behaviour[8:]):
+        # The service's own per-message deadline (in a batch, a slow message does not hold
+        # its call): the same status as a unary deadline.
+        return grpc.StatusCode.DEADLINE_EXCEEDED, 0
+    if behaviour == "poison":
+        return grpc.StatusCode.INVALID_ARGUMENT, 0
+    if behaviour == "drop":
+        return grpc.StatusCode.OK, handler_pb2.HandleMessageResponse.DROP
+    if behaviour.startswith("flaky:") and tries <= int(behaviour[6:]):
+        return grpc.StatusCode.INTERNAL, 0
+    return grpc.StatusCode.OK, 0
+
+
+def service_unary_call(
+    classifier: Classifier,
+    rng: random.Random,
+    outage: str | None,
+    answer: tuple[grpc.StatusCode, int],
+    timeout_s: float,
+) -> tuple[Classification, float]:
+    """One HandleMessage call answering ``answer`` (``service_answer``'s): its result as the
+    proxy classifies it and how long it takes (a hung service, or a deadline: the timeout)."""
+    code, action = answer
+    latency = rng.uniform(0.001, 0.05)  # drawn in every case: the schedule's draws stay aligned
+    if outage == "hung" or code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        # the proxy's own deadline: its reason is the one a failed batch call's has
+        deadline = grpc.StatusCode.DEADLINE_EXCEEDED
+        return classifier.from_status(deadline, "deadline"), timeout_s
+    if outage == "unavailable":
+        latency = 0.001
+    if code != grpc.StatusCode.OK:
+        return classifier.from_status(code, code.name), latency
+    response = handler_pb2.HandleMessageResponse(action=action)  # type: ignore[arg-type]
+    return classifier.from_response(response), latency
+
+
+def service_batch_call(
+    classifier: Classifier,
+    rng: random.Random,
+    outage: str | None,
+    idents: Sequence[int],
+    answer: Callable[[int], tuple[grpc.StatusCode, int]],
+    timeout_s: float,
+    garbled: Callable[[int], bool] = lambda ident: False,
+) -> tuple[BatchOutcome, float, bool]:
+    """One HandleMessageBatch call: the service fails the call (an outage), or answers each
+    message (``answer``), now and then with one result too few or too many (a glitch), and
+    always so for a batch holding a ``garbled`` message. Returns the outcome, the call's
+    latency and whether the answer had the wrong length."""
+    count = len(idents)
+    latency = max(rng.uniform(0.001, 0.05) for _ in idents)
+    if outage == "hung":
+        code = grpc.StatusCode.DEADLINE_EXCEEDED
+        return classify_failed_call(classifier, code, "deadline", count), timeout_s, False
+    if outage == "unimplemented":
+        code = grpc.StatusCode.UNIMPLEMENTED
+        return classify_failed_call(classifier, code, "no batch", count), 0.001, False
+    if outage == "unavailable" and rng.random() < 0.5:
+        code = grpc.StatusCode.UNAVAILABLE
+        return classify_failed_call(classifier, code, "down", count), 0.001, False
+    answers = []
+    for ident in idents:
+        code, action = answer(ident)
+        answers.append(
+            handler_pb2.HandleMessageResponse(
+                status_code=code.value[0] if code != grpc.StatusCode.OK else 0,
+                action=action,  # type: ignore[arg-type]
+                reason=code.name,
+            )
+        )
+    wrong = False
+    if count > 1 and rng.random() < 0.03:  # a glitch: one result too few or too many
+        if rng.random() < 0.5:
+            answers.pop()
+        else:
+            answers.append(handler_pb2.HandleMessageResponse())
+        wrong = True
+    elif any(garbled(ident) for ident in idents):
+        answers.pop()  # a message the service's batch code always mishandles
+        wrong = True
+    response = handler_pb2.HandleMessageBatchResponse(results=answers)
+    return classify_batch(classifier, response, count), latency, wrong

@@ -9,8 +9,10 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
+import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -63,17 +65,31 @@ def build(directory: Path) -> Path:
 class GoService:
     process: subprocess.Popen[str]
     address: str
+    lines: list[tuple[float, str]] = field(default_factory=list)
+    """Its log (stderr) so far: each line with the wall time (``time.time()``) it was read."""
+
+    def __post_init__(self) -> None:
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.lines.append((time.time(), line))
 
     def stop(self) -> str:
         """SIGTERM, wait for the graceful stop; returns its log."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         try:
-            _, log = self.process.communicate(timeout=30)
+            self.process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.process.kill()
-            _, log = self.process.communicate()
-        return log
+            self.process.wait()
+        self._reader.join(10)
+        if self.process.stderr is not None:
+            self.process.stderr.close()
+        return "".join(line for _, line in self.lines)
 
 
 def free_port() -> int:

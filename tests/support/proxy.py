@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +22,7 @@ from consumer_proxy.config import ProxyConfig
 from consumer_proxy.proxy import Proxy
 
 from .kafka import committed_offsets, end_offsets
+from .waiting import async_wait_until
 
 
 def config_dict(
@@ -114,16 +117,62 @@ def start_proxy(config: ProxyConfig, **kwargs: Any) -> tuple[Proxy, asyncio.Task
     return proxy, asyncio.create_task(proxy.run(), name="proxy")
 
 
-async def caught_up(bootstrap: str, group: str, topic: str) -> bool:
-    """True once the group's committed offsets equal the topic's end offsets everywhere."""
+def caught_up_now(bootstrap: str, group: str, topic: str) -> bool:
+    """True once the group's committed offsets equal the topic's end offsets everywhere (the
+    tests' one such check: ``caught_up`` is it for a loop, ``wait_until`` takes this)."""
     try:
-        ends, committed = await asyncio.gather(
-            asyncio.to_thread(end_offsets, bootstrap, topic),
-            asyncio.to_thread(committed_offsets, bootstrap, group, topic),
-        )
+        ends = end_offsets(bootstrap, topic)
+        committed = committed_offsets(bootstrap, group, topic)
     except KafkaException:  # e.g. the group coordinator of a fresh broker is still loading
         return False
     return all(committed.get(p, (None,))[0] == end for p, end in ends.items() if end > 0)
+
+
+async def caught_up(bootstrap: str, group: str, topic: str) -> bool:
+    """``caught_up_now`` off the event loop."""
+    return await asyncio.to_thread(caught_up_now, bootstrap, group, topic)
+
+
+class Members:
+    """Proxies of one group started one after another in the current loop (each start is a
+    rebalance), shut down in that order when the ``async with`` block ends."""
+
+    def __init__(self) -> None:
+        self.proxies: list[Proxy] = []
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self, config: ProxyConfig) -> Proxy:
+        """One more member."""
+        proxy, task = start_proxy(config)
+        self.proxies.append(proxy)
+        self._tasks.append(task)
+        return proxy
+
+    @staticmethod
+    async def owned(proxy: Proxy, topic: str, timeout: float = 60) -> list[int]:
+        """Waits until ``proxy`` owns partitions of ``topic``; returns them."""
+
+        def found() -> list[int]:
+            return sorted(p for t, p in proxy.runners[0].assignment() if t == topic)
+
+        await async_wait_until(found, timeout=timeout)
+        return found()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for proxy, task in zip(self.proxies, self._tasks, strict=True):
+            await proxy.shutdown()
+            await task
+
+
+def revoke_took(records: Sequence[logging.LogRecord], group: str) -> tuple[float, float]:
+    """From the one line of a member of ``group`` that revoked one partition: when the revoke
+    began (wall time, as ``LogRecord.created``) and how long it took, in seconds."""
+    [line] = [r for r in records if r.getMessage().startswith(f"group {group}: revoked 1 ")]
+    took = float(re.findall(r"after ([0-9.]+)s", line.getMessage())[0])
+    return line.created - took, took
 
 
 # -- the proxy as a child process (kill -9, worker storms) -----------------------------------
@@ -163,7 +212,7 @@ def write_config(
 class ProxyProcess:
     """``python -m consumer_proxy run --config F ARGS`` as a child process, its output in a file.
 
-    The one process harness of the tests and the benches (bench/common.py extends it with
+    The one process harness of the tests and the benches (bench/proxy.py extends it with
     profiling and CPU accounting). ``command`` replaces ``python -m consumer_proxy`` (a
     profiling wrapper, say); ``env`` is added to the environment.
     """

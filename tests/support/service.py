@@ -161,6 +161,8 @@ class Delivery:
     received_at: float
     outcome: str = "PENDING"
     finished_at: float | None = None
+    call: int = -1
+    """The batch call that carried it (its index in ``batch_calls``); -1 alone."""
 
     @property
     def coordinates(self) -> tuple[str, int, int]:
@@ -388,7 +390,7 @@ class TestService:
         with self._lock:
             self._state.in_flight -= 1
 
-    def _receive(self, msg: handler_pb2.Message, *, batch: bool) -> tuple[int, int]:
+    def _receive(self, msg: handler_pb2.Message, *, batch: bool, call: int = -1) -> tuple[int, int]:
         """Record an arriving delivery; returns (its index, n)."""
         coordinates = (msg.topic, msg.partition, msg.offset)
         with self._lock:
@@ -409,6 +411,7 @@ class TestService:
                     n=n,
                     batch=batch,
                     received_at=time.monotonic(),
+                    call=call,
                 )
             )
             return len(self._state.deliveries) - 1, n
@@ -428,14 +431,19 @@ class TestService:
             self._state.errors.append(exc)
 
     async def _deliver(
-        self, msg: handler_pb2.Message, *, batch: bool, chosen: list[Behaviour] | None = None
+        self,
+        msg: handler_pb2.Message,
+        *,
+        batch: bool,
+        chosen: list[Behaviour] | None = None,
+        call: int = -1,
     ) -> Behaviour:
         """Record one delivery and play its behaviour, up to (not including) the answer.
 
         Returns the behaviour (also appended to ``chosen`` as soon as it is known); raises
         _Crash, or CancelledError when the caller went away.
         """
-        index, n = self._receive(msg, batch=batch)
+        index, n = self._receive(msg, batch=batch, call=call)
         try:
             behaviour = self.behaviour(msg, n)
         except Exception as exc:
@@ -530,10 +538,11 @@ class _Servicer(handler_pb2_grpc.MessageHandlerServicer):
         if not self._service._admit():
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "max_concurrency reached")
         with self._service._lock:
+            call = len(self._service._state.batch_calls)
             self._service._state.batch_calls.append(len(request.messages))
         try:
             results = await asyncio.gather(
-                *(self._service._deliver(m, batch=True) for m in request.messages),
+                *(self._service._deliver(m, batch=True, call=call) for m in request.messages),
                 return_exceptions=True,
             )
             if any(isinstance(r, _Crash) for r in results):
@@ -713,3 +722,45 @@ class ThreadedService:
 
     def restart(self) -> None:
         self.call(self.service.restart())
+
+
+Answer = Callable[[handler_pb2.Message], handler_pb2.HandleMessageResponse]
+
+
+class UnaryOnly(handler_pb2_grpc.MessageHandlerServicer):
+    """A hand-written service with HandleMessage only: gRPC answers UNIMPLEMENTED to the batch
+    method, as for any method a server does not serve. Records what it got; ``answer`` (acks
+    when not given) says what each message gets."""
+
+    def __init__(self, answer: Answer | None = None) -> None:
+        self.got: list[handler_pb2.Message] = []
+        self.batch_calls = 0
+        self._answer = answer
+
+    async def HandleMessage(self, request: Any, context: Any) -> Any:
+        self.got.append(request.message)
+        if self._answer is not None:
+            return self._answer(request.message)
+        return handler_pb2.HandleMessageResponse()
+
+    async def HandleMessageBatch(self, request: Any, context: Any) -> Any:
+        self.batch_calls += 1
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
+
+    def HandleMessageStream(self, request: Any, context: Any) -> Any:
+        raise NotImplementedError  # never called: the groups using it are not long-running
+
+
+async def serve(
+    servicer: handler_pb2_grpc.MessageHandlerServicer, port: int = 0
+) -> tuple[grpc.aio.Server, int]:
+    """Serve a hand-written servicer (one that misbehaves in a way ``TestService`` does not
+    model) on 127.0.0.1; returns the started server and its port."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    handler_pb2_grpc.add_MessageHandlerServicer_to_server(servicer, server)
+    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    if bound == 0:
+        await server.stop(None)
+        raise OSError(f"cannot listen on 127.0.0.1:{port}")
+    await server.start()
+    return server, bound

@@ -110,6 +110,11 @@ health:
   grpc_port: {{ int .Values.grpcHealth.port }}
 {{- end }}
 shutdown_grace_s: {{ .Values.shutdown.graceSeconds }}
+{{- if .Values.console.enabled }}
+console:
+  enabled: true
+  dlq_scan_records: {{ int .Values.console.dlqScanRecords }}
+{{- end }}
 groups:
 {{- range .Values.groups }}
   - name: {{ .name | quote }}

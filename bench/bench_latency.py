@@ -1,0 +1,228 @@
+#!/usr/bin/env python3
+"""Latency the proxy adds: produce -> handler, the proxy against a bare loop (issue 34, item 2).
+
+Records are produced open loop (``linger.ms`` 0, so a record's timestamp is taken when it is
+handed to the client) into a fresh one-partition topic at 1,000 msg/s, unary and batch, and at
+10,000 msg/s, batch. Latency = the handler's receipt (wall clock) minus the record's
+timestamp, first attempts only, one machine clock. The handler service is the Go bench handler
+(``bench/gohandler``, a few microseconds per call) unless ``--handler python``.
+
+- **floor**: ``bench.floors`` ``latency``: a bare Python loop that consumes the same records
+  (the first with a blocking wait, then what librdkafka already holds) and makes the same
+  call to the same service as soon as a record is there: ``HandleMessage`` per record (a
+  poll's records in flight together) or one ``HandleMessageBatch`` of up to 100 (the proxy's
+  default ``max_messages``); no tracking, auto commit in the background.
+- **proxy**: ``consumer-proxy run`` with its delivery defaults: ``batch: off`` for unary, the
+  default (``auto``: batches, since the service serves them) for batch.
+
+Paired rounds: in each round the floor and the proxy read the same records at the same time
+(a fresh topic; each its own group, process and handler service), so a load spike from the
+neighbours on this shared machine falls on both (run one after the other, the floor's own p99
+moved between 12 and 250 ms from one run to the next). Each round is warmed up with 20
+records before its window. Reported per load: p50 / p99 / p99.9 of the floor and of the proxy
+(medians over rounds), and the p99 the proxy adds (median over rounds of proxy p99 - floor
+p99 of the same round). Target: **p99 added <= 1 ms** at 1,000 msg/s in both modes. Also CPU
+microseconds per message of the floor and the proxy over the window (all their threads).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench.floors import FloorProcess
+from bench.handlers import HandlerServer, HandlerSpec
+from bench.measure import Result, percentile
+from bench.options import BenchOptions, broker, client_settings
+from bench.producing import produce_at_rate
+from bench.proxy import BenchProxy, bench_config
+from tests.support.kafka import create_topic, unique_name
+
+OPTIONS = BenchOptions(handler=True, proxy_client=True)
+
+LOADS = (("unary", 1000.0), ("batch", 1000.0), ("batch", 10000.0))
+TARGET_ADDED_P99_MS = 1.0
+BATCH_MAX_MESSAGES = 100  # the proxy's default batch.max_messages
+WARM_UP = 20
+
+
+def consumer_for(
+    who: str,
+    mode: str,
+    bootstrap: str,
+    topic: str,
+    handler: HandlerServer,
+    client: dict[str, str],
+    stages: Path | None = None,
+) -> BenchProxy | FloorProcess:
+    """The proxy or the floor, not started yet, for one run; ``stages``: where it writes when
+    each record passed each of its stages."""
+    group = unique_name(f"bench-lat-{who}")
+    if who == "proxy":
+        delivery = {"batch": "off" if mode == "unary" else "auto"}
+        config = bench_config(bootstrap, group, [topic], [handler.address], delivery, client)
+        if stages is None:
+            return BenchProxy(config)
+        return BenchProxy(config, profile="stages", profile_out=stages)
+    args = ["--bootstrap", bootstrap, "--topic", topic, "--group", group]
+    args += ["--address", handler.address, "--mode", mode]
+    if stages is not None:
+        args += ["--stages", str(stages)]
+    return FloorProcess("latency", *args, "--max-messages", str(BATCH_MAX_MESSAGES))
+
+
+def paired_run(
+    bootstrap: str,
+    handlers: dict[str, HandlerServer],
+    mode: str,
+    per_s: float,
+    seconds: float,
+    client: dict[str, str] | None = None,
+    stages: bool = False,
+) -> dict[str, dict[str, Any]]:
+    """One window of ``per_s`` records for ``seconds``, read by the floor and the proxy at
+    the same time (each its own group and its own handler service). ``stages``: also where
+    each side's latency goes (:func:`stage_figures`)."""
+    topic = create_topic(bootstrap, unique_name("bench-lat"), partitions=1)
+    stage_dir = Path(tempfile.mkdtemp(prefix="cp-bench-stages-"))
+    stage_files = {who: stage_dir / f"{who}.json" if stages else None for who in handlers}
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, stage_dir, ignore_errors=True)
+        processes: dict[str, BenchProxy | FloorProcess] = {}
+        for who, handler in handlers.items():
+            processes[who] = consumer_for(
+                who, mode, bootstrap, topic, handler, client or {}, stage_files[who]
+            )
+            stack.enter_context(processes[who])
+        for handler in handlers.values():
+            handler.reset()
+        produce_at_rate(bootstrap, topic, 100.0, WARM_UP / 100.0)  # the groups are up, calls warm
+        for handler in handlers.values():
+            handler.wait_seen(WARM_UP, 60)
+            handler.reset()
+        cpu = {who: process.cpu_seconds() for who, process in processes.items()}
+        n = produce_at_rate(bootstrap, topic, per_s, seconds)
+        found = {}
+        for who, handler in handlers.items():
+            handler.wait_seen(n, 120, interval_s=0.02)
+            cpu[who] = processes[who].cpu_seconds() - cpu[who]
+            processes[who].check_alive()
+            found[who] = figures(who, n, handler.stats(), cpu[who])
+        for process in processes.values():  # the stage files are written on the way out
+            if isinstance(process, FloorProcess):
+                process.terminate()
+            else:
+                process.stop()
+        for who, path in stage_files.items():
+            if path is not None:
+                found[who]["stages"] = stage_figures(path, found[who])
+    return found
+
+
+def stage_figures(path: Path, run: dict[str, Any]) -> dict[str, dict[str, float | None]]:
+    """p50 / p99 of the latency at each stage a side wrote (the warm-up left out), and at the
+    handler."""
+    stamps = json.loads(path.read_text())
+    found: dict[str, dict[str, float | None]] = {}
+    for stage, pairs in stamps.items():
+        values = [ms for offset, ms in pairs if offset >= WARM_UP]
+        found[stage] = {"p50": percentile(values, 50), "p99": percentile(values, 99)}
+    found["handler"] = {"p50": run["p50"], "p99": run["p99"]}
+    return found
+
+
+def figures(who: str, n: int, stats: dict[str, Any], cpu_s: float) -> dict[str, Any]:
+    """Percentiles of one side's latencies, its CPU per message, its calls."""
+    lat = stats["latency_ms"]
+    if len(lat) < n:
+        raise RuntimeError(f"{who}: {len(lat)} latencies for {n} records")
+    return {
+        "n": n,
+        "p50": percentile(lat, 50),
+        "p99": percentile(lat, 99),
+        "p999": percentile(lat, 99.9),
+        "max": max(lat),
+        "cpu_us_per_msg": 1e6 * cpu_s / n,
+        "calls": stats["calls"],
+        "batch_calls": sum(stats["sizes"].values()),
+        "mean_batch": n / max(stats["calls"], 1),
+    }
+
+
+def main() -> int:
+    parser = OPTIONS.parser(__doc__.splitlines()[1])
+    parser.add_argument("--rounds", type=int, default=3, help="paired rounds per load")
+    parser.add_argument("--seconds", type=float, default=5.0, help="window per round")
+    parser.add_argument(
+        "--stages", action="store_true", help="also where each side's latency goes (stamps)"
+    )
+    parser.add_argument(
+        "--loads", nargs="+", choices=[f"{m}_{r:.0f}" for m, r in LOADS], help="a subset"
+    )
+    args = parser.parse_args()
+    rounds = 1 if args.quick else args.rounds
+    client = client_settings(args.proxy_client)
+    seconds = 3.0 if args.quick else args.seconds
+    result = Result(
+        "bench_latency",
+        params={"rounds": rounds, "seconds": seconds, "handler": args.handler, "client": client},
+    )
+    spec = HandlerSpec(latency=True)
+    med = statistics.median
+    with (
+        broker(args.bootstrap) as bootstrap,
+        HandlerServer(spec, args.handler) as floor_handler,
+        HandlerServer(spec, args.handler) as proxy_handler,
+    ):
+        handlers = {"floor": floor_handler, "proxy": proxy_handler}
+        for mode, per_s in LOADS:
+            name = f"{mode}_{per_s:.0f}"
+            if args.loads and name not in args.loads:
+                continue
+            runs: dict[str, list[dict[str, Any]]] = {"floor": [], "proxy": []}
+            for round_ in range(rounds):
+                paired = paired_run(bootstrap, handlers, mode, per_s, seconds, client, args.stages)
+                for who, run in paired.items():
+                    runs[who].append(run)
+                    print(
+                        f"  {name} round {round_ + 1} {who:<5}: p50 {run['p50']:.2f} ms, "
+                        f"p99 {run['p99']:.2f}, p99.9 {run['p999']:.2f}, max {run['max']:.1f}; "
+                        f"{run['calls']} calls ({run['batch_calls']} batches) for {run['n']}; "
+                        f"CPU {run['cpu_us_per_msg']:.0f} us/msg",
+                        flush=True,
+                    )
+                    for stage, at in run.get("stages", {}).items():
+                        print(
+                            f"      {stage:<16} p50 {at['p50'] or 0:8.2f} ms  "
+                            f"p99 {at['p99'] or 0:8.2f} ms",
+                            flush=True,
+                        )
+            for who in ("floor", "proxy"):
+                for q in ("p50", "p99", "p999"):
+                    result.figure(f"{name}.{who}_{q}_ms", med(r[q] for r in runs[who]), "ms")
+                result.figure(
+                    f"{name}.{who}_cpu_us_per_msg",
+                    med(r["cpu_us_per_msg"] for r in runs[who]),
+                    "us",
+                )
+            added = [p["p99"] - f["p99"] for f, p in zip(runs["floor"], runs["proxy"], strict=True)]
+            result.figures[f"{name}.p99_added_ms_per_round"] = [round(a, 3) for a in added]
+            result.figures[f"{name}.runs"] = runs
+            target = TARGET_ADDED_P99_MS if per_s <= 1000 else None
+            result.ratio(f"{name}.p99_added_ms", med(added), target, higher_is_better=False)
+            result.ratio(
+                f"{name}.proxy_p99_over_floor_p99",
+                med(p["p99"] / f["p99"] for f, p in zip(runs["floor"], runs["proxy"], strict=True)),
+            )
+    result.write()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""Throughput against the floor: the proxy vs a bare consume-push-commit loop (issue 34, item 3).
+
+The workload of issue 13: 200,000 pre-produced 100-byte records on 4 partitions, a no-op
+batch handler (the Go bench handler, ``--handler python`` for the grpc.aio one with its cheap
+books), each run a fresh group reading from the start:
+
+- **floor**: ``bench.floors`` ``throughput``: a bare Python loop that consumes, pushes the same
+  batches (``HandleMessageBatch`` of up to 500 records, 4 calls in flight) and commits what
+  was answered every 100 ms; no tracking, no windows.
+- **proxy**: ``consumer-proxy run`` making the same calls: ``batch.max_messages`` 500,
+  ``concurrency`` 4 (calls), ``commit_interval_ms`` 100; ``max_in_flight`` 20,000 and
+  ``fetch_batch`` 5,000 (the settings of ``bench_batch.py``: its window must not be what
+  limits it).
+- **proxy, defaults**: the same proxy with its delivery defaults (``batch: auto``,
+  ``max_messages`` 100, 100 calls, a 1,000 window, commits every second): what a new user
+  gets.
+
+Interleaved rounds (floor, proxy, proxy defaults; the order rotates each round). The rate is
+committed msg/s: N / (first arrival at the handler -> every offset committed), read on one
+client. Target: **proxy >= 0.9 x floor**, the median of per-round ratios. Also CPU
+microseconds per message (first arrival -> N-th) of each.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from typing import Any
+
+from bench.floors import FloorProcess
+from bench.handlers import HandlerServer, HandlerSpec
+from bench.measure import Result
+from bench.offsets import CommittedReader
+from bench.options import BenchOptions, broker, client_settings
+from bench.producing import produce_bulk, sized_value
+from bench.proxy import BenchProxy, bench_config, drain, drain_figures
+from tests.support.kafka import create_topic, unique_name
+
+OPTIONS = BenchOptions(handler=True, proxy_client=True)
+
+VALUE_BYTES = 100
+MAX_MESSAGES = 500
+CALLS = 4
+COMMIT_INTERVAL_MS = 100
+TARGET = 0.9
+PROXY_DELIVERY = {
+    "batch": {"max_messages": MAX_MESSAGES},
+    "concurrency": CALLS,
+    "commit_interval_ms": COMMIT_INTERVAL_MS,
+    "max_in_flight": 20_000,
+    "fetch_batch": 5000,
+}
+CONTENDERS = ("floor", "proxy", "proxy_defaults")
+
+
+def run_one(
+    who: str,
+    bootstrap: str,
+    handler: HandlerServer,
+    topic: str,
+    n: int,
+    client: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """One fresh group drains ``topic`` through the floor or the proxy."""
+    group = unique_name(f"bench-tput-{who}")
+    process: BenchProxy | FloorProcess
+    if who == "floor":
+        args = ["--bootstrap", bootstrap, "--topic", topic, "--group", group]
+        args += ["--address", handler.address, "-n", str(n), "--max-messages", str(MAX_MESSAGES)]
+        args += ["--concurrency", str(CALLS), "--commit-interval-ms", str(COMMIT_INTERVAL_MS)]
+        process = FloorProcess("throughput", *args)
+    else:
+        delivery = PROXY_DELIVERY if who == "proxy" else {"batch": "auto"}
+        config = bench_config(bootstrap, group, [topic], [handler.address], delivery, client)
+        process = BenchProxy(config)
+    handler.reset()
+    with CommittedReader(bootstrap, group, topic) as reader:
+        reader.sum()  # the reader's connection and coordinator lookup, before the clock runs
+        with process:
+            drained = drain(handler, process, reader, n, time.monotonic() + 300)
+    return drain_figures(n, drained, process.started_at)
+
+
+def throughput_rounds(
+    bootstrap: str,
+    handler: HandlerServer,
+    topic: str,
+    n: int,
+    rounds: int,
+    client: dict[str, str] | None = None,
+) -> dict[str, list[dict[str, Any]]]:
+    """Interleaved rounds of every contender over the same records."""
+    runs: dict[str, list[dict[str, Any]]] = {who: [] for who in CONTENDERS}
+    for round_ in range(rounds):
+        order = CONTENDERS[round_ % 3 :] + CONTENDERS[: round_ % 3]
+        for who in order:
+            run = run_one(who, bootstrap, handler, topic, n, client)
+            runs[who].append(run)
+            print(
+                f"  round {round_ + 1} {who:<14}: committed {run['committed_rate']:,.0f} msg/s "
+                f"(seen {run['seen_rate']:,.0f}), CPU {run['client_cpu_us_per_msg']:.1f} "
+                f"us/msg, {run['calls']} calls (mean {run['mean_batch']:.0f}), "
+                f"duplicates {run['duplicates']:.0f}",
+                flush=True,
+            )
+    return runs
+
+
+def main() -> int:
+    parser = OPTIONS.parser(__doc__.splitlines()[1])
+    parser.add_argument("-n", type=int, default=200_000, help="records")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    args = parser.parse_args()
+    n = 40_000 if args.quick else args.n
+    rounds = 1 if args.quick else args.rounds
+    client = client_settings(args.proxy_client)
+    result = Result(
+        "bench_throughput",
+        params={
+            "n": n,
+            "rounds": rounds,
+            "handler": args.handler,
+            "proxy": PROXY_DELIVERY,
+            "client": client,
+        },
+    )
+    med = statistics.median
+    with broker(args.bootstrap) as bootstrap:
+        topic = create_topic(bootstrap, unique_name("bench-tput"), partitions=4)
+        produce_bulk(bootstrap, topic, n, partitions=4, value=sized_value)
+        with HandlerServer(HandlerSpec(count_only=True), args.handler) as handler:
+            runs = throughput_rounds(bootstrap, handler, topic, n, rounds, client)
+    for who in CONTENDERS:
+        result.figure(f"{who}.committed_msgs_per_s", med(r["committed_rate"] for r in runs[who]))
+        result.figure(
+            f"{who}.cpu_us_per_msg", med(r["client_cpu_us_per_msg"] for r in runs[who]), "us"
+        )
+    result.figures["runs"] = runs
+    floor = runs["floor"]
+    for who in ("proxy", "proxy_defaults"):
+        per_round = [
+            p["committed_rate"] / f["committed_rate"] for f, p in zip(floor, runs[who], strict=True)
+        ]
+        result.figures[f"{who}_over_floor_per_round"] = [round(r, 3) for r in per_round]
+        result.ratio(f"{who}_over_floor", med(per_round), TARGET if who == "proxy" else None)
+        result.ratio(
+            f"{who}_cpu_over_floor_cpu",
+            med(
+                p["client_cpu_us_per_msg"] / f["client_cpu_us_per_msg"]
+                for f, p in zip(floor, runs[who], strict=True)
+            ),
+        )
+    result.write()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

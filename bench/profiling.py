@@ -1,0 +1,185 @@
+"""Profiling the proxy from its first delivery to its N-th: ``python -m bench.profiling
+profile-proxy cprofile|pyinstrument OUT ARGS...`` runs ``consumer-proxy ARGS`` with a profiler
+that SIGUSR1 starts and SIGUSR2 stops (``BenchProxy(profile=...)`` sends them), and
+:func:`summarise_cprofile` reads a dump as shares of the event loop's busy time.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+STAGES = ("consumer_thread", "event_loop", "push")
+"""Where ``stages`` stamps a record on its way through the proxy: handed over by librdkafka
+on the consumer thread, received on the event loop, its push call starting."""
+
+
+def staged_proxy_main(out: str, argv: list[str]) -> int:
+    """``consumer-proxy`` that stamps each record at each of :data:`STAGES` (wall clock minus
+    the record's timestamp, ms) and writes ``{stage: [[offset, ms], ...]}`` as JSON to ``out``
+    when it exits: where the latency a proxy adds goes. It wraps three of the proxy's own
+    methods (``Fetcher._run`` and ``Fetcher.consume``, ``Dispatcher.push``,
+    ``BatchPush._deliver``), so a rename there shows up here as a missing stage."""
+    from consumer_proxy import batch_push, dispatcher, fetcher
+    from consumer_proxy.cli import main as cli_main
+
+    stamps: dict[str, list[tuple[int, float]]] = {stage: [] for stage in STAGES}
+
+    def stamp(stage: str, records: Any) -> None:
+        now_ms = time.time() * 1000.0
+        book = stamps[stage].append
+        for record in records:
+            if record.error() is None:
+                book((record.offset(), now_ms - record.timestamp()[1]))
+
+    run, consume = fetcher.Fetcher._run, fetcher.Fetcher.consume
+
+    async def staged_run(self: Any, fn: Any) -> Any:
+        def call() -> Any:
+            result = fn()
+            if fn.__name__ == "consume":
+                stamp("consumer_thread", result)
+            return result
+
+        return await run(self, call)
+
+    async def staged_consume(self: Any, max_messages: int, timeout_s: float) -> Any:
+        records = await consume(self, max_messages, timeout_s)
+        stamp("event_loop", records)
+        return records
+
+    unary, batch = dispatcher.Dispatcher.push, batch_push.BatchPush._deliver
+
+    async def staged_push(self: Any, request: Any, endpoint: Any, metadata: Any = None) -> Any:
+        message = request.message
+        stamps["push"].append((message.offset, time.time() * 1000.0 - message.timestamp_ms))
+        return await unary(self, request, endpoint, metadata)
+
+    async def staged_batch(self: Any, deliveries: Any, probe: bool, endpoint: Any) -> Any:
+        now_ms = time.time() * 1000.0
+        for d in deliveries:
+            stamps["push"].append((d.offset, now_ms - d.origin.timestamp_ms))
+        return await batch(self, deliveries, probe, endpoint)
+
+    fetcher.Fetcher._run = staged_run  # type: ignore[method-assign]
+    fetcher.Fetcher.consume = staged_consume  # type: ignore[method-assign]
+    dispatcher.Dispatcher.push = staged_push  # type: ignore[method-assign]
+    batch_push.BatchPush._deliver = staged_batch  # type: ignore[method-assign,assignment]
+    try:
+        code: int = cli_main(argv)
+    finally:
+        Path(out).write_text(json.dumps(stamps))
+    return code
+
+
+def profiled_proxy_main(kind: str, out: str, argv: list[str]) -> int:
+    """``consumer-proxy`` with a profiler that SIGUSR1 starts and SIGUSR2 stops and saves
+    (``kind`` "stages": :func:`staged_proxy_main` instead).
+
+    Both signal handlers run on the main thread, between two bytecodes of the event loop, so
+    the profiler sees exactly the loop's thread (not the consumer's executor thread).
+    """
+    if kind == "stages":
+        return staged_proxy_main(out, argv)
+    from consumer_proxy.cli import main as cli_main
+
+    profiler: Any = None
+
+    def start(_signum: int, _frame: object) -> None:
+        nonlocal profiler
+        if kind == "pyinstrument":
+            from pyinstrument import Profiler
+
+            profiler = Profiler(interval=0.0005, async_mode="disabled")
+            profiler.start()
+        else:
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
+
+    def stop(_signum: int, _frame: object) -> None:
+        if profiler is None:
+            return
+        if kind == "pyinstrument":
+            session = profiler.stop()
+            from pyinstrument.renderers import ConsoleRenderer
+
+            text = ConsoleRenderer(unicode=False, color=False, show_all=False).render(session)
+            Path(out).write_text(text)
+        else:
+            profiler.disable()
+            profiler.dump_stats(out)
+        Path(f"{out}.done").touch()
+
+    signal.signal(signal.SIGUSR1, start)
+    signal.signal(signal.SIGUSR2, stop)
+    code: int = cli_main(argv)
+    return code
+
+
+def summarise_cprofile(path: Path, n: int, top: int = 20) -> list[str]:
+    """Hot spots of a cProfile dump: own time by area and by function, as shares of the
+    loop's busy time (total minus the time blocked in epoll) and microseconds per message."""
+    import pstats
+
+    stats: Any = pstats.Stats(str(path))
+    entries = []
+    idle = 0.0
+    for (file, line, func), (_cc, nc, tt, ct, _callers) in stats.stats.items():
+        if "select.epoll" in func or func == "<method 'poll' of 'select.epoll' objects>":
+            idle += tt
+            continue
+        entries.append((tt, ct, nc, file, line, func))
+    busy = sum(e[0] for e in entries)
+    lines = [
+        f"profile {path.name}: loop busy {busy:.2f}s, idle in epoll {idle:.2f}s, "
+        f"{n} messages -> {1e6 * busy / n:.0f} us busy per message"
+    ]
+
+    def area(file: str, func: str) -> str:
+        if file == "~":
+            return "C builtins called directly"
+        parts = Path(file).parts
+        if "consumer_proxy" in parts:
+            return "consumer_proxy." + Path(file).stem
+        for name in (
+            "grpc",
+            "asyncio",
+            "google",
+            "prometheus_client",
+            "pybreaker",
+            "confluent_kafka",
+            "concurrent",
+            "logging",
+            "threading",
+        ):
+            if name in parts or Path(file).stem == name:
+                return {"google": "protobuf"}.get(name, name)
+        return Path(file).name
+
+    by_area: dict[str, float] = {}
+    for tt, _ct, _nc, file, _line, func in entries:
+        key = area(file, func)
+        by_area[key] = by_area.get(key, 0.0) + tt
+    lines.append(f"{'own s':>7} {'busy %':>6} {'us/msg':>7}  area (own time summed by module)")
+    for key, tt in sorted(by_area.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"{tt:7.2f} {100 * tt / busy:5.1f}% {1e6 * tt / n:7.1f}  {key}")
+    lines.append(f"{'own s':>7} {'busy %':>6} {'us/msg':>7} {'cum %':>6} {'calls':>8}  function")
+    for tt, ct, nc, file, line, func in sorted(entries, key=lambda e: -e[0])[:top]:
+        where = f"{Path(file).name}:{line}" if file != "~" else "~"
+        lines.append(
+            f"{tt:7.2f} {100 * tt / busy:5.1f}% {1e6 * tt / n:7.1f} "
+            f"{100 * ct / busy:5.1f}% {nc:8d}  {where}({func})"
+        )
+    return lines
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["profile-proxy"] and len(sys.argv) > 4:
+        sys.exit(profiled_proxy_main(sys.argv[2], sys.argv[3], sys.argv[4:]))
+    sys.exit("usage: python -m bench.profiling profile-proxy cprofile|pyinstrument OUT ARGS...")

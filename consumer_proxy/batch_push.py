@@ -1,0 +1,276 @@
+"""Batch mode's push: ``BatchPush``, call slots sending what is ready in one call each.
+
+    ReadyDeque -> call slot -> limiter, breaker, linger -> core.batching.take
+    -> PartitionSet.begin each -> push_batch -> breaker once -> finish each -> Tally
+
+In batch mode ``auto`` (``delivery.batch: auto``) a call slot picks its instance first: one
+that does not serve ``HandleMessageBatch`` (``Pusher.batches``, ``core.support``) gets one
+message in a unary call; an UNIMPLEMENTED answer to a batch call (the instance's first call,
+or a rolling deploy) sends the same messages again at once as unary calls to that instance,
+in the same slot, with nothing counted for the failed batch call.
+
+What it shares with the unary path (the flow objects, the breaker rule, call bookkeeping) is
+``push.Push``; what a batch's answer means is the core's (``core.batching``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from .config import BatchConfig
+from .core.batching import NOT_IMPLEMENTED_REASON, BatchLimits, BatchOutcome, summarize, take
+from .core.decision import Action
+from .core.outcomes import Classification
+from .core.partitions import Delivery
+from .kafka_log import KafkaLogGate
+from .push import OpenCall, Push, PushParts, UnaryPush, attempt_span
+from .readyq import ReadyDeque
+from .wire import batch_request, unary_request
+
+log = logging.getLogger(__name__)
+
+
+class BatchPush(Push):
+    """Batch mode: ``workers`` call slots, each sending what is ready in one call."""
+
+    def __init__(
+        self,
+        parts: PushParts,
+        ready: ReadyDeque,
+        workers: int,
+        limits: BatchLimits,
+        linger_ms: int,
+        on_problem: Callable[[], None],
+        auto: bool = False,
+    ) -> None:
+        """``on_problem`` is told when ``service_problem`` changes (health re-reads it);
+        ``auto``: unary calls to the instances that do not serve ``HandleMessageBatch``."""
+        super().__init__(parts)
+        self.ready = ready
+        self.workers = workers
+        self.limits = limits
+        self.auto = auto
+        self._one = BatchLimits(1, limits.max_bytes)
+        self._linger_s = linger_ms / 1000.0
+        self._on_problem = on_problem
+        self.service_problem = ""  # said by /readyz while set (the batch method is missing)
+        self._m_batch_size = self._metrics.batch_size.labels(self.name)
+        self._m_unsupported = self._metrics.batch_unsupported.labels(self.name)
+        self._m_protocol_errors = self._metrics.batch_protocol_errors.labels(self.name)
+        # A service that answers every batch wrongly would log a line per call (per message
+        # once they go alone): repeats within a minute are counted and said once.
+        self._lines = KafkaLogGate(log, f"group {self.name}")
+
+    def ready_low(self) -> bool:
+        """Fewer messages are ready than two batches."""
+        return len(self.ready.items) < self.limits.max_messages * 2
+
+    async def worker(self) -> None:
+        """One call slot of batch mode: wait for anything ready, then send what is ready."""
+        ready = self.ready
+        limits = self.limits
+        linger_s = self._linger_s
+        me = asyncio.current_task()
+        assert me is not None
+        clock = self._clock
+        partitions = self.partitions
+        while not self.draining:
+            await ready.wait()
+            await self.limiter.acquire()
+            probe = False
+            outcome: BatchOutcome | None = None
+            began: list[Delivery] = []
+            rtt = 0.0
+            try:
+                probe = await self.breaker.acquire()
+                endpoint = self.pusher.pick()
+                whole = self.pusher.batches(endpoint)  # auto: False for a unary instance
+                if whole and linger_s and len(ready.items) < limits.max_messages:
+                    await asyncio.sleep(linger_s)
+                # From here to begin() nothing awaits: a taken message is always begun.
+                batch = take(ready.items, limits if whole else self._one, partitions.drop_stale)
+                if ready.items:
+                    ready.wake()  # more is ready than this call takes: another slot goes
+                began = [d for d in batch if partitions.begin(d)]
+                tracer = self._tracer
+                for d in began:
+                    if d.tier:
+                        self._tier_delivered(d)
+                    if tracer is not None:
+                        tracer.begin(d, 0.0)
+                if began:
+                    self.pushing.add(me)
+                    # Open under each of its messages, for ``cancel_calls``.
+                    call = OpenCall(me, clock())
+                    for d in began:
+                        self.open[d] = call
+                    try:
+                        if self.rate is not None:
+                            await self.rate.acquire(len(began))
+                        started = clock()
+                        outcome = await (
+                            self._deliver(began, probe, endpoint)
+                            if whole
+                            else self._deliver_unary(began, probe, endpoint)
+                        )
+                        rtt = clock() - started
+                        self._m_push.observe(rtt)
+                    except asyncio.CancelledError:
+                        if not self._cancelled_here(began[0]):
+                            raise
+                        self._call_ended.set()  # given back below, none counted
+                    finally:
+                        for d in began:
+                            del self.open[d]
+            finally:
+                self.pushing.discard(me)
+                if probe and outcome is None:
+                    self.breaker.abandon_probe()
+                if outcome is None:
+                    for delivery in began:
+                        partitions.abandon(delivery)
+                        if delivery.trace is not None and delivery.stale:
+                            delivery.trace.end("stale")
+                self.limiter.release(rtt, outcome.call if outcome is not None else None)
+
+    async def _deliver(self, batch: list[Delivery], probe: bool, endpoint: Any) -> BatchOutcome:
+        tracer = self._tracer
+        payload = batch_request(batch, self.name, tracer is not None)
+        count = len(batch)
+        span, metadata = (
+            (None, None)
+            if tracer is None
+            else tracer.batch_call(batch, "HandleMessageBatch", endpoint.target)
+        )
+        status = "CANCELLED"
+        self._m_in_flight.inc()  # calls, as in unary mode
+        try:
+            outcome = await self.pusher.push_batch(payload, count, endpoint, metadata)
+            status = outcome.call.status
+        finally:
+            self._m_in_flight.dec()
+            self._call_ended.set()
+            if tracer is not None:
+                tracer.batch_done(span, status, count)
+        if outcome.unimplemented and self.auto:
+            # The instance serves HandleMessage only (the pusher now knows): the same
+            # messages go again at once, unary; the batch call counted for nothing.
+            return await self._deliver_unary(batch, probe, endpoint)
+        self._m_batch_size.observe(count)
+        self._answered(outcome, endpoint.target)
+        return self._finished(batch, outcome, probe, endpoint)
+
+    async def _deliver_unary(
+        self, batch: list[Delivery], probe: bool, endpoint: Any
+    ) -> BatchOutcome:
+        """``batch`` as unary calls to ``endpoint``, all at once; one breaker record."""
+        one = self._unary_call
+        self._m_in_flight.inc()
+        try:
+            if len(batch) == 1:
+                results = [await one(batch[0], endpoint)]
+            else:
+                results = list(await asyncio.gather(*(one(d, endpoint) for d in batch)))
+        finally:
+            self._m_in_flight.dec()
+            self._call_ended.set()
+        outcome = summarize(results)
+        if outcome.breaker:
+            call = outcome.call
+            self.last_failure = f"{call.status} from {endpoint.target}: {call.reason}"
+        return self._finished(batch, outcome, probe, endpoint)
+
+    def _unary_call(self, delivery: Delivery, endpoint: Any) -> Awaitable[Classification]:
+        """One message of batch mode in a unary call (with its attempt span when traced)."""
+        request = unary_request(delivery, self.name)
+        if delivery.trace is None:
+            return self.pusher.push(request, endpoint)
+        return self._traced_call(delivery, request, endpoint)
+
+    async def _traced_call(self, delivery: Delivery, request: Any, endpoint: Any) -> Classification:
+        trace = delivery.trace
+        span, metadata = attempt_span(delivery, "HandleMessage", endpoint)
+        result: Classification | None = None
+        try:
+            result = await self.pusher.push(request, endpoint, metadata)
+        finally:
+            trace.attempt_done(span, result)
+        return result
+
+    def _finished(
+        self, batch: list[Delivery], outcome: BatchOutcome, probe: bool, endpoint: Any
+    ) -> BatchOutcome:
+        """The breaker hears the call once, then the core decides each message."""
+        # A protocol error (breaker None) says nothing about the service's health.
+        self._tell_breaker(outcome.breaker, endpoint, probe)
+        finish = self.partitions.finish
+        settled = self.tally.settled
+        target = endpoint.target
+        acks = 0
+        for delivery, result in zip(batch, outcome.results, strict=True):
+            decision = finish(delivery, result, probe)
+            trace = delivery.trace
+            if decision is None:
+                if trace is not None and not delivery.moved:
+                    trace.end("stale")
+                continue
+            if trace is not None:
+                trace.decided(decision, result.status)
+            if decision.action is Action.ACK:
+                acks += 1
+                continue
+            settled(delivery, decision, result.status, target)
+        if acks:
+            self.tally.acked(acks)
+        return outcome
+
+    def _answered(self, outcome: BatchOutcome, target: str) -> None:
+        """Logs, metrics and health for what a batch call's answer says about the service."""
+        call = outcome.call
+        if outcome.breaker:
+            self.last_failure = f"{call.status} from {target}: {call.reason}"
+        if outcome.unimplemented:
+            if not self.service_problem:
+                self.service_problem = f"{NOT_IMPLEMENTED_REASON} ({target} answered UNIMPLEMENTED)"
+                self._m_unsupported.set(1)
+                log.error(
+                    "group %s: %s; delivery.batch is configured, so messages wait (no fallback "
+                    "to HandleMessage, nothing is dead-lettered) until the service implements "
+                    "it or the group's batch setting is removed",
+                    self.name,
+                    self.service_problem,
+                )
+                self._on_problem()
+        elif self.service_problem and outcome.breaker is False:
+            self.service_problem = ""
+            self._m_unsupported.set(0)
+            log.warning("group %s: %s answers HandleMessageBatch again", self.name, target)
+            self._on_problem()
+        if outcome.protocol_error:
+            self._m_protocol_errors.inc()
+            self._lines.say(
+                logging.WARNING,
+                f"protocol error from {target}: {outcome.protocol_error}; its messages go "
+                "alone (a batch of several: retried, no attempt counted; alone: counted)",
+            )
+
+
+def build_push(
+    parts: PushParts,
+    ready: asyncio.Queue[Delivery] | ReadyDeque,
+    workers: int,
+    batch: BatchConfig | None,
+    on_problem: Callable[[], None],
+) -> UnaryPush | BatchPush:
+    """The group's push: unary with a ready queue, batch mode (``batch``, always or auto)
+    with a deque."""
+    if batch is None:
+        assert isinstance(ready, asyncio.Queue)
+        return UnaryPush(parts, ready, workers)
+    assert isinstance(ready, ReadyDeque)
+    limits = BatchLimits(batch.max_messages, batch.max_bytes)
+    auto = batch.mode == "auto"
+    return BatchPush(parts, ready, workers, limits, batch.linger_ms, on_problem, auto)

@@ -1,0 +1,133 @@
+"""Partitions leaving this member: ``Handover`` (a graceful revoke, or a loss).
+
+A revoked partition takes no new push; its calls get the revoke grace
+(``delivery.revoke_grace_ms``, none while the group shuts down), then the ones still open are
+cancelled (the service sees it; never an attempt), its DLQ and retry tier writes are cancelled
+(the next owner makes them again), and ``PartitionSet.final_commit`` gives the commit handed
+back to the consumer. A lost partition (another member owns it already) is dropped at once,
+with its calls and writes cancelled and nothing committed.
+
+The runner's rebalance callbacks (``GroupRunner.partitions_revoked`` / ``partitions_lost``)
+call it; it is given what it acts on, so it imports neither the runner nor an adapter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Protocol
+
+from confluent_kafka import TopicPartition
+
+from .core.heartbeat import Cancel
+from .core.partitions import PartitionSet, PartitionState
+from .metrics import ProxyMetrics
+from .parking import Parking
+from .ports import Clock
+
+log = logging.getLogger(__name__)
+
+CANCEL_WAIT_S = 1.0
+"""After cancelling calls (revoke, shutdown): how long to wait for their workers to end them."""
+
+
+class Cancels(Protocol):
+    """The push's side of a hand-over (``push.Push.cancel_calls``)."""
+
+    def cancel_calls(self, parts: Sequence[PartitionState] | None, cause: Cancel) -> int: ...
+
+
+class Handover:
+    """Hands a group's leaving partitions back: waits, cancels, commits, forgets."""
+
+    def __init__(
+        self,
+        name: str,
+        partitions: PartitionSet,
+        parking: Parking,
+        metrics: ProxyMetrics,
+        call_ended: asyncio.Event,
+        revoke_grace_ms: int,
+    ) -> None:
+        """``call_ended`` is set after every call (the grace waits on it)."""
+        self.name = name
+        self._partitions = partitions
+        self._parking = parking
+        self._metrics = metrics
+        self._call_ended = call_ended
+        self._grace_s = revoke_grace_ms / 1000.0
+        self.push: Cancels | None = None  # set once the group runs
+        self.clock: Clock = _loop_time  # the edges' clock once the group runs
+
+    async def revoked(
+        self, partitions: Sequence[TopicPartition], draining: bool
+    ) -> list[TopicPartition]:
+        """Wait up to the revoke grace (none when ``draining``) for in-flight calls, then
+        cancel what is left and return the final commits. Late push results are ignored: the
+        partition is no longer this member's."""
+        parts = self._partitions.owned([(tp.topic, tp.partition) for tp in partitions])
+        self._partitions.leave(parts)
+        clock = self.clock
+        started = clock()
+        await self.calls_end(parts, started + (0.0 if draining else self._grace_s))
+        if self.push is not None and self.push.cancel_calls(parts, Cancel.REVOKE):
+            # Cancelled calls end at once (their workers give the messages back, never an
+            # attempt): a short wait lets the service hear the cancellations first.
+            await self.calls_end(parts, clock() + CANCEL_WAIT_S)
+        await self._parking.cancel(set(parts))
+        offsets = []
+        for part in parts:
+            final = self._partitions.final_commit(part)
+            if final is not None:
+                offsets.append(
+                    TopicPartition(
+                        part.topic, part.partition, final.offset, metadata=final.metadata
+                    )
+                )
+            self._forget(part)
+        busy = sum(p.calls for p in parts)
+        log.info(
+            "group %s: revoked %d partitions after %.1fs%s",
+            self.name,
+            len(parts),
+            clock() - started,
+            f" ({busy} calls still running: their results will be ignored)" if busy else "",
+        )
+        return offsets
+
+    async def calls_end(self, parts: Sequence[PartitionState], deadline: float) -> None:
+        """Wait until ``parts`` have no call under way, or ``deadline`` (the clock's)."""
+        clock = self.clock
+        while any(p.calls for p in parts) and clock() < deadline:
+            self._call_ended.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(deadline - clock()):  # not wait_for (3.11)
+                    await self._call_ended.wait()
+
+    async def lost(self, partitions: Sequence[TopicPartition]) -> None:
+        """Drop lost partitions without committing (another member owns them now), and
+        cancel their calls and their DLQ and retry tier writes at once: the new owner makes
+        them again, and a write that went on retrying here would add a copy outside the
+        documented bound."""
+        parts = self._partitions.owned([(tp.topic, tp.partition) for tp in partitions])
+        if self.push is not None:
+            self.push.cancel_calls(parts, Cancel.LOST)  # the new owner delivers them
+        writes = await self._parking.cancel(set(parts))
+        for part in parts:
+            self._forget(part)
+        log.warning(
+            "group %s: lost %d partitions (no commit possible; %d DLQ/tier writes cancelled)",
+            self.name,
+            len(partitions),
+            writes,
+        )
+
+    def _forget(self, part: PartitionState) -> None:
+        self._partitions.forget(part)
+        self._metrics.forget_partition(self.name, part.topic, part.partition)
+
+
+def _loop_time() -> float:
+    return asyncio.get_running_loop().time()
