@@ -18,10 +18,11 @@ RUN python -m venv /opt/consumer-proxy
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY consumer_proxy ./consumer_proxy
-# A plain (non-editable) install without extras: no dev tools, no PySpark. Byte-compiled here
-# because the running container's root filesystem is read-only. pip and setuptools are not
-# needed at run time.
-RUN /opt/consumer-proxy/bin/pip install --no-compile . \
+# A plain (non-editable) install with the tracing extra only (the OpenTelemetry SDK and OTLP
+# exporters, so tracing can be turned on by configuration): no dev tools, no PySpark.
+# Byte-compiled here because the running container's root filesystem is read-only. pip and
+# setuptools are not needed at run time.
+RUN /opt/consumer-proxy/bin/pip install --no-compile ".[tracing]" \
     && /opt/consumer-proxy/bin/python -m compileall -q /opt/consumer-proxy/lib \
     && /opt/consumer-proxy/bin/pip uninstall -y setuptools pip \
     && /opt/consumer-proxy/bin/consumer-proxy --version

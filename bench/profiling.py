@@ -54,10 +54,10 @@ def staged_proxy_main(out: str, argv: list[str]) -> int:
 
     unary, batch = dispatcher.Dispatcher.push, batch_push.BatchPush._deliver
 
-    async def staged_push(self: Any, request: Any, endpoint: Any) -> Any:
+    async def staged_push(self: Any, request: Any, endpoint: Any, metadata: Any = None) -> Any:
         message = request.message
         stamps["push"].append((message.offset, time.time() * 1000.0 - message.timestamp_ms))
-        return await unary(self, request, endpoint)
+        return await unary(self, request, endpoint, metadata)
 
     async def staged_batch(self: Any, deliveries: Any, probe: bool, endpoint: Any) -> Any:
         now_ms = time.time() * 1000.0

@@ -240,6 +240,7 @@ def proxy_backlog_run(
     log_level: str = "warning",
     produce_after_join: Callable[[], None] | None = None,
     group: str | None = None,
+    sections: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run ``consumer-proxy run`` with a fresh group over a topic holding ``n`` messages.
 
@@ -258,6 +259,7 @@ def proxy_backlog_run(
     """
     group = group or unique_name("bench")
     config = bench_config(bootstrap, group, [topic], [handler.address], delivery)
+    config.update(sections or {})  # top-level config sections to add (``tracing``)
     handler.reset()
     if produce_after_join is not None:
         log_level = "info"  # the assignments are read from the log

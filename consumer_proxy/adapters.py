@@ -20,6 +20,7 @@ from .dlq import DeadLetterWriter, SharedProducers, ensure_topics_unless_stopped
 from .fetcher import Fetcher, consumer_config
 from .metrics import ProxyMetrics
 from .ports import EdgeHooks, Edges
+from .tracing import Tracing
 
 BATCH_FETCH_WAIT = "fetch.wait.max.ms"
 BATCH_FETCH_WAIT_MS = 20
@@ -35,9 +36,12 @@ class RealEdges:
         metrics: ProxyMetrics,
         consumer_overrides: dict[str, Any] | None = None,
         producers: SharedProducers | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
-        """``producers``: the process's DLQ producers (None: each group a private one)."""
+        """``producers``: the process's DLQ producers (None: each group a private one);
+        ``tracing``: the process's tracing (None: off)."""
         self.kafka = kafka
+        self._tracing = tracing
         self._metrics = metrics
         self._consumer_overrides = consumer_overrides or {}
         self._producers = producers
@@ -98,4 +102,5 @@ class RealEdges:
             callback_timeout_s=grace_s + REVOKE_MARGIN_MS / 1000.0,
         )
         fetcher.on_reached = link.confirm
-        return Edges(fetcher, dispatcher, writer, loop.time)
+        tracer = self._tracing.tracer(name) if self._tracing is not None else None
+        return Edges(fetcher, dispatcher, writer, loop.time, tracer)

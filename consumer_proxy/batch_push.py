@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .config import BatchConfig
 from .core.batching import NOT_IMPLEMENTED_REASON, BatchLimits, BatchOutcome, summarize, take
 from .core.decision import Action
+from .core.outcomes import Classification
 from .core.partitions import Delivery
 from .kafka_log import KafkaLogGate
-from .push import OpenCall, Push, PushParts, UnaryPush
+from .push import OpenCall, Push, PushParts, UnaryPush, attempt_span
 from .readyq import ReadyDeque
 from .wire import batch_request, unary_request
 
@@ -94,9 +95,12 @@ class BatchPush(Push):
                 if ready.items:
                     ready.wake()  # more is ready than this call takes: another slot goes
                 began = [d for d in batch if partitions.begin(d)]
+                tracer = self._tracer
                 for d in began:
                     if d.tier:
                         self._tier_delivered(d)
+                    if tracer is not None:
+                        tracer.begin(d, 0.0)
                 if began:
                     self.pushing.add(me)
                     # Open under each of its messages, for ``cancel_calls``.
@@ -128,17 +132,29 @@ class BatchPush(Push):
                 if outcome is None:
                     for delivery in began:
                         partitions.abandon(delivery)
+                        if delivery.trace is not None and delivery.stale:
+                            delivery.trace.end("stale")
                 self.limiter.release(rtt, outcome.call if outcome is not None else None)
 
     async def _deliver(self, batch: list[Delivery], probe: bool, endpoint: Any) -> BatchOutcome:
-        payload = batch_request(batch, self.name)
+        tracer = self._tracer
+        payload = batch_request(batch, self.name, tracer is not None)
         count = len(batch)
+        span, metadata = (
+            (None, None)
+            if tracer is None
+            else tracer.batch_call(batch, "HandleMessageBatch", endpoint.target)
+        )
+        status = "CANCELLED"
         self._m_in_flight.inc()  # calls, as in unary mode
         try:
-            outcome = await self.pusher.push_batch(payload, count, endpoint)
+            outcome = await self.pusher.push_batch(payload, count, endpoint, metadata)
+            status = outcome.call.status
         finally:
             self._m_in_flight.dec()
             self._call_ended.set()
+            if tracer is not None:
+                tracer.batch_done(span, status, count)
         if outcome.unimplemented and self.auto:
             # The instance serves HandleMessage only (the pusher now knows): the same
             # messages go again at once, unary; the batch call counted for nothing.
@@ -151,16 +167,13 @@ class BatchPush(Push):
         self, batch: list[Delivery], probe: bool, endpoint: Any
     ) -> BatchOutcome:
         """``batch`` as unary calls to ``endpoint``, all at once; one breaker record."""
-        name = self.name
-        push = self.pusher.push
+        one = self._unary_call
         self._m_in_flight.inc()
         try:
             if len(batch) == 1:
-                results = [await push(unary_request(batch[0], name), endpoint)]
+                results = [await one(batch[0], endpoint)]
             else:
-                results = list(
-                    await asyncio.gather(*(push(unary_request(d, name), endpoint) for d in batch))
-                )
+                results = list(await asyncio.gather(*(one(d, endpoint) for d in batch)))
         finally:
             self._m_in_flight.dec()
             self._call_ended.set()
@@ -169,6 +182,23 @@ class BatchPush(Push):
             call = outcome.call
             self.last_failure = f"{call.status} from {endpoint.target}: {call.reason}"
         return self._finished(batch, outcome, probe, endpoint)
+
+    def _unary_call(self, delivery: Delivery, endpoint: Any) -> Awaitable[Classification]:
+        """One message of batch mode in a unary call (with its attempt span when traced)."""
+        request = unary_request(delivery, self.name)
+        if delivery.trace is None:
+            return self.pusher.push(request, endpoint)
+        return self._traced_call(delivery, request, endpoint)
+
+    async def _traced_call(self, delivery: Delivery, request: Any, endpoint: Any) -> Classification:
+        trace = delivery.trace
+        span, metadata = attempt_span(delivery, "HandleMessage", endpoint)
+        result: Classification | None = None
+        try:
+            result = await self.pusher.push(request, endpoint, metadata)
+        finally:
+            trace.attempt_done(span, result)
+        return result
 
     def _finished(
         self, batch: list[Delivery], outcome: BatchOutcome, probe: bool, endpoint: Any
@@ -182,8 +212,13 @@ class BatchPush(Push):
         acks = 0
         for delivery, result in zip(batch, outcome.results, strict=True):
             decision = finish(delivery, result, probe)
+            trace = delivery.trace
             if decision is None:
+                if trace is not None and not delivery.moved:
+                    trace.end("stale")
                 continue
+            if trace is not None:
+                trace.decided(decision, result.status)
             if decision.action is Action.ACK:
                 acks += 1
                 continue

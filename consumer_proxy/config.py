@@ -9,6 +9,7 @@ pydantic-settings: ``CONSUMER_PROXY_`` prefix, ``__`` between nested names, e.g.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import os
 import re
 import types
@@ -731,6 +732,80 @@ class HealthConfig(BaseModel):
     host: str = Field("0.0.0.0", min_length=1, description="Address the health service binds.")
 
 
+class TracingConfig(BaseModel):
+    """OpenTelemetry tracing of each message (off by default; the ``tracing`` extra). The
+    standard ``OTEL_*`` variables apply where a field here is absent:
+    ``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL``,
+    ``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_TRACES_SAMPLER[_ARG]``;
+    ``OTEL_SDK_DISABLED=true`` turns tracing off."""
+
+    model_config = _FROZEN
+    enabled: bool = Field(
+        False, description="Trace each message (a span per message, per attempt, per write)."
+    )
+    endpoint: str | None = Field(
+        None,
+        min_length=1,
+        max_length=2048,
+        description="OTLP endpoint (gRPC: http://host:4317; HTTP: http://host:4318); absent: "
+        "OTEL_EXPORTER_OTLP_ENDPOINT, else the exporter's default on localhost.",
+    )
+    protocol: Literal["grpc", "http/protobuf"] | None = Field(
+        None,
+        description="OTLP transport; absent: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL or "
+        "OTEL_EXPORTER_OTLP_PROTOCOL, else grpc.",
+    )
+    service_name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=200,
+        description="service.name of the proxy's spans; absent: OTEL_SERVICE_NAME, else "
+        "consumer-proxy.",
+    )
+    sample_ratio: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="Share of new traces recorded (parent-based: a record whose producer "
+        "sampled it is traced, one it did not is not); absent: OTEL_TRACES_SAMPLER[_ARG], "
+        "else every trace.",
+    )
+    link_producer: bool = Field(
+        False,
+        description="The process span is a new root linked to the record's trace context, "
+        "instead of its child.",
+    )
+    max_queue_size: int = Field(
+        2048,
+        ge=1,
+        le=1_000_000,
+        description="Finished spans waiting for export; more are dropped, never waited for.",
+    )
+    export_interval_ms: int = Field(
+        1000, ge=10, le=600_000, description="How often queued spans are exported."
+    )
+    export_timeout_ms: int = Field(
+        10_000, ge=100, le=600_000, description="Limit on one export call."
+    )
+
+    @field_validator("endpoint")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError("an OTLP endpoint is a URL: http://host:port or https://host:port")
+        return value
+
+    @field_validator("enabled")
+    @classmethod
+    def _installed(cls, value: bool) -> bool:
+        # (find_spec imports the parent package, opentelemetry, only when tracing is on)
+        if value and importlib.util.find_spec("opentelemetry.sdk") is None:
+            raise ValueError(
+                "tracing needs the OpenTelemetry SDK: pip install 'consumer-proxy[tracing]'"
+            )
+        return value
+
+
 REVOKE_MARGIN_MS = 30_000
 """Room left in max.poll.interval.ms after the revoke grace (the final commit, the callback)."""
 
@@ -749,6 +824,9 @@ class ProxyConfig(BaseSettings):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="HTTP endpoint.")
     health: HealthConfig = Field(default_factory=HealthConfig, description="gRPC health.")
     admin: AdminConfig = Field(default_factory=AdminConfig, description="Operator actions.")
+    tracing: TracingConfig = Field(
+        default_factory=TracingConfig, description="OpenTelemetry tracing (off by default)."
+    )
     console: ConsoleConfig = Field(
         default_factory=ConsoleConfig, description="The operator console (a web page)."
     )

@@ -49,6 +49,7 @@ from .core.ejection import (
 from .core.heartbeat import CallWatch, Limits, expiry_result, no_result
 from .core.outcomes import Classification, Classifier
 from .core.support import BatchSupport, Learnt
+from .core.tracecontext import Metadata
 from .proto.v1 import handler_pb2, handler_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -290,14 +291,20 @@ class Dispatcher:
         return a if a.outstanding <= b.outstanding else b
 
     async def push(
-        self, request: handler_pb2.HandleMessageRequest, endpoint: Endpoint
+        self,
+        request: handler_pb2.HandleMessageRequest,
+        endpoint: Endpoint,
+        metadata: Metadata | None = None,
     ) -> Classification:
-        """One call; every failure becomes a classification, never an exception."""
+        """One call; every failure becomes a classification, never an exception.
+        ``metadata``: the trace context the service continues (tracing on)."""
         endpoint.outstanding += 1
         endpoint.calls += 1
         started = time.monotonic()
         try:
-            response = await endpoint.stub.HandleMessage(request, timeout=self._timeout_s)
+            response = await endpoint.stub.HandleMessage(
+                request, timeout=self._timeout_s, metadata=metadata
+            )
         except aio.AioRpcError as exc:
             result = self._classifier.from_status(exc.code(), exc.details())
         else:
@@ -358,6 +365,7 @@ class Dispatcher:
         endpoint: Endpoint,
         watch: CallWatch,
         on_heartbeat: Callable[[float], None],
+        metadata: Metadata | None = None,
     ) -> Classification:
         """One ``HandleMessageStream`` call (``delivery.long_running``): heartbeats keep it
         alive until its result; never raises for a failed call. ``watch`` (the core's) says
@@ -368,7 +376,9 @@ class Dispatcher:
         endpoint.outstanding += 1
         endpoint.calls += 1
         # gRPC's own deadline is a backstop only (the watch ends the call first).
-        call = endpoint.stub.HandleMessageStream(request, timeout=limits.max_processing_s + 30)
+        call = endpoint.stub.HandleMessageStream(
+            request, timeout=limits.max_processing_s + 30, metadata=metadata
+        )
         try:
             result = await read_stream(call.read, watch, on_heartbeat, self._classifier)
         except aio.AioRpcError as exc:
@@ -382,7 +392,9 @@ class Dispatcher:
             self._changed(change)
         return result
 
-    async def push_batch(self, payload: bytes, count: int, endpoint: Endpoint) -> BatchOutcome:
+    async def push_batch(
+        self, payload: bytes, count: int, endpoint: Endpoint, metadata: Metadata | None = None
+    ) -> BatchOutcome:
         """One ``HandleMessageBatch`` call carrying ``count`` messages (``payload`` is the
         encoded ``HandleMessageBatchRequest``); never raises for a failed call. Endpoint
         ejection hears one result per call, like the breaker. With ``auto_batch`` the answer
@@ -401,7 +413,7 @@ class Dispatcher:
         status = "OK"
         started = time.monotonic()
         try:
-            response = await call(payload, timeout=self._timeout_s)
+            response = await call(payload, timeout=self._timeout_s, metadata=metadata)
         except aio.AioRpcError as exc:
             status = exc.code().name
             outcome = classify_failed_call(self._classifier, exc.code(), exc.details(), count)

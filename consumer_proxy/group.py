@@ -164,13 +164,12 @@ class GroupRunner:
         parts = PushParts(
             self.name,
             self.partitions,
-            edges.pusher,
+            edges,
             self.breaker,
             self.limiter,
             self.rate,
             self._tally,
             self.metrics,
-            edges.clock,
             self._call_ended,
         )
         d = self.group.delivery

@@ -66,6 +66,12 @@ proxy cancels a call (unary, streaming or batch: no heartbeat in time, its proce
 revoked or lost partition, its shutdown) the handler sees ``asyncio.CancelledError`` (in a
 batch call, every message's handler does); clean up and re-raise.
 
+Tracing: when the service has OpenTelemetry (``opentelemetry-api``, with an SDK it configures
+itself), each message runs in a SERVER span ("consumerproxy.v1.MessageHandler/<method>"), the
+child of the proxy's attempt (W3C ``traceparent`` in the call's metadata) or, in a batch, of
+the proxy's span for that message (``Message.traceparent``), linked to the batch call. Spans
+the handler starts nest under it. Without OpenTelemetry installed nothing is traced.
+
 ``serve()`` / :class:`Server` also serve the standard ``grpc.health.v1.Health`` service,
 SERVING for ``""`` and ``"consumerproxy.v1.MessageHandler"``, NOT_SERVING once stopping.
 """
@@ -448,11 +454,80 @@ def _where(message: Message) -> str:
     return f"{message.topic}[{message.partition}]@{message.offset}"
 
 
+class _ServerSpans:
+    """A SERVER span per message when OpenTelemetry is installed (a no-op otherwise)."""
+
+    def __init__(self, provider: Any = None) -> None:
+        try:
+            from opentelemetry import propagate, trace
+        except ImportError:  # the service has no OpenTelemetry: nothing is traced
+            self._tracer: Any = None
+            return
+        self._extract = propagate.extract
+        self._kind = trace.SpanKind.SERVER
+        self._link = trace.Link
+        self._current = trace.get_current_span
+        self._error = trace.Status(trace.StatusCode.ERROR)
+        self._tracer = trace.get_tracer(__name__, tracer_provider=provider)
+
+    @contextlib.contextmanager
+    def span(
+        self,
+        method: str,
+        message: handler_pb2.Message,
+        metadata: Any,
+        in_batch: bool = False,
+    ) -> Iterator[None]:
+        """Run the handler of ``message`` in its span: the parent is the call's trace context
+        (``metadata``), or in a batch the message's own, linked to the call's."""
+        tracer = self._tracer
+        if tracer is None:
+            yield
+            return
+        call = self._extract({k: v for k, v in metadata or () if isinstance(v, str)})
+        links: tuple[Any, ...] = ()
+        context = call
+        if in_batch:
+            own = {"traceparent": message.traceparent, "tracestate": message.tracestate}
+            context = self._extract(own)
+            call_span = self._current(call).get_span_context()
+            links = (self._link(call_span),) if call_span.is_valid else ()
+        attributes = {
+            "rpc.system": "grpc",
+            "rpc.service": SERVICE_NAME,
+            "rpc.method": method,
+            "messaging.system": "kafka",
+            "messaging.destination.name": message.topic,
+            "messaging.destination.partition.id": str(message.partition),
+            "messaging.kafka.offset": message.offset,
+            "messaging.consumer.group.name": message.consumer_group,
+            "messaging.message.delivery_attempt": message.attempt,
+        }
+        with tracer.start_as_current_span(
+            f"{SERVICE_NAME}/{method}",
+            context=context,
+            kind=self._kind,
+            links=links,
+            attributes=attributes,
+        ):
+            yield
+
+    def failed(self, status: grpc.StatusCode) -> None:
+        """The handler's answer for the current span's message is a non-OK status."""
+        if self._tracer is not None:
+            span = self._current()
+            span.set_attribute("rpc.grpc.status_code", status.value[0])
+            span.set_status(self._error)
+
+
 class _MessageHandlerServicer(handler_pb2_grpc.MessageHandlerServicer):
     """Adapts a Python handler to the generated servicer."""
 
-    def __init__(self, handle: HandlerFunc, max_concurrency: int | None) -> None:
+    def __init__(
+        self, handle: HandlerFunc, max_concurrency: int | None, tracer_provider: Any = None
+    ) -> None:
         self._handle = handle
+        self._spans = _ServerSpans(tracer_provider)
         self._max_concurrency = max_concurrency
         self._in_flight = 0
         self._working: set[asyncio.Task[Any]] = set()  # long calls' handler tasks
@@ -469,22 +544,34 @@ class _MessageHandlerServicer(handler_pb2_grpc.MessageHandlerServicer):
             else:
                 # A cancelled call (the proxy gave up on it) cancels this coroutine, and so
                 # the handler: it sees asyncio.CancelledError.
-                code, details, response = await self._answer(message)
+                code, details, response = await self._answer(
+                    message, ("HandleMessage", request.message, context)
+                )
         if code != grpc.StatusCode.OK:
             await context.abort(code, _truncate(details))
         return response
 
     async def _answer(
+        self, message: Message, call: tuple[str, handler_pb2.Message, Any]
+    ) -> tuple[grpc.StatusCode, str, handler_pb2.HandleMessageResponse]:
+        """Run the handler in its span (``call``: the method, the wire message, the call's
+        context): the call's status, its details and (when OK) the response."""
+        method, wire, context = call
+        with self._spans.span(method, wire, context.invocation_metadata()):
+            return await self._run(message)
+
+    async def _run(
         self, message: Message
     ) -> tuple[grpc.StatusCode, str, handler_pb2.HandleMessageResponse]:
-        """Run the handler: the call's status, its details and (when OK) the response."""
         try:
             result = await _call_handler(self._handle, message)
         except HandlerError as exc:
             log.debug("%s: handler raised %r", _where(message), exc)
+            self._spans.failed(exc.code)
             return exc.code, exc.message, handler_pb2.HandleMessageResponse()
         except Exception as exc:
             log.exception("%s: handler failed", _where(message))
+            self._spans.failed(grpc.StatusCode.INTERNAL)
             return grpc.StatusCode.INTERNAL, _describe(exc), handler_pb2.HandleMessageResponse()
         return grpc.StatusCode.OK, "", _response(result)
 
@@ -513,7 +600,10 @@ class _MessageHandlerServicer(handler_pb2_grpc.MessageHandlerServicer):
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"over max_concurrency={self._max_concurrency}",
                 )
-            work = asyncio.create_task(self._answer(message), name=_where(message))
+            work = asyncio.create_task(
+                self._answer(message, ("HandleMessageStream", request.message, context)),
+                name=_where(message),
+            )
             self._working.add(work)
             work.add_done_callback(self._working.discard)
             try:
@@ -544,10 +634,10 @@ class _MessageHandlerServicer(handler_pb2_grpc.MessageHandlerServicer):
     ) -> handler_pb2.HandleMessageBatchResponse:
         with self._admit() as admitted:
             if admitted:
+                metadata = context.invocation_metadata()
                 async with asyncio.TaskGroup() as group:
                     tasks = [
-                        group.create_task(self._batch_item(Message.from_proto(m)))
-                        for m in request.messages
+                        group.create_task(self._batch_item(m, metadata)) for m in request.messages
                     ]
                 # Added in place: an ack is an empty result (no message built and copied).
                 response = handler_pb2.HandleMessageBatchResponse()
@@ -564,19 +654,25 @@ class _MessageHandlerServicer(handler_pb2_grpc.MessageHandlerServicer):
         )
         raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
-    async def _batch_item(self, message: Message) -> handler_pb2.HandleMessageResponse | None:
+    async def _batch_item(
+        self, wire: handler_pb2.Message, metadata: Any
+    ) -> handler_pb2.HandleMessageResponse | None:
         """The message's result; None for an ack. Never raises (but for cancellation): an
         exception escaping here would fail every message of the batch through the task
         group."""
-        try:
-            result = await _call_handler(self._handle, message)
-            return None if result is None else result.to_proto()
-        except HandlerError as exc:
-            log.debug("%s: handler raised %r", _where(message), exc)
-            return _status_result(exc.code, exc.message)
-        except Exception as exc:
-            log.exception("%s: handler failed", _where(message))
-            return _status_result(grpc.StatusCode.INTERNAL, _describe(exc))
+        message = Message.from_proto(wire)
+        with self._spans.span("HandleMessageBatch", wire, metadata, in_batch=True):
+            try:
+                result = await _call_handler(self._handle, message)
+                return None if result is None else result.to_proto()
+            except HandlerError as exc:
+                log.debug("%s: handler raised %r", _where(message), exc)
+                self._spans.failed(exc.code)
+                return _status_result(exc.code, exc.message)
+            except Exception as exc:
+                log.exception("%s: handler failed", _where(message))
+                self._spans.failed(grpc.StatusCode.INTERNAL)
+                return _status_result(grpc.StatusCode.INTERNAL, _describe(exc))
 
     @contextlib.contextmanager
     def _admit(self) -> Iterator[bool]:
@@ -624,7 +720,10 @@ class Server:
         credentials: grpc.ServerCredentials | None = None,
         grace_s: float = 5.0,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        tracer_provider: Any = None,
     ) -> None:
+        """``tracer_provider``: the OpenTelemetry provider of the handler's spans (None: the
+        global one, when OpenTelemetry is installed)."""
         if max_concurrency is not None and max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         if not 1 <= max_request_bytes <= _MAX_GRPC_LENGTH:
@@ -632,7 +731,9 @@ class Server:
                 f"max_request_bytes must be from 1 to {_MAX_GRPC_LENGTH}, got {max_request_bytes}"
             )
         self._max_request_bytes = max_request_bytes
-        self._servicer = _MessageHandlerServicer(_as_function(handler), max_concurrency)
+        self._servicer = _MessageHandlerServicer(
+            _as_function(handler), max_concurrency, tracer_provider
+        )
         self._requested_port = port
         self._host = host
         self._credentials = credentials

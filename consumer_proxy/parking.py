@@ -85,8 +85,11 @@ class Parking:
         self, delivery: Delivery, status: str, reason: str, endpoint: str
     ) -> None:
         assert self.sink is not None
+        topic = self._group.dlq_topic
+        trace = delivery.trace
+        span = None if trace is None else trace.write(topic, "dead_letter")
         headers = dlq_headers(
-            delivery.headers,
+            delivery.headers if trace is None else trace.stamped(delivery.headers),
             delivery.origin,
             attempt=delivery.attempt,
             status=status,
@@ -98,16 +101,16 @@ class Parking:
         errors = self._metrics.dlq_writes.labels(self.name, "error")
         try:
             await self.sink.write(
-                self._group.dlq_topic,
-                delivery.key,
-                delivery.value,
-                headers,
-                on_failure=lambda _exc: errors.inc(),
+                topic, delivery.key, delivery.value, headers, on_failure=lambda _exc: errors.inc()
             )
         except BaseException:
             self._partitions.dead_letter_abandoned(delivery)
             self._settled.set()
+            if trace is not None:
+                trace.written(span, False)
             raise
+        if trace is not None:
+            trace.written(span, True)
         self._partitions.dead_lettered(delivery)
         self._settled.set()
         self._metrics.dlq_writes.labels(self.name, "ok").inc()
@@ -128,8 +131,11 @@ class Parking:
         DLQ write: a failed write holds the source commit at the message)."""
         assert self.sink is not None
         tier = decision.tier
+        topic = self._group.retry_topics[tier - 1]
+        trace = delivery.trace
+        span = None if trace is None else trace.write(topic, "tier")
         headers = retry_headers(
-            delivery.headers,
+            delivery.headers if trace is None else trace.stamped(delivery.headers),
             delivery.origin,
             attempt=delivery.attempt,
             status=status,
@@ -142,16 +148,16 @@ class Parking:
         errors = self._metrics.retry_tier_writes.labels(self.name, str(tier), "error")
         try:
             await self.sink.write(
-                self._group.retry_topics[tier - 1],
-                delivery.key,
-                delivery.value,
-                headers,
-                on_failure=lambda _exc: errors.inc(),
+                topic, delivery.key, delivery.value, headers, on_failure=lambda _exc: errors.inc()
             )
         except BaseException:
             self._partitions.tier_abandoned(delivery)
             self._settled.set()
+            if trace is not None:
+                trace.written(span, False)
             raise
+        if trace is not None:
+            trace.written(span, True)
         self._partitions.tier_written(delivery)
         self._settled.set()
         if delivery.moved:

@@ -25,7 +25,9 @@ from .core.records import Headers
 
 if TYPE_CHECKING:
     from .config import GroupConfig
+    from .core.tracecontext import Metadata
     from .health import KafkaLink
+    from .tracing import Tracer
 
 Clock = Callable[[], float]
 """Monotonic seconds (the event loop's clock for the real group)."""
@@ -66,13 +68,22 @@ class Pusher(Protocol):
 
     def start(self) -> None: ...
     def pick(self) -> Any: ...
-    async def push(self, request: Any, endpoint: Any) -> Classification: ...
-    async def push_batch(self, payload: bytes, count: int, endpoint: Any) -> BatchOutcome: ...
+    async def push(
+        self, request: Any, endpoint: Any, metadata: Metadata | None = None
+    ) -> Classification: ...
+    async def push_batch(
+        self, payload: bytes, count: int, endpoint: Any, metadata: Metadata | None = None
+    ) -> BatchOutcome: ...
     def batches(self, endpoint: Any) -> bool: ...
     def batch_support(self) -> str: ...
     def instances(self) -> list[dict[str, Any]]: ...
     async def push_stream(
-        self, request: Any, endpoint: Any, watch: CallWatch, on_heartbeat: Callable[[float], None]
+        self,
+        request: Any,
+        endpoint: Any,
+        watch: CallWatch,
+        on_heartbeat: Callable[[float], None],
+        metadata: Metadata | None = None,
     ) -> Classification: ...
     async def close(self) -> None: ...
 
@@ -100,6 +111,8 @@ class Edges:
     pusher: Pusher
     sink: DeadLetterSink
     clock: Clock
+    tracer: Tracer | None = None
+    """The group's tracer (``tracing``); None while tracing is off."""
 
 
 @dataclass(frozen=True)

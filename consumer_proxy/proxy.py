@@ -18,6 +18,7 @@ from .dlq import SharedProducers
 from .group import GroupRunner
 from .health import ProxyHealth, group_verdict
 from .metrics import Answer, HttpEndpoint, ProxyMetrics, text_answer
+from .tracing import start_tracing
 
 
 class Proxy:
@@ -37,7 +38,11 @@ class Proxy:
         # One DLQ producer for every group (per distinct producer configuration): an idle
         # group then holds no producer client, threads or connections of its own.
         self.producers = SharedProducers()
-        edges = RealEdges(config.kafka, self.metrics, consumer_overrides, self.producers)
+        # Off (the default): None, and nothing of OpenTelemetry is imported.
+        self.tracing = start_tracing(config.tracing)
+        edges = RealEdges(
+            config.kafka, self.metrics, consumer_overrides, self.producers, self.tracing
+        )
         self.runners = [
             GroupRunner(g, self.metrics, edges, config.shutdown_grace_s) for g in config.groups
         ]
@@ -138,6 +143,8 @@ class Proxy:
                 await self.http.close()
             if self.console is not None:
                 await self.console.close()
+            if self.tracing is not None:
+                await asyncio.to_thread(self.tracing.shutdown)  # exports what is queued
             self._finished.set()
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures and not isinstance(failures[0], asyncio.CancelledError):

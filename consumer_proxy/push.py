@@ -29,10 +29,12 @@ from .core.ejection import breaker_hears
 from .core.heartbeat import CallWatch, Cancel
 from .core.outcomes import Classification
 from .core.partitions import Delivery, PartitionSet, PartitionState
+from .core.tracecontext import Metadata
 from .flow import Breaker, ConcurrencyLimiter, RateLimiter
 from .metrics import ProxyMetrics
 from .parking import Tally
-from .ports import Clock, Pusher
+from .ports import Clock, Edges, Pusher
+from .tracing import Tracer
 from .wire import unary_request
 
 log = logging.getLogger(__name__)
@@ -44,13 +46,14 @@ class PushParts:
 
     name: str
     partitions: PartitionSet
-    pusher: Pusher
+    edges: Edges
+    """The pusher, the clock and the tracer (None while tracing is off: a message then costs
+    a None check) are the push's."""
     breaker: Breaker
     limiter: ConcurrencyLimiter
     rate: RateLimiter | None
     tally: Tally
     metrics: ProxyMetrics
-    clock: Clock
     call_ended: asyncio.Event
     """Set after every call (revocation waits on it)."""
 
@@ -67,20 +70,29 @@ class OpenCall:
     """Set when the proxy cancelled it (revoke, lost, shutdown): never an attempt."""
 
 
+def attempt_span(delivery: Delivery, method: str, endpoint: Any) -> tuple[object, Metadata | None]:
+    """A traced delivery's attempt span and the call's metadata; (None, None) untraced."""
+    trace = delivery.trace
+    if trace is None:
+        return None, None
+    return trace.attempt(method, endpoint.target, delivery.attempt)  # type: ignore[no-any-return]
+
+
 class Push:
     """What both modes share: the flow objects, the call bookkeeping, the breaker rule."""
 
     def __init__(self, parts: PushParts) -> None:
         self.name = parts.name
         self.partitions = parts.partitions
-        self.pusher = parts.pusher
+        self.pusher: Pusher = parts.edges.pusher
         self.breaker = parts.breaker
         self.limiter = parts.limiter
         self.rate = parts.rate
         self.tally = parts.tally
         self._metrics = parts.metrics
-        self._clock = parts.clock
+        self._clock: Clock = parts.edges.clock
         self._call_ended = parts.call_ended
+        self._tracer: Tracer | None = parts.edges.tracer
         self.pushing: set[asyncio.Task[Any]] = set()
         """The workers with a call under way (shutdown gives them the grace period)."""
         self.draining = False
@@ -91,6 +103,9 @@ class Push:
         """Calls under way, by message (a batch call under each of its messages)."""
         self._m_push = parts.metrics.push_duration.labels(parts.name)
         self._m_in_flight = parts.metrics.in_flight.labels(parts.name)
+
+    def _tier_delivered(self, delivery: Delivery) -> None:
+        self._metrics.retry_tier_deliveries.labels(self.name, str(delivery.tier)).inc()
 
     def oldest(self) -> dict[tuple[str, int], tuple[int, float, str]]:
         """Per partition, its oldest call under way (unary, batch or streaming): (offset, age
@@ -107,9 +122,6 @@ class Push:
         for delivery, call in self.open.items():
             see(delivery, call.started, call.watch.progress if call.watch is not None else "")
         return found
-
-    def _tier_delivered(self, delivery: Delivery) -> None:
-        self._metrics.retry_tier_deliveries.labels(self.name, str(delivery.tier)).inc()
 
     def cancel_calls(self, parts: Collection[PartitionState] | None, cause: Cancel) -> int:
         """Cancel the open calls of ``parts`` (None: all); returns how many. The service sees
@@ -165,9 +177,12 @@ class UnaryPush(Push):
         assert me is not None
         clock = self._clock
         partitions = self.partitions
+        tracer = self._tracer
         while not self.draining:
             delivery = await ready.get()
             if partitions.drop_stale(delivery):
+                if delivery.trace is not None:
+                    delivery.trace.end("stale")
                 continue
             if self.rate is not None:
                 await self.rate.acquire()
@@ -181,11 +196,15 @@ class UnaryPush(Push):
             rtt = 0.0
             began = False
             try:
+                # (traced: how long an open breaker holds the message, an event of its span)
+                held_from = clock() if tracer is not None and self.breaker.is_open else None
                 probe = await self.breaker.acquire()
                 began = partitions.begin(delivery)
                 if began:
                     if delivery.tier:
                         self._tier_delivered(delivery)
+                    if tracer is not None:
+                        tracer.begin(delivery, 0.0 if held_from is None else clock() - held_from)
                     self.pushing.add(me)
                     started = clock()
                     result = await self._deliver(delivery, probe)
@@ -197,6 +216,8 @@ class UnaryPush(Push):
                     self.breaker.abandon_probe()
                 if began and result is None:
                     partitions.abandon(delivery)
+                    if delivery.trace is not None and delivery.stale:
+                        delivery.trace.end("stale")
                 self.limiter.release(rtt, result)
 
     async def _deliver(self, delivery: Delivery, probe: bool) -> Classification | None:
@@ -207,8 +228,11 @@ class UnaryPush(Push):
         worker = asyncio.current_task()
         assert worker is not None
         self.open[delivery] = OpenCall(worker, self._clock())
+        trace = delivery.trace
+        span, metadata = attempt_span(delivery, "HandleMessage", endpoint)
+        result: Classification | None = None
         try:
-            result = await self.pusher.push(request, endpoint)
+            result = await self.pusher.push(request, endpoint, metadata)
         except asyncio.CancelledError:
             if self._cancelled_here(delivery):
                 return None
@@ -217,6 +241,8 @@ class UnaryPush(Push):
             del self.open[delivery]
             self._m_in_flight.dec()
             self._call_ended.set()
+            if trace is not None:
+                trace.attempt_done(span, result)
         return self._settle(delivery, result, probe, endpoint)
 
     def _settle(
@@ -229,4 +255,10 @@ class UnaryPush(Push):
         decision = self.partitions.finish(delivery, result, probe)
         if decision is not None:
             self.tally.settled(delivery, decision, result.status, endpoint.target)
+        trace = delivery.trace
+        if trace is not None:
+            if decision is not None:
+                trace.decided(decision, result.status)
+            elif not delivery.moved:
+                trace.end("stale")
         return result

@@ -26,7 +26,7 @@ from .core.heartbeat import MAX_PROCESSING_STATUS, CallWatch, Expiry, Limits
 from .core.outcomes import Classification
 from .core.partitions import Delivery
 from .proto.v1 import handler_pb2
-from .push import OpenCall, PushParts, UnaryPush
+from .push import OpenCall, PushParts, UnaryPush, attempt_span
 from .wire import message
 
 
@@ -78,8 +78,13 @@ class StreamPush(UnaryPush):
         self.open[delivery] = OpenCall(worker, self._clock(), watch)
         self._m_in_flight.inc()
         self._m_open.inc()
+        trace = delivery.trace
+        span, metadata = attempt_span(delivery, "HandleMessageStream", endpoint)
+        result: Classification | None = None
         try:
-            result = await self.pusher.push_stream(request, endpoint, watch, self._m_gap.observe)
+            result = await self.pusher.push_stream(
+                request, endpoint, watch, self._m_gap.observe, metadata
+            )
         except asyncio.CancelledError:
             if self._cancelled_here(delivery):
                 return None
@@ -89,6 +94,8 @@ class StreamPush(UnaryPush):
             self._m_open.dec()
             self._m_in_flight.dec()
             self._call_ended.set()
+            if trace is not None:
+                trace.attempt_done(span, result)
         expiry = watch.expired(asyncio.get_running_loop().time())
         if expiry is not None and result.status in {"DEADLINE_EXCEEDED", MAX_PROCESSING_STATUS}:
             self._m_expired[expiry].inc()

@@ -48,9 +48,9 @@ class PushSpy:
         self.calls: list[tuple[float, str]] = []
         real = runner.dispatcher.push
 
-        async def push(request, endpoint):  # type: ignore[no-untyped-def]
+        async def push(request, endpoint, metadata=None):  # type: ignore[no-untyped-def]
             self.calls.append((time.monotonic(), runner.breaker.state))
-            return await real(request, endpoint)
+            return await real(request, endpoint, metadata)
 
         runner.dispatcher.push = push  # type: ignore[method-assign]
 

@@ -10,16 +10,8 @@ Without Go these tests skip locally and fail in CI (CI=true), like every integra
 from __future__ import annotations
 
 import logging
-import os
 import re
-import shutil
-import signal
-import socket
-import subprocess
-import threading
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -27,6 +19,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from consumer_proxy.proto.v1 import handler_pb2, handler_pb2_grpc
+from tests.support.goexample import MODULE, GoService, build, find_go, go
+from tests.support.goexample import go_service as run_go_service
 from tests.support.kafka import (
     Broker,
     consume_all,
@@ -38,123 +32,21 @@ from tests.support.kafka import (
 )
 from tests.support.proxy import Members, caught_up, make_config, revoke_took, start_proxy
 from tests.support.scrape import parse
-from tests.support.waiting import async_wait_until, wait_until
+from tests.support.waiting import async_wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
-MODULE = ROOT / "examples" / "go"
-GO_TIMEOUT_S = 600  # a cold build downloads grpc-go and compiles it (about a minute here)
-
 pytestmark = pytest.mark.timeout(900)
-
-
-def find_go() -> str:
-    """The go command; skips without one, except in CI where a missing tool is a failure."""
-    for candidate in (os.environ.get("GO"), shutil.which("go"), "/usr/local/go/bin/go"):
-        if candidate and os.access(candidate, os.X_OK):
-            return candidate
-    if os.environ.get("CI", "").lower() in {"1", "true", "yes"}:
-        pytest.fail("no go command (set GO or put go on PATH): the Go example cannot be built")
-    pytest.skip("no go command (a failure under CI=true): set GO or put go on PATH")
-
-
-def go(go_cmd: str, *args: str) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(
-        [go_cmd, *args],
-        cwd=MODULE,
-        capture_output=True,
-        text=True,
-        timeout=GO_TIMEOUT_S,
-        check=False,
-        # -mod=readonly: the build uses go.mod and go.sum as committed, never edits them.
-        env={**os.environ, "GOFLAGS": "-mod=readonly", "CGO_ENABLED": "0"},
-    )
-    assert proc.returncode == 0, f"go {' '.join(args)} failed:\n{proc.stdout}{proc.stderr}"
-    return proc
 
 
 @pytest.fixture(scope="module")
 def go_binary(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    go_cmd = find_go()
-    binary = tmp_path_factory.mktemp("go-example") / "example"
-    go(go_cmd, "build", "-o", str(binary), ".")
-    return binary
-
-
-@dataclass
-class GoService:
-    process: subprocess.Popen[str]
-    address: str
-    lines: list[tuple[float, str]] = field(default_factory=list)
-    """Its log (stderr) so far: each line with the wall time (``time.time()``) it was read."""
-
-    def __post_init__(self) -> None:
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.process.stderr is not None
-        for line in self.process.stderr:
-            self.lines.append((time.time(), line))
-
-    def stop(self) -> str:
-        """SIGTERM, wait for the graceful stop; returns its log."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self._reader.join(10)
-        if self.process.stderr is not None:
-            self.process.stderr.close()
-        return "".join(line for _, line in self.lines)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def serving(address: str) -> bool:
-    """One grpc.health.v1 check of the whole server; False until it answers SERVING."""
-    with grpc.insecure_channel(address) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=1
-            )
-        except grpc.RpcError:
-            return False
-    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+    return build(tmp_path_factory.mktemp("go-example"))
 
 
 @pytest.fixture
 def go_service(go_binary: Path) -> Iterator[GoService]:
     """The example on a free 127.0.0.1 port (given by PORT), ready once its health says so."""
-    yield from _go_service(go_binary)
-
-
-def _go_service(go_binary: Path, *flags: str) -> Iterator[GoService]:
-    port = free_port()
-    process = subprocess.Popen(
-        [str(go_binary), "-host", "127.0.0.1", *flags],
-        env={**os.environ, "PORT": str(port)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    service = GoService(process, f"127.0.0.1:{port}")
-    try:
-        wait_until(
-            lambda: process.poll() is not None or serving(service.address),
-            timeout=30,
-            message="the Go example to serve grpc.health.v1",
-        )
-        assert process.poll() is None, f"the Go example exited:\n{service.stop()}"
-        yield service
-    finally:
-        service.stop()
+    yield from run_go_service(go_binary)
 
 
 def test_the_go_example_passes_its_own_go_test() -> None:
@@ -261,7 +153,7 @@ async def test_the_go_example_behind_the_proxy_acks_retries_and_dead_letters_thr
 @pytest.fixture
 def go_long_service(go_binary: Path) -> Iterator[GoService]:
     """The example with 3 s "long" messages (HandleMessageStream)."""
-    yield from _go_service(go_binary, "-long-ms", "3000")
+    yield from run_go_service(go_binary, "-long-ms", "3000")
 
 
 @pytest.mark.kafka
@@ -310,7 +202,7 @@ REVOKE_GRACE_MS = 1000
 @pytest.fixture
 def go_longer_service(go_binary: Path) -> Iterator[GoService]:
     """The example with "long" messages of LONG_MS: open through a rebalance."""
-    yield from _go_service(go_binary, "-long-ms", str(LONG_MS))
+    yield from run_go_service(go_binary, "-long-ms", str(LONG_MS))
 
 
 @pytest.mark.kafka

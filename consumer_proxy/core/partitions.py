@@ -161,6 +161,7 @@ class Delivery:
     moved: bool = False  # moved aside as it blocked its partition: a late result is ignored
     alone: bool = False  # batch mode: goes in a batch of its own (its batch's answer was bad)
     guard_probe: bool = False  # retried to probe a held dead-letter guard: its ack releases it
+    trace: Any = None  # the shell's trace of it (tracing.MessageTrace); None with tracing off
 
     @property
     def stale(self) -> bool:

@@ -62,12 +62,15 @@ func (h *handler) HandleMessage(
 }
 
 // HandleMessageBatch handles several messages: one result per message, in the same order.
+// Each message runs in a span of its own, the child of the proxy's span for it (tracing.go).
 func (h *handler) HandleMessageBatch(
-	_ context.Context, req *cpv1.HandleMessageBatchRequest,
+	ctx context.Context, req *cpv1.HandleMessageBatchRequest,
 ) (*cpv1.HandleMessageBatchResponse, error) {
 	results := make([]*cpv1.HandleMessageResponse, 0, len(req.GetMessages()))
 	for _, msg := range req.GetMessages() {
+		_, span := messageContext(ctx, msg)
 		results = append(results, h.decide(msg))
+		span.End()
 	}
 	return &cpv1.HandleMessageBatchResponse{Results: results}, nil
 }

@@ -19,9 +19,14 @@
 // The port may also come from the PORT environment variable; -port 0 picks a free port. The
 // address is logged as "serving on HOST:PORT". SIGINT or SIGTERM stops it gracefully: health
 // turns NOT_SERVING, in-flight calls finish, and the counts are logged.
+//
+// Tracing (tracing.go): with OTEL_EXPORTER_OTLP_ENDPOINT set, each call's server span
+// (otelgrpc) continues the proxy's trace, and each message of a batch gets a span whose parent
+// is the proxy's span for it; the standard OTEL_* variables configure the exporter.
 package main
 
 import (
+	"context"
 	"flag"
 	"log"
 	"net"
@@ -31,6 +36,7 @@ import (
 	"syscall"
 	"time"
 
+	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
@@ -68,7 +74,13 @@ func main() {
 		poison: []byte(*poison), flaky: []byte(*flaky),
 		long: []byte(*long), longFor: time.Duration(*longMs) * time.Millisecond, stuck: []byte(*stuck),
 	}
-	server := grpc.NewServer(grpc.MaxRecvMsgSize(*maxRequestBytes))
+	shutdownTracing, err := setupTracing(context.Background())
+	if err != nil {
+		log.Fatalf("tracing: %v", err)
+	}
+	// otelgrpc: a server span per call, the child of the proxy's attempt (W3C metadata).
+	server := grpc.NewServer(grpc.MaxRecvMsgSize(*maxRequestBytes),
+		grpc.StatsHandler(otelgrpc.NewServerHandler()))
 	cpv1.RegisterMessageHandlerServer(server, h)
 	healthServer := health.NewServer()
 	healthpb.RegisterHealthServer(server, healthServer)
@@ -89,6 +101,11 @@ func main() {
 	log.Printf("serving on %s", listener.Addr())
 	if err := server.Serve(listener); err != nil {
 		log.Fatalf("serve: %v", err)
+	}
+	flush, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := shutdownTracing(flush); err != nil {
+		log.Printf("tracing: %v", err)
 	}
 	log.Printf("stopped: acked=%d retried=%d dead_lettered=%d cancelled=%d",
 		h.acked.Load(), h.retried.Load(), h.deadLettered.Load(), h.cancelled.Load())

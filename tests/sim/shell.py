@@ -413,14 +413,16 @@ class SimPusher:
     def pick(self) -> Any:
         return self._endpoint
 
-    async def push(self, request: Any, endpoint: Any) -> Classification:
+    async def push(self, request: Any, endpoint: Any, metadata: Any = None) -> Classification:
         sim = self.sim
         ident = _ident(request.message.headers)
         result, latency = sim.answer(ident)
         await asyncio.sleep(latency)
         return result
 
-    async def push_batch(self, payload: bytes, count: int, endpoint: Any) -> BatchOutcome:
+    async def push_batch(
+        self, payload: bytes, count: int, endpoint: Any, metadata: Any = None
+    ) -> BatchOutcome:
         sim = self.sim
         request = handler_pb2.HandleMessageBatchRequest.FromString(payload)
         idents = [_ident(m.headers) for m in request.messages]
@@ -445,6 +447,7 @@ class SimPusher:
         endpoint: Any,
         watch: CallWatch,
         on_heartbeat: Callable[[float], None],
+        metadata: Any = None,
     ) -> Classification:
         sim = self.sim
         ident = _ident(request.message.headers)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x63onsumerproxy/v1/handler.proto\x12\x10\x63onsumerproxy.v1\"$\n\x06Header\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c\"\x97\x02\n\x07Message\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x0b\n\x03key\x18\x04 \x01(\x0c\x12\x0f\n\x07has_key\x18\x05 \x01(\x08\x12\r\n\x05value\x18\x06 \x01(\x0c\x12\x11\n\thas_value\x18\x07 \x01(\x08\x12)\n\x07headers\x18\x08 \x03(\x0b\x32\x18.consumerproxy.v1.Header\x12\x14\n\x0ctimestamp_ms\x18\t \x01(\x03\x12\x16\n\x0e\x63onsumer_group\x18\n \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x0b \x01(\x05\x12\x30\n\x06source\x18\x0c \x01(\x0e\x32 .consumerproxy.v1.DeliverySource\"B\n\x14HandleMessageRequest\x12*\n\x07message\x18\x01 \x01(\x0b\x32\x19.consumerproxy.v1.Message\"\xe5\x01\n\x15HandleMessageResponse\x12>\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32..consumerproxy.v1.HandleMessageResponse.Action\x12\x16\n\x0eretry_after_ms\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x13\n\x0bstatus_code\x18\x04 \x01(\x05\"O\n\x06\x41\x63tion\x12\x16\n\x12\x41\x43TION_UNSPECIFIED\x10\x00\x12\x07\n\x03\x41\x43K\x10\x01\x12\t\n\x05RETRY\x10\x02\x12\x0f\n\x0b\x44\x45\x41\x44_LETTER\x10\x03\x12\x08\n\x04\x44ROP\x10\x04\"\x82\x01\n\x1aHandleMessageStreamRequest\x12*\n\x07message\x18\x01 \x01(\x0b\x32\x19.consumerproxy.v1.Message\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\x03\x12\x19\n\x11max_processing_ms\x18\x03 \x01(\x03\"\x1d\n\tHeartbeat\x12\x10\n\x08progress\x18\x01 \x01(\t\"\x90\x01\n\x18HandleMessageStreamEvent\x12\x30\n\theartbeat\x18\x01 \x01(\x0b\x32\x1b.consumerproxy.v1.HeartbeatH\x00\x12\x39\n\x06result\x18\x02 \x01(\x0b\x32\'.consumerproxy.v1.HandleMessageResponseH\x00\x42\x07\n\x05\x65vent\"H\n\x19HandleMessageBatchRequest\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.consumerproxy.v1.Message\"V\n\x1aHandleMessageBatchResponse\x12\x38\n\x07results\x18\x01 \x03(\x0b\x32\'.consumerproxy.v1.HandleMessageResponse*\x86\x01\n\x0e\x44\x65liverySource\x12\x1f\n\x1b\x44\x45LIVERY_SOURCE_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x44\x45LIVERY_SOURCE_PRIMARY\x10\x01\x12\x1b\n\x17\x44\x45LIVERY_SOURCE_REDRIVE\x10\x02\x12\x19\n\x15\x44\x45LIVERY_SOURCE_RETRY\x10\x03\x32\xd6\x02\n\x0eMessageHandler\x12`\n\rHandleMessage\x12&.consumerproxy.v1.HandleMessageRequest\x1a\'.consumerproxy.v1.HandleMessageResponse\x12o\n\x12HandleMessageBatch\x12+.consumerproxy.v1.HandleMessageBatchRequest\x1a,.consumerproxy.v1.HandleMessageBatchResponse\x12q\n\x13HandleMessageStream\x12,.consumerproxy.v1.HandleMessageStreamRequest\x1a*.consumerproxy.v1.HandleMessageStreamEvent0\x01\x42r\n\x13io.consumerproxy.v1P\x01ZYgithub.com/consumer-proxy/consumer-proxy/examples/go/gen/consumerproxy/v1;consumerproxyv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x63onsumerproxy/v1/handler.proto\x12\x10\x63onsumerproxy.v1\"$\n\x06Header\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c\"\xc0\x02\n\x07Message\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x0b\n\x03key\x18\x04 \x01(\x0c\x12\x0f\n\x07has_key\x18\x05 \x01(\x08\x12\r\n\x05value\x18\x06 \x01(\x0c\x12\x11\n\thas_value\x18\x07 \x01(\x08\x12)\n\x07headers\x18\x08 \x03(\x0b\x32\x18.consumerproxy.v1.Header\x12\x14\n\x0ctimestamp_ms\x18\t \x01(\x03\x12\x16\n\x0e\x63onsumer_group\x18\n \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x0b \x01(\x05\x12\x30\n\x06source\x18\x0c \x01(\x0e\x32 .consumerproxy.v1.DeliverySource\x12\x13\n\x0btraceparent\x18\r \x01(\t\x12\x12\n\ntracestate\x18\x0e \x01(\t\"B\n\x14HandleMessageRequest\x12*\n\x07message\x18\x01 \x01(\x0b\x32\x19.consumerproxy.v1.Message\"\xe5\x01\n\x15HandleMessageResponse\x12>\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32..consumerproxy.v1.HandleMessageResponse.Action\x12\x16\n\x0eretry_after_ms\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x13\n\x0bstatus_code\x18\x04 \x01(\x05\"O\n\x06\x41\x63tion\x12\x16\n\x12\x41\x43TION_UNSPECIFIED\x10\x00\x12\x07\n\x03\x41\x43K\x10\x01\x12\t\n\x05RETRY\x10\x02\x12\x0f\n\x0b\x44\x45\x41\x44_LETTER\x10\x03\x12\x08\n\x04\x44ROP\x10\x04\"\x82\x01\n\x1aHandleMessageStreamRequest\x12*\n\x07message\x18\x01 \x01(\x0b\x32\x19.consumerproxy.v1.Message\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\x03\x12\x19\n\x11max_processing_ms\x18\x03 \x01(\x03\"\x1d\n\tHeartbeat\x12\x10\n\x08progress\x18\x01 \x01(\t\"\x90\x01\n\x18HandleMessageStreamEvent\x12\x30\n\theartbeat\x18\x01 \x01(\x0b\x32\x1b.consumerproxy.v1.HeartbeatH\x00\x12\x39\n\x06result\x18\x02 \x01(\x0b\x32\'.consumerproxy.v1.HandleMessageResponseH\x00\x42\x07\n\x05\x65vent\"H\n\x19HandleMessageBatchRequest\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.consumerproxy.v1.Message\"V\n\x1aHandleMessageBatchResponse\x12\x38\n\x07results\x18\x01 \x03(\x0b\x32\'.consumerproxy.v1.HandleMessageResponse*\x86\x01\n\x0e\x44\x65liverySource\x12\x1f\n\x1b\x44\x45LIVERY_SOURCE_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x44\x45LIVERY_SOURCE_PRIMARY\x10\x01\x12\x1b\n\x17\x44\x45LIVERY_SOURCE_REDRIVE\x10\x02\x12\x19\n\x15\x44\x45LIVERY_SOURCE_RETRY\x10\x03\x32\xd6\x02\n\x0eMessageHandler\x12`\n\rHandleMessage\x12&.consumerproxy.v1.HandleMessageRequest\x1a\'.consumerproxy.v1.HandleMessageResponse\x12o\n\x12HandleMessageBatch\x12+.consumerproxy.v1.HandleMessageBatchRequest\x1a,.consumerproxy.v1.HandleMessageBatchResponse\x12q\n\x13HandleMessageStream\x12,.consumerproxy.v1.HandleMessageStreamRequest\x1a*.consumerproxy.v1.HandleMessageStreamEvent0\x01\x42r\n\x13io.consumerproxy.v1P\x01ZYgithub.com/consumer-proxy/consumer-proxy/examples/go/gen/consumerproxy/v1;consumerproxyv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,28 +32,28 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'consumerproxy.v1.handler_pb
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\023io.consumerproxy.v1P\001ZYgithub.com/consumer-proxy/consumer-proxy/examples/go/gen/consumerproxy/v1;consumerproxyv1'
-  _globals['_DELIVERYSOURCE']._serialized_start=1146
-  _globals['_DELIVERYSOURCE']._serialized_end=1280
+  _globals['_DELIVERYSOURCE']._serialized_start=1187
+  _globals['_DELIVERYSOURCE']._serialized_end=1321
   _globals['_HEADER']._serialized_start=52
   _globals['_HEADER']._serialized_end=88
   _globals['_MESSAGE']._serialized_start=91
-  _globals['_MESSAGE']._serialized_end=370
-  _globals['_HANDLEMESSAGEREQUEST']._serialized_start=372
-  _globals['_HANDLEMESSAGEREQUEST']._serialized_end=438
-  _globals['_HANDLEMESSAGERESPONSE']._serialized_start=441
-  _globals['_HANDLEMESSAGERESPONSE']._serialized_end=670
-  _globals['_HANDLEMESSAGERESPONSE_ACTION']._serialized_start=591
-  _globals['_HANDLEMESSAGERESPONSE_ACTION']._serialized_end=670
-  _globals['_HANDLEMESSAGESTREAMREQUEST']._serialized_start=673
-  _globals['_HANDLEMESSAGESTREAMREQUEST']._serialized_end=803
-  _globals['_HEARTBEAT']._serialized_start=805
-  _globals['_HEARTBEAT']._serialized_end=834
-  _globals['_HANDLEMESSAGESTREAMEVENT']._serialized_start=837
-  _globals['_HANDLEMESSAGESTREAMEVENT']._serialized_end=981
-  _globals['_HANDLEMESSAGEBATCHREQUEST']._serialized_start=983
-  _globals['_HANDLEMESSAGEBATCHREQUEST']._serialized_end=1055
-  _globals['_HANDLEMESSAGEBATCHRESPONSE']._serialized_start=1057
-  _globals['_HANDLEMESSAGEBATCHRESPONSE']._serialized_end=1143
-  _globals['_MESSAGEHANDLER']._serialized_start=1283
-  _globals['_MESSAGEHANDLER']._serialized_end=1625
+  _globals['_MESSAGE']._serialized_end=411
+  _globals['_HANDLEMESSAGEREQUEST']._serialized_start=413
+  _globals['_HANDLEMESSAGEREQUEST']._serialized_end=479
+  _globals['_HANDLEMESSAGERESPONSE']._serialized_start=482
+  _globals['_HANDLEMESSAGERESPONSE']._serialized_end=711
+  _globals['_HANDLEMESSAGERESPONSE_ACTION']._serialized_start=632
+  _globals['_HANDLEMESSAGERESPONSE_ACTION']._serialized_end=711
+  _globals['_HANDLEMESSAGESTREAMREQUEST']._serialized_start=714
+  _globals['_HANDLEMESSAGESTREAMREQUEST']._serialized_end=844
+  _globals['_HEARTBEAT']._serialized_start=846
+  _globals['_HEARTBEAT']._serialized_end=875
+  _globals['_HANDLEMESSAGESTREAMEVENT']._serialized_start=878
+  _globals['_HANDLEMESSAGESTREAMEVENT']._serialized_end=1022
+  _globals['_HANDLEMESSAGEBATCHREQUEST']._serialized_start=1024
+  _globals['_HANDLEMESSAGEBATCHREQUEST']._serialized_end=1096
+  _globals['_HANDLEMESSAGEBATCHRESPONSE']._serialized_start=1098
+  _globals['_HANDLEMESSAGEBATCHRESPONSE']._serialized_end=1184
+  _globals['_MESSAGEHANDLER']._serialized_start=1324
+  _globals['_MESSAGEHANDLER']._serialized_end=1666
 # @@protoc_insertion_point(module_scope)

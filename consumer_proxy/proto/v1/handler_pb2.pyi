@@ -105,6 +105,8 @@ class Message(_message.Message):
     CONSUMER_GROUP_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
+    TRACESTATE_FIELD_NUMBER: _builtins.int
     topic: _builtins.str
     """The original coordinates of the record, also when it is redelivered from the DLQ."""
     partition: _builtins.int
@@ -122,6 +124,14 @@ class Message(_message.Message):
     attempt: _builtins.int
     """1 on first delivery; counts retries and carries on across DLQ redrive."""
     source: Global___DeliverySource.ValueType
+    traceparent: _builtins.str
+    """With tracing on (the proxy's tracing block), the W3C trace context of the proxy's span
+    for this message (its "<topic> process" span), so a handler's span can be its child. Set
+    in batch requests (HandleMessageBatch), where the call's gRPC metadata carries the batch
+    call's own span; unary and streaming calls carry the attempt's context in the metadata
+    ("traceparent", "tracestate"). Empty when tracing is off or the proxy is older.
+    """
+    tracestate: _builtins.str
     @_builtins.property
     def headers(self) -> _containers.RepeatedCompositeFieldContainer[Global___Header]: ...
     def __init__(
@@ -139,10 +149,12 @@ class Message(_message.Message):
         consumer_group: _builtins.str = ...,
         attempt: _builtins.int = ...,
         source: Global___DeliverySource.ValueType = ...,
+        traceparent: _builtins.str = ...,
+        tracestate: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "consumer_group", b"consumer_group", "has_key", b"has_key", "has_value", b"has_value", "headers", b"headers", "key", b"key", "offset", b"offset", "partition", b"partition", "source", b"source", "timestamp_ms", b"timestamp_ms", "topic", b"topic", "value", b"value"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "consumer_group", b"consumer_group", "has_key", b"has_key", "has_value", b"has_value", "headers", b"headers", "key", b"key", "offset", b"offset", "partition", b"partition", "source", b"source", "timestamp_ms", b"timestamp_ms", "topic", b"topic", "traceparent", b"traceparent", "tracestate", b"tracestate", "value", b"value"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -225,8 +225,15 @@ type Message struct {
 	// The Kafka consumer group (= onboarding group name) this delivery is for.
 	ConsumerGroup string `protobuf:"bytes,10,opt,name=consumer_group,json=consumerGroup,proto3" json:"consumer_group,omitempty"`
 	// 1 on first delivery; counts retries and carries on across DLQ redrive.
-	Attempt       int32          `protobuf:"varint,11,opt,name=attempt,proto3" json:"attempt,omitempty"`
-	Source        DeliverySource `protobuf:"varint,12,opt,name=source,proto3,enum=consumerproxy.v1.DeliverySource" json:"source,omitempty"`
+	Attempt int32          `protobuf:"varint,11,opt,name=attempt,proto3" json:"attempt,omitempty"`
+	Source  DeliverySource `protobuf:"varint,12,opt,name=source,proto3,enum=consumerproxy.v1.DeliverySource" json:"source,omitempty"`
+	// With tracing on (the proxy's tracing block), the W3C trace context of the proxy's span
+	// for this message (its "<topic> process" span), so a handler's span can be its child. Set
+	// in batch requests (HandleMessageBatch), where the call's gRPC metadata carries the batch
+	// call's own span; unary and streaming calls carry the attempt's context in the metadata
+	// ("traceparent", "tracestate"). Empty when tracing is off or the proxy is older.
+	Traceparent   string `protobuf:"bytes,13,opt,name=traceparent,proto3" json:"traceparent,omitempty"`
+	Tracestate    string `protobuf:"bytes,14,opt,name=tracestate,proto3" json:"tracestate,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -343,6 +350,20 @@ func (x *Message) GetSource() DeliverySource {
 		return x.Source
 	}
 	return DeliverySource_DELIVERY_SOURCE_UNSPECIFIED
+}
+
+func (x *Message) GetTraceparent() string {
+	if x != nil {
+		return x.Traceparent
+	}
+	return ""
+}
+
+func (x *Message) GetTracestate() string {
+	if x != nil {
+		return x.Tracestate
+	}
+	return ""
 }
 
 type HandleMessageRequest struct {
@@ -754,7 +775,7 @@ const file_consumerproxy_v1_handler_proto_rawDesc = "" +
 	"\x1econsumerproxy/v1/handler.proto\x12\x10consumerproxy.v1\"0\n" +
 	"\x06Header\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\fR\x05value\"\x85\x03\n" +
+	"\x05value\x18\x02 \x01(\fR\x05value\"\xc7\x03\n" +
 	"\aMessage\x12\x14\n" +
 	"\x05topic\x18\x01 \x01(\tR\x05topic\x12\x1c\n" +
 	"\tpartition\x18\x02 \x01(\x05R\tpartition\x12\x16\n" +
@@ -768,7 +789,11 @@ const file_consumerproxy_v1_handler_proto_rawDesc = "" +
 	"\x0econsumer_group\x18\n" +
 	" \x01(\tR\rconsumerGroup\x12\x18\n" +
 	"\aattempt\x18\v \x01(\x05R\aattempt\x128\n" +
-	"\x06source\x18\f \x01(\x0e2 .consumerproxy.v1.DeliverySourceR\x06source\"K\n" +
+	"\x06source\x18\f \x01(\x0e2 .consumerproxy.v1.DeliverySourceR\x06source\x12 \n" +
+	"\vtraceparent\x18\r \x01(\tR\vtraceparent\x12\x1e\n" +
+	"\n" +
+	"tracestate\x18\x0e \x01(\tR\n" +
+	"tracestate\"K\n" +
 	"\x14HandleMessageRequest\x123\n" +
 	"\amessage\x18\x01 \x01(\v2\x19.consumerproxy.v1.MessageR\amessage\"\x8f\x02\n" +
 	"\x15HandleMessageResponse\x12F\n" +

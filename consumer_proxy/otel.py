@@ -1,0 +1,464 @@
+"""The tracing seam's OpenTelemetry implementation (``tracing.start_tracing`` imports it only
+when tracing is on; it needs the ``tracing`` extra).
+
+The SDK's ``TracerProvider`` with the standard ``OTEL_*`` variables (service name, resource
+attributes, sampler), a ``BatchSpanProcessor`` with a bounded queue (spans beyond it are
+dropped, never waited for) and an OTLP exporter over gRPC or HTTP. The spans follow the
+OpenTelemetry messaging and RPC semantic conventions; see ``tracing`` for which exist.
+
+Sampling is decided before any span exists when the sampler is parent-based with a ratio for
+new traces (``tracing.sample_ratio``, or ``OTEL_TRACES_SAMPLER`` unset or ``parentbased_*``):
+a record whose producer did not sample it passes that context on (sampled flag off) and a new
+trace is drawn at the ratio; a message not sampled then costs a random draw and no span
+object (``_Unsampled``), which is what keeps 1 % sampling cheap in batch mode. With any other
+sampler the SDK decides for every message.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
+from opentelemetry.trace import (
+    Link,
+    NonRecordingSpan,
+    Span,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    set_span_in_context,
+)
+from opentelemetry.trace.span import TraceState
+
+from .config import TracingConfig
+from .core.decision import Action, Decision
+from .core.outcomes import Classification
+from .core.partitions import Delivery
+from .core.tracecontext import (
+    MAX_TRACESTATE_BYTES,
+    TRACEPARENT,
+    TRACESTATE,
+    Metadata,
+    format_traceparent,
+    parse_traceparent,
+    trace_headers,
+)
+
+SCOPE = "consumer_proxy"
+RPC_SERVICE = "consumerproxy.v1.MessageHandler"
+MAX_KEY_CHARS = 256
+"""A record key longer than this is not put on the span (nor one that is not UTF-8 text)."""
+MAX_TEXT_CHARS = 256
+"""Untrusted text (a service's reason) put on a span is cut to this many characters."""
+DEFAULT_SERVICE_NAME = "consumer-proxy"
+
+
+def _text_key(key: bytes | None) -> str | None:
+    if key is None or len(key) > MAX_KEY_CHARS:
+        return None
+    try:
+        text = key.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return text if text.isprintable() else None
+
+
+def _remote_context(headers: Sequence[tuple[str, bytes]]) -> SpanContext | None:
+    """The record's W3C trace context, None when it has none or a malformed one."""
+    parent, state = trace_headers(headers)
+    if parent is None:
+        return None
+    parsed = parse_traceparent(parent)
+    if parsed is None:
+        return None
+    trace_id, span_id, flags = parsed
+    trace_state = None
+    if state is not None and len(state) <= MAX_TRACESTATE_BYTES:
+        try:
+            trace_state = TraceState.from_header([state.decode("ascii")])
+        except (UnicodeDecodeError, ValueError):
+            trace_state = None
+    return SpanContext(trace_id, span_id, True, TraceFlags(flags & 0x01), trace_state)
+
+
+def _metadata(context: SpanContext) -> Metadata:
+    parent = format_traceparent(context.trace_id, context.span_id, context.trace_flags)
+    state = context.trace_state.to_header() if context.trace_state else ""
+    return ((TRACEPARENT, parent), (TRACESTATE, state)) if state else ((TRACEPARENT, parent),)
+
+
+class _Unsampled:
+    """A message whose trace is not sampled (``tracing.MessageTrace``): no span; its calls
+    carry the record's own context, if it had one, so that the service does not sample
+    either."""
+
+    __slots__ = ("_metadata", "traceparent")
+    sampled = False
+
+    def __init__(self, traceparent: str = "", tracestate: str = "") -> None:
+        self.traceparent = traceparent
+        self._metadata: Metadata | None = None
+        if traceparent:
+            self._metadata = ((TRACEPARENT, traceparent),)
+            if tracestate:
+                self._metadata += ((TRACESTATE, tracestate),)
+
+    def attempt(self, method: str, target: str, attempt: int) -> tuple[object, Metadata | None]:
+        return None, self._metadata
+
+    def attempt_done(self, handle: object, result: Classification | None) -> None:
+        pass
+
+    def event(self, name: str, attributes: Mapping[str, str | int | float | bool]) -> None:
+        pass
+
+    def decided(self, decision: Decision, status: str) -> None:
+        pass
+
+    def end(self, outcome: str) -> None:
+        pass
+
+    def stamped(self, headers: Sequence[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+        return list(headers)
+
+    def write(self, topic: str, what: str) -> object:
+        return None
+
+    def written(self, handle: object, ok: bool) -> None:
+        pass
+
+
+NOT_SAMPLED = _Unsampled()
+"""A new trace not sampled: nothing to pass on."""
+
+
+class OtelMessage:
+    """One message's process span (``tracing.MessageTrace``)."""
+
+    __slots__ = ("_ctx", "_tracer", "_what", "sampled", "span", "traceparent")
+
+    def __init__(self, tracer: Any, span: Span) -> None:
+        self._tracer = tracer
+        self.span = span
+        self.sampled = span.is_recording()
+        context = span.get_span_context()
+        self.traceparent = format_traceparent(
+            context.trace_id, context.span_id, context.trace_flags
+        )
+        self._ctx: Context | None = None
+        self._what = "dead_letter"
+
+    def _context(self) -> Context:
+        if self._ctx is None:
+            self._ctx = set_span_in_context(self.span)
+        return self._ctx
+
+    def attempt(self, method: str, target: str, attempt: int) -> tuple[object, Metadata]:
+        span = self.span
+        if not span.is_recording():
+            return None, _metadata(span.get_span_context())
+        child = self._tracer.start_span(
+            f"{RPC_SERVICE}/{method}",
+            context=self._context(),
+            kind=SpanKind.CLIENT,
+            attributes={
+                "rpc.system": "grpc",
+                "rpc.service": RPC_SERVICE,
+                "rpc.method": method,
+                "server.address": target,
+                "messaging.message.delivery_attempt": attempt,
+            },
+        )
+        return child, _metadata(child.get_span_context())
+
+    def attempt_done(self, handle: object, result: Classification | None) -> None:
+        if not isinstance(handle, Span):
+            return
+        if result is None:
+            handle.set_attribute("consumer_proxy.cancelled", True)
+            handle.set_status(Status(StatusCode.UNSET))
+        else:
+            handle.set_attribute("rpc.grpc.status", result.status)
+            handle.set_attribute("consumer_proxy.outcome", result.outcome.value)
+            if result.status not in ("OK", "ACK"):
+                handle.set_status(Status(StatusCode.ERROR, result.reason[:MAX_TEXT_CHARS]))
+        handle.end()
+
+    def event(self, name: str, attributes: Mapping[str, str | int | float | bool]) -> None:
+        if self.span.is_recording():
+            self.span.add_event(name, attributes)
+
+    def decided(self, decision: Decision, status: str) -> None:
+        action = decision.action
+        if action is Action.ACK or action is Action.DROP:
+            self.end(action.value)
+            return
+        span = self.span
+        if not span.is_recording():
+            return
+        if action is Action.RETRY:
+            span.add_event(
+                "retry" if decision.counted else "outage wait",
+                {
+                    "consumer_proxy.backoff_ms": round(decision.delay_s * 1000),
+                    "consumer_proxy.counted": decision.counted,
+                    "consumer_proxy.status": status,
+                },
+            )
+        elif action is Action.HOLD:
+            span.add_event("held by the dead-letter guard", {"consumer_proxy.status": status})
+        else:  # DEAD_LETTER, TIER: the write ends the span
+            attributes: dict[str, str | int] = {"consumer_proxy.status": status}
+            if decision.reason:
+                attributes["consumer_proxy.reason"] = decision.reason[:MAX_TEXT_CHARS]
+            if action is Action.TIER:
+                attributes["consumer_proxy.tier"] = decision.tier
+            span.add_event(action.value, attributes)
+
+    def end(self, outcome: str) -> None:
+        span = self.span
+        if span.is_recording():
+            span.set_attribute("consumer_proxy.outcome", outcome)
+            if outcome == "dead_letter":
+                span.set_status(Status(StatusCode.ERROR, "dead-lettered"))
+            span.end()
+
+    def stamped(self, headers: Sequence[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+        kept = [(k, v) for k, v in headers if k != TRACEPARENT and k != TRACESTATE]
+        kept.append((TRACEPARENT, self.traceparent.encode("ascii")))
+        state = self.span.get_span_context().trace_state
+        if state:
+            kept.append((TRACESTATE, state.to_header().encode("ascii")))
+        return kept
+
+    def write(self, topic: str, what: str) -> object:
+        self._what = what
+        if not self.span.is_recording():
+            return None
+        return self._tracer.start_span(
+            f"{topic} publish",
+            context=self._context(),
+            kind=SpanKind.PRODUCER,
+            attributes={
+                "messaging.system": "kafka",
+                "messaging.operation.type": "send",
+                "messaging.operation.name": "publish",
+                "messaging.destination.name": topic,
+                "consumer_proxy.write": what,
+            },
+        )
+
+    def written(self, handle: object, ok: bool) -> None:
+        if isinstance(handle, Span):
+            if not ok:
+                handle.set_status(Status(StatusCode.ERROR, "cancelled"))
+            handle.end()
+        self.end(self._what if ok else "cancelled")
+
+
+class OtelTracer:
+    """One group's tracer (``tracing.Tracer``). ``ratio``: the share of new traces sampled,
+    decided here before any span (None: the SDK's sampler decides every message)."""
+
+    def __init__(
+        self, tracer: Any, group: str, link_producer: bool, ratio: float | None = None
+    ) -> None:
+        self._tracer = tracer
+        self._group = group
+        self._link_producer = link_producer
+        self._ratio = ratio
+        self._draw = random.random
+
+    def begin(self, delivery: Delivery, held_s: float) -> OtelMessage | _Unsampled:
+        trace = delivery.trace
+        if trace is not None:
+            return trace  # type: ignore[no-any-return]
+        remote = _remote_context(delivery.headers) if delivery.headers else None
+        ratio = self._ratio
+        if ratio is not None:
+            if remote is not None and not self._link_producer:
+                if not remote.trace_flags.sampled:  # the producer did not sample it
+                    state = remote.trace_state.to_header() if remote.trace_state else ""
+                    parent = format_traceparent(remote.trace_id, remote.span_id, 0)
+                    unsampled = delivery.trace = _Unsampled(parent, state)
+                    return unsampled
+            elif ratio < 1.0 and self._draw() >= ratio:
+                delivery.trace = NOT_SAMPLED
+                return NOT_SAMPLED
+        context: Context | None = None
+        links: Sequence[Link] = ()
+        if remote is not None:
+            if self._link_producer:
+                links = (Link(remote),)
+                context = Context()  # a new root, whatever the caller's context
+            else:
+                context = set_span_in_context(NonRecordingSpan(remote))
+        else:
+            context = Context()
+        part = delivery.part
+        origin = delivery.origin
+        attributes: dict[str, str | int] = {
+            "messaging.system": "kafka",
+            "messaging.operation.type": "process",
+            "messaging.operation.name": "process",
+            "messaging.destination.name": part.topic,
+            "messaging.destination.partition.id": str(part.partition),
+            "messaging.kafka.offset": delivery.offset,
+            "messaging.consumer.group.name": self._group,
+            "messaging.message.delivery_attempt": delivery.attempt,
+            "messaging.message.body.size": len(delivery.value or b""),
+        }
+        key = _text_key(delivery.key)
+        if key is not None:
+            attributes["messaging.kafka.message.key"] = key
+        if origin.topic != part.topic or origin.offset != delivery.offset:
+            attributes["consumer_proxy.origin.topic"] = origin.topic
+            attributes["consumer_proxy.origin.partition"] = origin.partition
+            attributes["consumer_proxy.origin.offset"] = origin.offset
+        span = self._tracer.start_span(
+            f"{part.topic} process",
+            context=context,
+            kind=SpanKind.CONSUMER,
+            attributes=attributes,
+            links=links,
+        )
+        message = OtelMessage(self._tracer, span)
+        delivery.trace = message
+        if held_s > 0 and span.is_recording():
+            span.add_event("breaker held", {"consumer_proxy.held_ms": round(held_s * 1000)})
+        return message
+
+    def batch_call(
+        self, batch: Sequence[Delivery], method: str, target: str
+    ) -> tuple[object, Metadata | None]:
+        links = [
+            Link(d.trace.span.get_span_context())
+            for d in batch
+            if d.trace is not None and d.trace.sampled
+        ]
+        if not links:
+            return None, None
+        span = self._tracer.start_span(
+            f"{RPC_SERVICE}/{method}",
+            context=Context(),
+            kind=SpanKind.CLIENT,
+            links=links,
+            attributes={
+                "rpc.system": "grpc",
+                "rpc.service": RPC_SERVICE,
+                "rpc.method": method,
+                "server.address": target,
+                "messaging.batch.message_count": len(batch),
+                "messaging.consumer.group.name": self._group,
+            },
+        )
+        return span, _metadata(span.get_span_context())
+
+    def batch_done(self, handle: object, status: str, count: int) -> None:
+        if isinstance(handle, Span):
+            handle.set_attribute("rpc.grpc.status", status)
+            if status != "OK":
+                handle.set_status(Status(StatusCode.ERROR, status))
+            handle.end()
+
+
+def _exporter(config: TracingConfig) -> SpanExporter:
+    protocol = config.protocol or (
+        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        or "grpc"
+    )
+    timeout = config.export_timeout_ms / 1000
+    if protocol.startswith("http"):
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+            OTLPSpanExporter as HttpExporter,
+        )
+
+        endpoint = config.endpoint
+        if endpoint is not None and not endpoint.rstrip("/").endswith("/v1/traces"):
+            endpoint = endpoint.rstrip("/") + "/v1/traces"
+        return HttpExporter(endpoint=endpoint, timeout=timeout)
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+        OTLPSpanExporter as GrpcExporter,
+    )
+
+    insecure = None
+    endpoint = config.endpoint
+    if endpoint is not None and endpoint.startswith("http://"):
+        insecure = True
+    return GrpcExporter(endpoint=endpoint, insecure=insecure, timeout=timeout)
+
+
+def _ratio(config: TracingConfig) -> float | None:
+    """The share of new traces to sample when the sampler is parent-based with a ratio (the
+    config's, or OTEL_TRACES_SAMPLER's parentbased_*); None for any other sampler."""
+    if config.sample_ratio is not None:
+        return config.sample_ratio
+    name = os.environ.get("OTEL_TRACES_SAMPLER", "parentbased_always_on").strip().lower()
+    if name == "parentbased_always_on":
+        return 1.0
+    if name == "parentbased_always_off":
+        return 0.0
+    if name == "parentbased_traceidratio":
+        try:
+            return min(1.0, max(0.0, float(os.environ.get("OTEL_TRACES_SAMPLER_ARG", "1.0"))))
+        except ValueError:
+            return 1.0  # as the SDK reads a bad argument
+    return None
+
+
+class OtelTracing:
+    """The process's tracer provider and exporter (``tracing.Tracing``)."""
+
+    def __init__(self, config: TracingConfig) -> None:
+        self._config = config
+        attributes = {SERVICE_NAME: config.service_name} if config.service_name else {}
+        resource = Resource.create(attributes)
+        if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+            resource = resource.merge(Resource({SERVICE_NAME: DEFAULT_SERVICE_NAME}))
+        self.resource = resource
+        self.ratio = _ratio(config)
+        # With a ratio the tracer decides new traces itself (OtelTracer.begin), so the SDK
+        # samples what it is given; otherwise OTEL_TRACES_SAMPLER[_ARG] as the SDK reads them.
+        sampler = ParentBased(ALWAYS_ON) if self.ratio is not None else None
+        self.provider = TracerProvider(sampler=sampler, resource=resource, shutdown_on_exit=False)
+        self._processor = BatchSpanProcessor(
+            _exporter(config),
+            max_queue_size=config.max_queue_size,
+            max_export_batch_size=min(512, config.max_queue_size),
+            schedule_delay_millis=config.export_interval_ms,
+            export_timeout_millis=config.export_timeout_ms,
+        )
+        self.provider.add_span_processor(self._processor)
+        self._tracer = self.provider.get_tracer(SCOPE)
+
+    def describe(self) -> str:
+        """One line for the log: where spans go and how they are sampled."""
+        sampler = (
+            self.provider.sampler.get_description()
+            if self.ratio is None
+            else f"parent-based, {self.ratio:g} of new traces"
+        )
+        return (
+            f"service {self.resource.attributes.get(SERVICE_NAME)}, sampler {sampler}, "
+            f"link_producer {self._config.link_producer}"
+        )
+
+    def tracer(self, group: str) -> OtelTracer:
+        return OtelTracer(self._tracer, group, self._config.link_producer, self.ratio)
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Export what is queued now (tests and shutdown)."""
+        return self.provider.force_flush(round(timeout_s * 1000))
+
+    def shutdown(self) -> None:
+        self.provider.shutdown()

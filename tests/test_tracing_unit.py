@@ -1,0 +1,220 @@
+"""The tracing seam's pure parts and the process span's parent, without a broker.
+
+``core.tracecontext`` reads producers' W3C headers (untrusted: bounded, never raising); the
+OpenTelemetry implementation (``consumer_proxy.otel``) is checked against the SDK's in-memory
+exporter for what it makes of those headers and of the core's decisions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+
+from consumer_proxy.config import TracingConfig
+from consumer_proxy.core.decision import Action, Decision
+from consumer_proxy.core.partitions import Delivery, PartitionState
+from consumer_proxy.core.records import Origin
+from consumer_proxy.core.tracecontext import (
+    MAX_TRACEPARENT_BYTES,
+    format_traceparent,
+    parse_traceparent,
+)
+from consumer_proxy.otel import OtelTracer
+from consumer_proxy.tracing import start_tracing
+
+VALID = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def test_a_valid_traceparent_is_read() -> None:
+    assert parse_traceparent(VALID) == (
+        0x4BF92F3577B34DA6A3CE929D0E0E4736,
+        0x00F067AA0BA902B7,
+        1,
+    )
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        b"",
+        b"garbage",
+        VALID[:-1],
+        VALID + b"-extra",  # version 00 has exactly four fields
+        VALID.replace(b"00-", b"ff-", 1),  # version ff is invalid
+        VALID.upper(),  # hex is lower case
+        b"00-" + b"0" * 32 + b"-00f067aa0ba902b7-01",  # all-zero trace id
+        b"00-4bf92f3577b34da6a3ce929d0e0e4736-" + b"0" * 16 + b"-01",  # all-zero span id
+        b"00-4bf92f3577b34da6a3ce929d0e0e473\xff-00f067aa0ba902b7-01",  # not ASCII
+        VALID + b"-" + b"a" * MAX_TRACEPARENT_BYTES,  # over the bound: not even looked at
+        b"00-4bf92f3577b34da6a3ce929d0e0e4736+00f067aa0ba902b7-01",
+    ],
+)
+def test_a_malformed_traceparent_is_ignored(value: bytes) -> None:
+    assert parse_traceparent(value) is None
+
+
+@given(st.binary(max_size=300))
+def test_parsing_any_bytes_never_raises(value: bytes) -> None:
+    parse_traceparent(value)
+
+
+@given(
+    st.integers(1, 2**128 - 1),
+    st.integers(1, 2**64 - 1),
+    st.integers(0, 255),
+)
+def test_format_then_parse_is_the_identity(trace_id: int, span_id: int, flags: int) -> None:
+    assert parse_traceparent(format_traceparent(trace_id, span_id, flags).encode()) == (
+        trace_id,
+        span_id,
+        flags,
+    )
+
+
+def test_with_tracing_off_there_is_no_tracing() -> None:
+    assert start_tracing(TracingConfig()) is None
+
+
+@pytest.fixture
+def exported() -> Iterator[tuple[TracerProvider, InMemorySpanExporter]]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield provider, exporter
+    provider.shutdown()
+
+
+def delivery(headers: list[tuple[str, bytes]], key: bytes | None = b"k1") -> Delivery:
+    part = PartitionState("orders", 3)
+    origin = Origin("orders", 3, 42, 0, 0)
+    return Delivery(part, 0, 42, key, b"v", headers, origin, 3, 1, 1)
+
+
+def finished(exporter: InMemorySpanExporter) -> dict[str, ReadableSpan]:
+    return {span.name: span for span in exporter.get_finished_spans()}
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        [],
+        [("traceparent", b"garbage")],
+        [("traceparent", b"a" * 100_000)],
+        [("traceparent", b"00-" + b"z" * 52)],
+        [("tracestate", b"x=1")],  # a tracestate alone is no context
+    ],
+    ids=["none", "garbage", "huge", "not-hex", "state-only"],
+)
+def test_a_message_without_a_valid_context_gets_a_root_span(
+    exported: tuple[TracerProvider, InMemorySpanExporter], headers: list[tuple[str, bytes]]
+) -> None:
+    # Given a message whose headers carry no usable trace context
+    provider, exporter = exported
+    tracer = OtelTracer(provider.get_tracer("t"), "billing", link_producer=False)
+    d = delivery(headers)
+    # When it is traced and acked
+    trace = tracer.begin(d, 0.0)
+    trace.decided(Decision(Action.ACK), "OK")
+    # Then its process span is a root, with the messaging attributes
+    span = finished(exporter)["orders process"]
+    assert span.parent is None
+    assert span.kind is SpanKind.CONSUMER
+    assert span.attributes is not None
+    assert span.attributes["messaging.destination.partition.id"] == "3"
+    assert span.attributes["messaging.kafka.offset"] == 42
+    assert span.attributes["consumer_proxy.outcome"] == "ack"
+
+
+@pytest.mark.parametrize("link_producer", [False, True])
+def test_the_process_span_is_the_records_child_or_a_linked_root(
+    exported: tuple[TracerProvider, InMemorySpanExporter], link_producer: bool
+) -> None:
+    # Given a message with a W3C context (and a tracestate)
+    provider, exporter = exported
+    tracer = OtelTracer(provider.get_tracer("t"), "billing", link_producer=link_producer)
+    d = delivery([("traceparent", VALID), ("tracestate", b"vendor=abc")])
+    # When it is traced, retried once and dead-lettered
+    trace = tracer.begin(d, 0.25)
+    handle, metadata = trace.attempt("HandleMessage", "127.0.0.1:1", 1)
+    trace.attempt_done(handle, None)
+    trace.decided(Decision(Action.RETRY, delay_s=0.1, counted=True), "INTERNAL")
+    trace.decided(Decision(Action.DEAD_LETTER, reason="bad"), "INVALID_ARGUMENT")
+    write = trace.write("billing.dlq", "dead_letter")
+    stamped = trace.stamped([("traceparent", VALID), ("a", b"1")])
+    trace.written(write, True)
+    # Then the process span is the record's child (or a root linked to it) ...
+    spans = finished(exporter)
+    process = spans["orders process"]
+    context = process.get_span_context()
+    assert context is not None
+    if link_producer:
+        assert process.parent is None
+        assert [link.context.span_id for link in process.links] == [0x00F067AA0BA902B7]
+    else:
+        assert process.parent is not None
+        assert process.parent.span_id == 0x00F067AA0BA902B7
+        assert context.trace_id == 0x4BF92F3577B34DA6A3CE929D0E0E4736
+    assert [e.name for e in process.events] == ["breaker held", "retry", "dead_letter"]
+    # ... the attempt its child, whose context the call's metadata carries
+    attempt = spans["consumerproxy.v1.MessageHandler/HandleMessage"]
+    assert attempt.parent is not None and attempt.parent.span_id == context.span_id
+    attempt_context = attempt.get_span_context()
+    assert attempt_context is not None
+    assert dict(metadata or ())["traceparent"] == format_traceparent(
+        attempt_context.trace_id, attempt_context.span_id, attempt_context.trace_flags
+    )
+    # ... the DLQ write a PRODUCER child, and the DLQ record carries the process span's context
+    dlq = spans["billing.dlq publish"]
+    assert dlq.kind is SpanKind.PRODUCER
+    assert dlq.parent is not None and dlq.parent.span_id == context.span_id
+    assert stamped[0] == ("a", b"1")
+    assert stamped[1] == (
+        "traceparent",
+        format_traceparent(context.trace_id, context.span_id, context.trace_flags).encode(),
+    )
+    assert process.attributes is not None
+    assert process.attributes["consumer_proxy.outcome"] == "dead_letter"
+
+
+def test_a_producer_that_did_not_sample_is_followed_without_a_span(
+    exported: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    # Given a record whose producer did not sample its trace (flags 00), parent-based sampling
+    provider, exporter = exported
+    tracer = OtelTracer(provider.get_tracer("t"), "billing", link_producer=False, ratio=1.0)
+    unsampled = VALID[:-2] + b"00"
+    d = delivery([("traceparent", unsampled), ("tracestate", b"vendor=abc")])
+    # When it is traced through an attempt and acked
+    trace = tracer.begin(d, 0.0)
+    _, metadata = trace.attempt("HandleMessage", "127.0.0.1:1", 1)
+    trace.decided(Decision(Action.ACK), "OK")
+    # Then no span is recorded, and the call passes the producer's context on as it was
+    assert not trace.sampled
+    assert exporter.get_finished_spans() == ()
+    assert metadata == (("traceparent", unsampled.decode()), ("tracestate", "vendor=abc"))
+
+
+@pytest.mark.parametrize(("ratio", "recorded"), [(0.0, 0), (1.0, 50)])
+def test_new_traces_are_sampled_at_the_ratio(
+    exported: tuple[TracerProvider, InMemorySpanExporter], ratio: float, recorded: int
+) -> None:
+    # Given 50 messages without trace context
+    provider, exporter = exported
+    tracer = OtelTracer(provider.get_tracer("t"), "billing", link_producer=False, ratio=ratio)
+    for _ in range(50):
+        # When each is traced and acked
+        trace = tracer.begin(delivery([]), 0.0)
+        handle, metadata = trace.attempt("HandleMessage", "127.0.0.1:1", 1)
+        trace.attempt_done(handle, None)
+        trace.decided(Decision(Action.ACK), "OK")
+        # Then a message not sampled passes no context on (nothing to continue)
+        assert trace.sampled or metadata is None
+    # and the ratio decides how many are recorded (a process and an attempt span each)
+    assert len(exporter.get_finished_spans()) == 2 * recorded
