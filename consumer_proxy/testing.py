@@ -220,6 +220,10 @@ class _Context:
         self.code, self.details = code, details
         raise _Aborted(code.name)
 
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The call's metadata: none (no trace context from a proxy in a unit test)."""
+        return ()
+
 
 class HandlerEnvironment:
     """Runs a handler the way the SDK serves it and classifies the answers like the proxy.
