@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Collection
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,16 +112,45 @@ class Push:
         in seconds, the handler's progress note of a streaming call)."""
         now = self._clock()
         found: dict[tuple[str, int], tuple[int, float, str]] = {}
-
-        def see(delivery: Delivery, started: float, note: str) -> None:
-            tp = (delivery.part.topic, delivery.part.partition)
-            age = now - started
-            if tp not in found or age > found[tp][1]:
-                found[tp] = (delivery.origin.offset, age, note)
-
         for delivery, call in self.open.items():
-            see(delivery, call.started, call.watch.progress if call.watch is not None else "")
+            tp = (delivery.part.topic, delivery.part.partition)
+            age = now - call.started
+            if tp not in found or age > found[tp][1]:
+                note = call.watch.progress if call.watch is not None else ""
+                found[tp] = (delivery.origin.offset, age, note)
         return found
+
+    async def _one_call(
+        self,
+        delivery: Delivery,
+        endpoint: Any,
+        method: str,
+        send: Callable[[Metadata | None], Awaitable[Classification]],
+        watch: CallWatch | None = None,
+    ) -> Classification | None:
+        """One message's call (unary or streaming): open under ``delivery`` for
+        ``cancel_calls`` while ``send(metadata)`` runs, inside its attempt span when traced.
+        None when ``cancel_calls`` cancelled it (the message is given back, no attempt)."""
+        worker = asyncio.current_task()
+        assert worker is not None
+        self.open[delivery] = OpenCall(worker, self._clock(), watch)
+        self._m_in_flight.inc()
+        trace = delivery.trace
+        span, metadata = attempt_span(delivery, method, endpoint)
+        result: Classification | None = None
+        try:
+            result = await send(metadata)
+        except asyncio.CancelledError:
+            if self._cancelled_here(delivery):
+                return None
+            raise
+        finally:
+            del self.open[delivery]
+            self._m_in_flight.dec()
+            self._call_ended.set()
+            if trace is not None:
+                trace.attempt_done(span, result)
+        return result
 
     def cancel_calls(self, parts: Collection[PartitionState] | None, cause: Cancel) -> int:
         """Cancel the open calls of ``parts`` (None: all); returns how many. The service sees
@@ -224,26 +253,11 @@ class UnaryPush(Push):
         """Push ``delivery``; None when ``cancel_calls`` cancelled the call."""
         endpoint = self.pusher.pick()
         request = unary_request(delivery, self.name)
-        self._m_in_flight.inc()
-        worker = asyncio.current_task()
-        assert worker is not None
-        self.open[delivery] = OpenCall(worker, self._clock())
-        trace = delivery.trace
-        span, metadata = attempt_span(delivery, "HandleMessage", endpoint)
-        result: Classification | None = None
-        try:
-            result = await self.pusher.push(request, endpoint, metadata)
-        except asyncio.CancelledError:
-            if self._cancelled_here(delivery):
-                return None
-            raise
-        finally:
-            del self.open[delivery]
-            self._m_in_flight.dec()
-            self._call_ended.set()
-            if trace is not None:
-                trace.attempt_done(span, result)
-        return self._settle(delivery, result, probe, endpoint)
+        push = self.pusher.push
+        result = await self._one_call(
+            delivery, endpoint, "HandleMessage", lambda metadata: push(request, endpoint, metadata)
+        )
+        return None if result is None else self._settle(delivery, result, probe, endpoint)
 
     def _settle(
         self, delivery: Delivery, result: Classification, probe: bool, endpoint: Any

@@ -26,7 +26,7 @@ from .core.heartbeat import MAX_PROCESSING_STATUS, CallWatch, Expiry, Limits
 from .core.outcomes import Classification
 from .core.partitions import Delivery
 from .proto.v1 import handler_pb2
-from .push import OpenCall, PushParts, UnaryPush, attempt_span
+from .push import PushParts, UnaryPush
 from .wire import message
 
 
@@ -70,32 +70,22 @@ class StreamPush(UnaryPush):
         """Push ``delivery`` in a streaming call; None when ``cancel_calls`` cancelled it."""
         endpoint = self.pusher.pick()
         request = self.request(delivery)
-        worker = asyncio.current_task()
-        assert worker is not None
         # The watch runs on the event loop's clock, as the dispatcher's timers do.
-        now = asyncio.get_running_loop().time()
-        watch = CallWatch(self.limits, now)
-        self.open[delivery] = OpenCall(worker, self._clock(), watch)
-        self._m_in_flight.inc()
+        watch = CallWatch(self.limits, asyncio.get_running_loop().time())
+        push_stream, on_gap = self.pusher.push_stream, self._m_gap.observe
         self._m_open.inc()
-        trace = delivery.trace
-        span, metadata = attempt_span(delivery, "HandleMessageStream", endpoint)
-        result: Classification | None = None
         try:
-            result = await self.pusher.push_stream(
-                request, endpoint, watch, self._m_gap.observe, metadata
+            result = await self._one_call(
+                delivery,
+                endpoint,
+                "HandleMessageStream",
+                lambda metadata: push_stream(request, endpoint, watch, on_gap, metadata),
+                watch,
             )
-        except asyncio.CancelledError:
-            if self._cancelled_here(delivery):
-                return None
-            raise
         finally:
-            del self.open[delivery]
             self._m_open.dec()
-            self._m_in_flight.dec()
-            self._call_ended.set()
-            if trace is not None:
-                trace.attempt_done(span, result)
+        if result is None:
+            return None
         expiry = watch.expired(asyncio.get_running_loop().time())
         if expiry is not None and result.status in {"DEADLINE_EXCEEDED", MAX_PROCESSING_STATUS}:
             self._m_expired[expiry].inc()
