@@ -454,6 +454,9 @@ def _where(message: Message) -> str:
     return f"{message.topic}[{message.partition}]@{message.offset}"
 
 
+_NO_SPAN: Final = contextlib.nullcontext()
+
+
 class _ServerSpans:
     """A SERVER span per message when OpenTelemetry is installed (a no-op otherwise)."""
 
@@ -470,20 +473,25 @@ class _ServerSpans:
         self._error = trace.Status(trace.StatusCode.ERROR)
         self._tracer = trace.get_tracer(__name__, tracer_provider=provider)
 
-    @contextlib.contextmanager
     def span(
         self,
         method: str,
         message: handler_pb2.Message,
         metadata: Any,
         in_batch: bool = False,
-    ) -> Iterator[None]:
+    ) -> contextlib.AbstractContextManager[None]:
         """Run the handler of ``message`` in its span: the parent is the call's trace context
-        (``metadata``), or in a batch the message's own, linked to the call's."""
+        (``metadata``), or in a batch the message's own, linked to the call's. Without
+        OpenTelemetry: one shared no-op (this runs for every message of a batch)."""
+        if self._tracer is None:
+            return _NO_SPAN
+        return self._span(method, message, metadata, in_batch)
+
+    @contextlib.contextmanager
+    def _span(
+        self, method: str, message: handler_pb2.Message, metadata: Any, in_batch: bool
+    ) -> Iterator[None]:
         tracer = self._tracer
-        if tracer is None:
-            yield
-            return
         call = self._extract({k: v for k, v in metadata or () if isinstance(v, str)})
         links: tuple[Any, ...] = ()
         context = call
