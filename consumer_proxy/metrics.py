@@ -224,7 +224,8 @@ class ProxyMetrics:
 
         self.http_refused = Counter(
             "consumer_proxy_http_refused",
-            "HTTP connections to /metrics, /healthz and /readyz refused, by reason: "
+            "HTTP connections to the proxy's endpoint (/metrics, /healthz, /readyz, /console/ "
+            "and /admin/) refused, by reason: "
             "connections (over metrics.max_connections), deadline (no whole exchange within "
             "metrics.request_timeout_ms), too_large (a request or header line over 8 KiB), "
             "forbidden (an admin request without the admin token).",
@@ -306,7 +307,8 @@ class _Refusal(Exception):
 
 class HttpEndpoint:
     """A minimal asyncio HTTP/1.0 server: GET /metrics, /healthz (alive), /readyz (ready),
-    and POST /admin/... (operator actions) when an admin token is configured.
+    /console/ (the operator console, when enabled) and POST /admin/... (operator actions) when
+    an admin token is configured.
 
     ``ready`` returns (ok, detail); /readyz answers 503 with the detail while not ready.
     ``admin`` performs an operator action, only for a request that carries ``admin_token``.
