@@ -26,6 +26,17 @@ from .metrics import ProxyMetrics
 from .ports import Clock, MessageSource
 
 log = logging.getLogger(__name__)
+
+
+def kafka_commit(commit: Commit) -> TopicPartition:
+    """``commit`` as the client sends it (with the leader epoch when known, else -1)."""
+    part = commit.part
+    epoch = -1 if commit.epoch is None else commit.epoch
+    return TopicPartition(
+        part.topic, part.partition, commit.offset, metadata=commit.metadata, leader_epoch=epoch
+    )
+
+
 T = TypeVar("T")
 
 
@@ -130,11 +141,7 @@ class Committer:
 
             def still_owned() -> list[TopicPartition]:
                 # Runs on the consumer thread after any queued rebalance callback.
-                return [
-                    TopicPartition(c.part.topic, c.part.partition, c.offset, metadata=c.metadata)
-                    for c in plan
-                    if not c.part.revoked
-                ]
+                return [kafka_commit(c) for c in plan if not c.part.revoked]
 
             try:
                 await shielded(source.commit(still_owned))

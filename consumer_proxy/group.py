@@ -310,7 +310,9 @@ class GroupRunner:
         """New partitions, with the ack state restored from their commit metadata."""
         for tp in committed:
             offset = tp.offset if tp.offset is not None and tp.offset >= 0 else None
-            self.partitions.assign(tp.topic, tp.partition, offset, tp.metadata or "")
+            self.partitions.assign(
+                tp.topic, tp.partition, offset, tp.metadata or "", tp.leader_epoch
+            )
 
     async def partitions_revoked(
         self, partitions: Sequence[TopicPartition]

@@ -21,6 +21,7 @@ from typing import Protocol
 
 from confluent_kafka import TopicPartition
 
+from .committer import kafka_commit
 from .core.heartbeat import Cancel
 from .core.partitions import PartitionSet, PartitionState
 from .metrics import ProxyMetrics
@@ -81,11 +82,7 @@ class Handover:
         for part in parts:
             final = self._partitions.final_commit(part)
             if final is not None:
-                offsets.append(
-                    TopicPartition(
-                        part.topic, part.partition, final.offset, metadata=final.metadata
-                    )
-                )
+                offsets.append(kafka_commit(final))
             self._forget(part)
         busy = sum(p.calls for p in parts)
         log.info(

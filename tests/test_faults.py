@@ -32,6 +32,7 @@ from consumer_proxy.proto.v1 import handler_pb2
 from tests.support.kafka import (
     Broker,
     alter_topic,
+    committed,
     committed_offsets,
     consume_all,
     create_topic,
@@ -317,6 +318,15 @@ async def _broker_restart(bootstrap: str, directory: Path) -> None:
         bound=f"1 restart x {partitions} partitions x max_in_flight {window}",
     )
     await asyncio.to_thread(_assert_committed_to_end, bootstrap, group, topic)
+    # and each commit carries the leader epoch of the record before it (KIP-320: a next owner's
+    # client then finds a log cut below the commit and seeks back instead of skipping), the
+    # epoch the restart moved to, not the one the run began in
+    records = await asyncio.to_thread(consume_all, bootstrap, topic)
+    first = {m.partition(): m.leader_epoch() for m in reversed(records)}
+    last = {m.partition(): m.leader_epoch() for m in records}
+    commits = await asyncio.to_thread(committed, bootstrap, group, topic)
+    assert {tp.partition: tp.leader_epoch for tp in commits} == last
+    assert all(last[p] is not None and last[p] != first[p] for p in last), (first, last)
 
 
 async def test_a_partition_paused_when_it_was_lost_drains_after_it_is_assigned_again(

@@ -459,3 +459,70 @@ class TrackerLifecycle(RuleBasedStateMachine):
 
 TrackerLifecycle.TestCase.settings = settings(relaxed, max_examples=150, stateful_step_count=60)
 test_tracker_lifecycle = TrackerLifecycle.TestCase
+
+
+# --------------------------------------------------------------------------- leader epochs
+
+
+def test_a_commit_carries_the_leader_epoch_of_the_record_before_it() -> None:
+    # Given records 10..19 written in epoch 3 and 20..24 in epoch 5 (a leader election)
+    tracker = PartitionTracker(10, 100)
+    for offset in range(10, 25):
+        tracker.saw_epoch(offset, 3 if offset < 20 else 5)
+        tracker.track(offset)
+    # Nothing done: a commit at 10 covers no fetched record, and none was committed before
+    assert tracker.commit_epoch(tracker.committable()) is None
+    # When 10..21 are done, the commit at 22 covers record 21, written in epoch 5
+    for offset in range(10, 22):
+        tracker.done(offset)
+    assert tracker.committable() == 22
+    assert tracker.commit_epoch(22) == 5
+    # and a commit that stops at 20 covers record 19, of epoch 3
+    assert PartitionTracker(10, 100).commit_epoch(20) is None
+    again = PartitionTracker(10, 100)
+    for offset in range(10, 25):
+        again.saw_epoch(offset, 3 if offset < 20 else 5)
+        again.track(offset)
+    for offset in range(10, 20):
+        again.done(offset)
+    assert again.commit_epoch(again.committable()) == 3
+
+
+def test_the_committed_epoch_goes_with_a_commit_that_has_not_moved() -> None:
+    # Given a partition assigned at 40, committed with epoch 7, nothing fetched yet
+    tracker = PartitionTracker(40, 100, committed_epoch=7)
+    # Then a commit at 40 (new ack state, same offset) keeps epoch 7
+    assert tracker.commit_epoch(tracker.committable()) == 7
+    # An unknown committed epoch (-1 from the client) or offset 0 gives none
+    assert PartitionTracker(40, 100, committed_epoch=-1).commit_epoch(40) is None
+    assert PartitionTracker(0, 100, committed_epoch=7).commit_epoch(0) is None
+
+
+def test_records_fetched_again_from_below_replace_the_epochs_of_a_cut_log() -> None:
+    # Given records 0..9 of epoch 1, then the log cut at 5 and rewritten in epoch 2 (librdkafka
+    # seeks back silently): 5.. arrive again with epoch 2, and track() refuses them as
+    # duplicates
+    tracker = PartitionTracker(0, 100)
+    for offset in range(10):
+        tracker.saw_epoch(offset, 1)
+        tracker.track(offset)
+    for offset in range(5, 12):
+        tracker.saw_epoch(offset, 2)
+        tracker.track(offset)
+    for offset in range(12):
+        tracker.done(offset)
+    # Then a commit past 5 carries epoch 2: the log as it is now
+    assert tracker.committable() == 12
+    assert tracker.commit_epoch(5) == 1  # record 4 was not cut
+    assert tracker.commit_epoch(12) == 2
+
+
+def test_the_epochs_remembered_are_bounded() -> None:
+    tracker = PartitionTracker(0, 10_000)
+    for epoch in range(1000):
+        tracker.saw_epoch(epoch, epoch)
+        tracker.track(epoch)
+    assert len(tracker._epochs) <= 64
+    # the newest ones are kept; for the oldest offsets the epoch is unknown, never wrong
+    assert tracker.commit_epoch(1000) == 999
+    assert tracker.commit_epoch(1) is None

@@ -191,6 +191,7 @@ class Commit:
     part: PartitionState
     offset: int
     metadata: str
+    epoch: int | None = None  # the leader epoch of the record before ``offset`` (KIP-320)
 
 
 @dataclass(slots=True)
@@ -339,8 +340,16 @@ class PartitionSet:
 
     # -- assignment ----------------------------------------------------------------------
 
-    def assign(self, topic: str, partition: int, committed: int | None, metadata: str) -> None:
-        """A partition arrives with its committed offset and commit metadata."""
+    def assign(
+        self,
+        topic: str,
+        partition: int,
+        committed: int | None,
+        metadata: str,
+        epoch: int | None = None,
+    ) -> None:
+        """A partition arrives with its committed offset, commit metadata and the leader epoch
+        committed with them (None when unknown)."""
         restored = None
         if committed is not None and metadata:
             try:
@@ -357,7 +366,7 @@ class PartitionSet:
                 )
         part = PartitionState(topic, partition)
         if committed is not None:
-            part.tracker = PartitionTracker(committed, self._max_in_flight, restored)
+            part.tracker = PartitionTracker(committed, self._max_in_flight, restored, epoch)
             part.last_commit = (committed, metadata or "")
             part.received_end = committed
         if self._lane is not None:
@@ -389,7 +398,7 @@ class PartitionSet:
         meta = tracker.metadata(self._budget)[0]
         if part.last_commit == (offset, meta):
             return None
-        return Commit(part, offset, meta)
+        return Commit(part, offset, meta, tracker.commit_epoch(offset))
 
     def cancel_timers(self) -> None:
         """Shutdown: no retry timer fires any more (the messages are redelivered later)."""
@@ -1089,7 +1098,7 @@ class PartitionSet:
                 over.append(part)
             part.meta_over_budget = not complete
             if part.last_commit != (offset, meta):
-                plan.append(Commit(part, offset, meta))
+                plan.append(Commit(part, offset, meta, tracker.commit_epoch(offset)))
         return plan, over
 
     @staticmethod

@@ -22,6 +22,10 @@ DEFAULT_METADATA_BUDGET = 4000
 """Characters of commit metadata, under the broker's default 4096-byte limit."""
 
 
+MAX_EPOCH_CHANGES = 64
+"""Leader-epoch changes remembered above the commit point (an election each; a few at most)."""
+
+
 class PartitionTracker:
     """Pending / done state of one partition's fetched offsets, and the committable offset.
 
@@ -38,6 +42,7 @@ class PartitionTracker:
 
     __slots__ = (
         "_committed",
+        "_epochs",
         "_last",
         "_max_in_flight",
         "_offsets",
@@ -47,13 +52,18 @@ class PartitionTracker:
     )
 
     def __init__(
-        self, committed: int, max_in_flight: int, restored: AckState | None = None
+        self,
+        committed: int,
+        max_in_flight: int,
+        restored: AckState | None = None,
+        committed_epoch: int | None = None,
     ) -> None:
         """Start tracking at the ``committed`` offset.
 
         ``restored`` is the ack state decoded from the commit metadata; it is used only when
         it starts at ``committed``. Otherwise someone moved the committed offset (an offset
         reset) and the state describes a different position, so it is ignored.
+        ``committed_epoch`` is the leader epoch committed with ``committed``, when known.
         """
         if committed < 0:
             raise ValueError(f"committed offset must be >= 0, got {committed}")
@@ -72,6 +82,13 @@ class PartitionTracker:
         self.epoch: int | None = self._restored.epoch if self._restored is not None else None
         """The highest leader epoch seen (fetched records and a restored state): the epoch
         the metadata records."""
+        # Where the leader epoch changes in the log, as (first offset, epoch), offsets and
+        # epochs increasing: the epoch of the record before C goes with a commit at C
+        # (KIP-320), so that the next owner's client finds a log cut below C and seeks back
+        # to it instead of skipping what was written there after the cut.
+        self._epochs: list[tuple[int, int]] = []
+        if committed_epoch is not None and committed_epoch >= 0 and committed > 0:
+            self._epochs.append((committed - 1, committed_epoch))
 
     def track(self, offset: int) -> bool:
         """Record a fetched offset; return True if its message must be delivered.
@@ -113,6 +130,24 @@ class PartitionTracker:
             self._restored = None
         if self.epoch is None or epoch > self.epoch:
             self.epoch = epoch
+        epochs = self._epochs
+        while epochs and epochs[-1][0] >= offset:
+            epochs.pop()  # fetched again from below: the log was cut there
+        if not epochs or epoch > epochs[-1][1]:
+            epochs.append((offset, epoch))
+            if len(epochs) > MAX_EPOCH_CHANGES:
+                del epochs[0]  # an epoch not known for the oldest offsets: commit without one
+
+    def commit_epoch(self, offset: int) -> int | None:
+        """The leader epoch of the record before ``offset`` (:meth:`committable`: the last
+        record a commit there covers), or None when it is not known."""
+        before = offset - 1
+        epochs = self._epochs
+        while len(epochs) > 1 and epochs[1][0] <= before:
+            del epochs[0]
+        if epochs and epochs[0][0] <= before:
+            return epochs[0][1]
+        return None
 
     def skip_to(self, offset: int) -> None:
         """The consumer moved on to ``offset``: untracked offsets below it will never be fetched.

@@ -251,7 +251,12 @@ def end_offsets(bootstrap: str, topic: str, *, committed_only: bool = False) -> 
 
 
 def committed_offsets(bootstrap: str, group: str, topic: str) -> dict[int, tuple[int, str | None]]:
-    """{partition: (committed offset, commit metadata)} for the partitions ``group`` committed.
+    """{partition: (committed offset, commit metadata)} for the partitions ``group`` committed."""
+    return {tp.partition: (tp.offset, tp.metadata) for tp in committed(bootstrap, group, topic)}
+
+
+def committed(bootstrap: str, group: str, topic: str) -> list[TopicPartition]:
+    """The commits of ``group`` on ``topic``'s partitions (offset, metadata, leader epoch).
 
     Retried for a while when the group coordinator is not ready (a broker just started or
     restarted answers NOT_COORDINATOR / COORDINATOR_LOAD_IN_PROGRESS for a few seconds).
@@ -282,7 +287,7 @@ def committed_offsets(bootstrap: str, group: str, topic: str) -> dict[int, tuple
         if code not in transient or time.monotonic() >= deadline:
             raise KafkaException(errors[0])
         time.sleep(0.2)
-    return {tp.partition: (tp.offset, tp.metadata) for tp in found if tp.offset >= 0}
+    return [tp for tp in found if tp.offset >= 0]
 
 
 def value_of(message: Message) -> bytes:
