@@ -101,11 +101,12 @@ class _Unsampled:
     carry the record's own context, if it had one, so that the service does not sample
     either."""
 
-    __slots__ = ("_metadata", "traceparent")
+    __slots__ = ("_metadata", "traceparent", "tracestate")
     sampled = False
 
     def __init__(self, traceparent: str = "", tracestate: str = "") -> None:
         self.traceparent = traceparent
+        self.tracestate = tracestate
         self._metadata: Metadata | None = None
         if traceparent:
             self._metadata = ((TRACEPARENT, traceparent),)
@@ -144,7 +145,7 @@ NOT_SAMPLED = _Unsampled()
 class OtelMessage:
     """One message's process span (``tracing.MessageTrace``)."""
 
-    __slots__ = ("_ctx", "_tracer", "_what", "sampled", "span", "traceparent")
+    __slots__ = ("_ctx", "_tracer", "_what", "sampled", "span", "traceparent", "tracestate")
 
     def __init__(self, tracer: Any, span: Span) -> None:
         self._tracer = tracer
@@ -154,6 +155,8 @@ class OtelMessage:
         self.traceparent = format_traceparent(
             context.trace_id, context.span_id, context.trace_flags
         )
+        state = context.trace_state
+        self.tracestate = state.to_header() if state else ""
         self._ctx: Context | None = None
         self._what = "dead_letter"
 
@@ -235,9 +238,8 @@ class OtelMessage:
     def stamped(self, headers: Sequence[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
         kept = [(k, v) for k, v in headers if k != TRACEPARENT and k != TRACESTATE]
         kept.append((TRACEPARENT, self.traceparent.encode("ascii")))
-        state = self.span.get_span_context().trace_state
-        if state:
-            kept.append((TRACESTATE, state.to_header().encode("ascii")))
+        if self.tracestate:
+            kept.append((TRACESTATE, self.tracestate.encode("ascii")))
         return kept
 
     def write(self, topic: str, what: str) -> object:

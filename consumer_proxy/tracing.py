@@ -43,6 +43,8 @@ class MessageTrace(Protocol):
     traceparent: str
     """The process span's context as a W3C traceparent (a batch request carries it); "" for
     a new trace not sampled."""
+    tracestate: str
+    """The W3C tracestate that goes with ``traceparent`` ("" when there is none)."""
     sampled: bool
     """Whether its spans are recorded."""
 
@@ -95,6 +97,15 @@ class Tracing(Protocol):
     def tracer(self, group: str) -> Tracer: ...
 
     def shutdown(self) -> None: ...
+
+
+def end_trace(delivery: Delivery, why: str) -> None:
+    """``PartitionSet.gone`` while tracing is on: a message that leaves without being done
+    here (revoked, lost, stale, truncated, shutdown) ends its process span with that
+    outcome, wherever it waited."""
+    trace = delivery.trace
+    if trace is not None:
+        trace.end(why)
 
 
 def start_tracing(config: TracingConfig) -> Tracing | None:
