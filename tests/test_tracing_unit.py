@@ -8,6 +8,8 @@ exporter for what it makes of those headers and of the core's decisions.
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -346,3 +348,35 @@ def test_a_retried_message_dropped_on_its_way_out_of_the_ready_queue_ends_its_sp
     # Then the worker skips it and its process span ends
     assert not rig.core.begin(d)
     assert outcome_of_process_span(exporter) == expected
+
+
+SERVICE_WITHOUT_A_PROVIDER = """
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from consumer_proxy.handler import _NO_SPAN, _ServerSpans
+from consumer_proxy.proto.v1 import handler_pb2
+
+message = handler_pb2.Message(topic="t", traceparent="{traceparent}")
+spans = _ServerSpans(recheck_s=0.0)
+unset = spans.span("HandleMessageBatch", message, (), in_batch=True) is _NO_SPAN
+told_noop = _ServerSpans(trace.NoOpTracerProvider())
+noop = told_noop.span("HandleMessage", message, ()) is _NO_SPAN
+trace.set_tracer_provider(TracerProvider())
+with spans.span("HandleMessageBatch", message, (), in_batch=True):
+    recorded = trace.get_current_span().is_recording()
+print(unset, noop, recorded)
+"""
+
+
+def test_a_service_with_opentelemetry_but_no_tracer_provider_makes_no_span_objects() -> None:
+    # Given a service process with the OpenTelemetry SDK installed and no provider set (a
+    # process of its own: the global provider is set once per process)
+    script = SERVICE_WITHOUT_A_PROVIDER.format(traceparent=VALID.decode())
+    # When the SDK's server spans run for a message, then the service sets a provider (looked
+    # at again at once here, within a second by default)
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    # Then without a provider (or with the no-op one) each message gets the shared no-op,
+    # as without OpenTelemetry; once a provider is set, its spans are recorded
+    assert run.stdout.split() == ["True", "True", "True"], run.stderr
