@@ -119,6 +119,9 @@ class _Unsampled:
     def attempt_done(self, handle: object, result: Classification | None) -> None:
         pass
 
+    def heartbeat(self, gap_s: float, progress: str) -> None:
+        pass
+
     def event(self, name: str, attributes: Mapping[str, str | int | float | bool]) -> None:
         pass
 
@@ -145,7 +148,16 @@ NOT_SAMPLED = _Unsampled()
 class OtelMessage:
     """One message's process span (``tracing.MessageTrace``)."""
 
-    __slots__ = ("_ctx", "_tracer", "_what", "sampled", "span", "traceparent", "tracestate")
+    __slots__ = (
+        "_attempt",
+        "_ctx",
+        "_tracer",
+        "_what",
+        "sampled",
+        "span",
+        "traceparent",
+        "tracestate",
+    )
 
     def __init__(self, tracer: Any, span: Span) -> None:
         self._tracer = tracer
@@ -159,6 +171,7 @@ class OtelMessage:
         self.tracestate = state.to_header() if state else ""
         self._ctx: Context | None = None
         self._what = "dead_letter"
+        self._attempt: Span | None = None  # the attempt under way (its heartbeats' span)
 
     def _context(self) -> Context:
         if self._ctx is None:
@@ -181,11 +194,14 @@ class OtelMessage:
                 "messaging.message.delivery_attempt": attempt,
             },
         )
+        self._attempt = child
         return child, _metadata(child.get_span_context())
 
     def attempt_done(self, handle: object, result: Classification | None) -> None:
         if not isinstance(handle, Span):
             return
+        if handle is self._attempt:
+            self._attempt = None
         if result is None:
             handle.set_attribute("consumer_proxy.cancelled", True)
             handle.set_status(Status(StatusCode.UNSET))
@@ -195,6 +211,15 @@ class OtelMessage:
             if result.status not in ("OK", "ACK"):
                 handle.set_status(Status(StatusCode.ERROR, result.reason[:MAX_TEXT_CHARS]))
         handle.end()
+
+    def heartbeat(self, gap_s: float, progress: str) -> None:
+        # (the SDK keeps at most OTEL_SPAN_EVENT_COUNT_LIMIT events a span, 128 by default)
+        attempt = self._attempt
+        if attempt is not None:
+            attributes: dict[str, str | int] = {"consumer_proxy.gap_ms": round(gap_s * 1000)}
+            if progress:
+                attributes["consumer_proxy.progress"] = progress[:MAX_TEXT_CHARS]
+            attempt.add_event("heartbeat", attributes)
 
     def event(self, name: str, attributes: Mapping[str, str | int | float | bool]) -> None:
         if self.span.is_recording():

@@ -134,6 +134,8 @@ class Handler:
                 return cp.dead_letter('value contains "poison"')
             if b"flaky" in value and message.attempt == 1:
                 return cp.retry(reason="flaky")
+            if b"progress" in value:
+                await message.progress("halfway")  # a heartbeat (long-running calls)
             return None
 
 
@@ -420,10 +422,11 @@ async def test_in_batch_mode_each_handler_span_is_its_messages_child_and_the_cal
 async def test_a_long_running_call_is_an_attempt_whose_stream_the_service_continues(
     kafka: Broker, collector: Collector, python_service: tuple[cp.Server, TracerProvider]
 ) -> None:
-    # Given 5 messages written with trace context, for a long-running group
+    # Given 5 messages written with trace context, for a long-running group (the handler
+    # reports progress on the first: a heartbeat)
     server, service_tracing = python_service
     bootstrap = kafka.bootstrap
-    values = [f"job {i}" for i in range(5)]
+    values = ["job 0 progress"] + [f"job {i}" for i in range(1, 5)]
     topic, group, trace_ids = await traced_topic(bootstrap, collector, "tracelong", values)
     long_running = {"heartbeat_timeout_ms": 3000, "max_processing_ms": 20000}
     config = traced_config(
@@ -443,7 +446,7 @@ async def test_a_long_running_call_is_an_attempt_whose_stream_the_service_contin
         await task
     service_tracing.force_flush()
     # Then each trace is producer -> process -> the streaming attempt -> the SDK's server span
-    # -> the handler's own span
+    # -> the handler's own span, and the heartbeat an event of its attempt
     for i, trace_id in enumerate(trace_ids):
         complete = partial(settled, calls=1, writes=0)
         spans = await read_trace(collector, trace_id, complete, f"the trace of message {i}")
@@ -453,6 +456,12 @@ async def test_a_long_running_call_is_an_attempt_whose_stream_the_service_contin
         served = check_attempt(spans, call, "HandleMessageStream")
         (work,) = children(spans, served)
         assert work["name"] == "handle work"
+        notes = [
+            attributes(e).get("consumer_proxy.progress")
+            for e in call.get("events", [])
+            if e["name"] == "heartbeat"
+        ]  # (a loaded machine may add the SDK's periodic heartbeats, with no note before)
+        assert ("halfway" in notes) == (i == 0)
 
 
 OFF_SCRIPT = textwrap.dedent(

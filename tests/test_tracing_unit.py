@@ -380,3 +380,25 @@ def test_a_service_with_opentelemetry_but_no_tracer_provider_makes_no_span_objec
     # Then without a provider (or with the no-op one) each message gets the shared no-op,
     # as without OpenTelemetry; once a provider is set, its spans are recorded
     assert run.stdout.split() == ["True", "True", "True"], run.stderr
+
+
+def test_a_long_running_calls_heartbeats_are_events_of_its_attempt_span(
+    exported: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    # Given a traced message in a streaming call (its attempt span under way)
+    provider, exporter = exported
+    tracer = OtelTracer(provider.get_tracer("t"), "billing", link_producer=False)
+    trace = tracer.begin(delivery([]), 0.0)
+    handle, _ = trace.attempt("HandleMessageStream", "127.0.0.1:1", 1)
+    # When the service heartbeats twice, the second time with a long progress note, and a
+    # late heartbeat comes after the call ended
+    trace.heartbeat(1.0, "")
+    trace.heartbeat(0.5, "x" * 1000)
+    trace.attempt_done(handle, None)
+    trace.heartbeat(0.1, "late")
+    # Then the attempt span has one event per heartbeat in the call, the note cut short
+    attempt = finished(exporter)["consumerproxy.v1.MessageHandler/HandleMessageStream"]
+    assert [(e.name, dict(e.attributes or {})) for e in attempt.events] == [
+        ("heartbeat", {"consumer_proxy.gap_ms": 1000}),
+        ("heartbeat", {"consumer_proxy.gap_ms": 500, "consumer_proxy.progress": "x" * 256}),
+    ]
