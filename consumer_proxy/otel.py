@@ -23,7 +23,7 @@ from typing import Any
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
 from opentelemetry.trace import (
@@ -417,12 +417,24 @@ def _exporter(config: TracingConfig) -> SpanExporter:
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
         OTLPSpanExporter as GrpcExporter,
     )
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+
+    from .otlp import encode_request
+
+    class FastGrpcExporter(GrpcExporter):
+        """The gRPC exporter with ``otlp.encode_request``: its request is parsed from bytes
+        (in C) instead of built object by object in Python (a third of the CPU a span)."""
+
+        def _translate_data(self, data: Sequence[ReadableSpan]) -> ExportTraceServiceRequest:
+            return ExportTraceServiceRequest.FromString(encode_request(data))
 
     insecure = None
     endpoint = config.endpoint
     if endpoint is not None and endpoint.startswith("http://"):
         insecure = True
-    return GrpcExporter(endpoint=endpoint, insecure=insecure, timeout=timeout)
+    return FastGrpcExporter(endpoint=endpoint, insecure=insecure, timeout=timeout)
 
 
 def _ratio(config: TracingConfig) -> float | None:

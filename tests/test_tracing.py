@@ -135,7 +135,11 @@ class Handler:
             if b"flaky" in value and message.attempt == 1:
                 return cp.retry(reason="flaky")
             if b"progress" in value:
-                await message.progress("halfway")  # a heartbeat (long-running calls)
+                # A heartbeat with a note (long-running calls), sent while the work goes on;
+                # the SDK's periodic one (every second here) repeats the note, should a
+                # loaded machine let the work end before the first went out.
+                await message.progress("halfway")
+                await asyncio.sleep(1.5)
             return None
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -38,7 +39,7 @@ from consumer_proxy.core.tracecontext import (
     parse_traceparent,
 )
 from consumer_proxy.flow import Breaker
-from consumer_proxy.otel import OtelTracer
+from consumer_proxy.otel import OtelTracer, _exporter
 from consumer_proxy.proto.v1 import handler_pb2
 from consumer_proxy.tracing import end_trace, start_tracing
 from consumer_proxy.wire import batch_request
@@ -402,3 +403,39 @@ def test_a_long_running_calls_heartbeats_are_events_of_its_attempt_span(
         ("heartbeat", {"consumer_proxy.gap_ms": 1000}),
         ("heartbeat", {"consumer_proxy.gap_ms": 500, "consumer_proxy.progress": "x" * 256}),
     ]
+
+
+def test_the_exporters_request_is_what_the_otlp_encoder_builds_for_every_kind_of_span(
+    exported: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    # Given spans of every kind the proxy makes: process spans (a producer's child with a
+    # tracestate, a linked root, a root; breaker, retry and DLQ events; error statuses),
+    # attempts with heartbeats, cancelled or failed, a DLQ write, a batch call with links
+    provider, exporter = exported
+    for link_producer in (False, True):
+        tracer = OtelTracer(provider.get_tracer("t", "1.0"), "g", link_producer, ratio=1.0)
+        batch = []
+        for i in range(6):
+            headers = [("traceparent", VALID), ("tracestate", b"v=1")] if i % 2 else []
+            d = delivery(headers, key=b"k" if i % 3 else b"\xff")
+            batch.append(d)
+            trace = tracer.begin(d, 0.25 * (i % 2))
+            handle, _ = trace.attempt("HandleMessageStream", "127.0.0.1:1", 1)
+            trace.heartbeat(1.0, "40%" if i % 2 else "")
+            failed = FAILED if i % 3 == 0 else None
+            trace.attempt_done(handle, failed)
+            trace.decided(Decision(Action.RETRY, delay_s=0.1, counted=True), "INTERNAL")
+            if i % 2:
+                trace.decided(Decision(Action.DEAD_LETTER, reason="bad"), "INVALID_ARGUMENT")
+                trace.written(trace.write("g.dlq", "dead_letter"), True)
+            else:
+                trace.decided(Decision(Action.ACK), "OK")
+        span, _ = tracer.batch_call(batch, "HandleMessageBatch", "127.0.0.1:1")
+        tracer.batch_done(span, "UNAVAILABLE", len(batch))
+    spans = exporter.get_finished_spans()
+    # When the proxy's exporter builds its request
+    config = TracingConfig(enabled=True, endpoint="http://127.0.0.1:4317")
+    request = _exporter(config)._translate_data(spans)  # type: ignore[attr-defined]
+    # Then it is field for field what the OTLP exporter's own encoder builds
+    assert request == encode_spans(spans)
+    assert len(request.resource_spans[0].scope_spans[0].spans) == len(spans) == 32
