@@ -132,8 +132,6 @@ class BatchPush(Push):
                 if outcome is None:
                     for delivery in began:
                         partitions.abandon(delivery)
-                        if delivery.trace is not None and delivery.stale:
-                            delivery.trace.end("stale")
                 self.limiter.release(rtt, outcome.call if outcome is not None else None)
 
     async def _deliver(self, batch: list[Delivery], probe: bool, endpoint: Any) -> BatchOutcome:
@@ -212,11 +210,9 @@ class BatchPush(Push):
         acks = 0
         for delivery, result in zip(batch, outcome.results, strict=True):
             decision = finish(delivery, result, probe)
-            trace = delivery.trace
             if decision is None:
-                if trace is not None and not delivery.moved:
-                    trace.end("stale")
-                continue
+                continue  # stale (the core's ``gone`` ended its trace) or moved
+            trace = delivery.trace
             if trace is not None:
                 trace.decided(decision, result.status)
             if decision.action is Action.ACK:

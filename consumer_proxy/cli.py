@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import multiprocessing
@@ -245,6 +246,11 @@ def _run_one(config_path: Path, level: str, fmt: str, index: int) -> int:
 
     async def main() -> None:
         proxy = Proxy(config, config_path=config_path)
+        # What start-up made (modules, the config, the OpenTelemetry SDK with tracing on)
+        # lives as long as the process: out of the collector's full passes, which would walk
+        # it each time (with tracing on, ~40 ms a pass at 1 % sampling, one every few seconds).
+        gc.collect()
+        gc.freeze()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, proxy.request_shutdown)

@@ -55,6 +55,7 @@ from .ports import Clock, DeadLetterSink, EdgeHooks, MessageSource, OpenEdges, P
 from .push import PushParts, UnaryPush
 from .readyq import ReadyDeque
 from .stream import StreamPush
+from .tracing import end_trace
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +162,8 @@ class GroupRunner:
         self.writer = self._parking.sink = edges.sink
         self._handover.clock = edges.clock
         self.committer.attach(edges.source, edges.clock)
+        if edges.tracer is not None:
+            self.partitions.gone = end_trace
         parts = PushParts(
             self.name,
             self.partitions,
@@ -277,6 +280,7 @@ class GroupRunner:
             task.cancel()
         await asyncio.gather(*remaining, return_exceptions=True)
         self.partitions.cancel_timers()
+        self._ready_left()
         if self.fetcher is not None:
             with contextlib.suppress(KafkaException):
                 await self.commit()
@@ -286,6 +290,19 @@ class GroupRunner:
         if self.dispatcher is not None:
             await self.dispatcher.close()
         log.info("group %s: stopped", self.name)
+
+    def _ready_left(self) -> None:
+        """Shutdown: the messages still ready (a retry's among them) are told ``gone``."""
+        gone = self.partitions.gone
+        if gone is None:
+            return
+        ready = self.ready
+        if isinstance(ready, asyncio.Queue):
+            while not ready.empty():
+                gone(ready.get_nowait(), "shutdown")
+        else:
+            while ready.items:
+                gone(ready.items.popleft(), "shutdown")
 
     def _breaker_changed(self, old: str, new: str) -> None:
         self.metrics.circuit_open.labels(self.name).set(0 if new == "closed" else 1)

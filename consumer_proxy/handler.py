@@ -84,6 +84,7 @@ import enum
 import inspect
 import logging
 import signal
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from types import CoroutineType, TracebackType
@@ -458,14 +459,27 @@ _NO_SPAN: Final = contextlib.nullcontext()
 
 
 class _ServerSpans:
-    """A SERVER span per message when OpenTelemetry is installed (a no-op otherwise)."""
+    """A SERVER span per message when OpenTelemetry is installed and a tracer provider is
+    set (the given one, or the global one once the service sets it); a no-op otherwise."""
 
-    def __init__(self, provider: Any = None) -> None:
+    def __init__(self, provider: Any = None, recheck_s: float = 1.0) -> None:
         try:
             from opentelemetry import propagate, trace
         except ImportError:  # the service has no OpenTelemetry: nothing is traced
             self._tracer: Any = None
             return
+        unset = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
+        if isinstance(provider, unset):
+            self._tracer = None  # told to use the no-op provider: as if absent
+            return
+        self._unset = unset
+        self._global = trace.get_tracer_provider
+        self._waiting = provider is None
+        """The global provider is still OpenTelemetry's default (no-op) one: until the service
+        sets one (once, for good), a message costs a clock reading and no span object; the
+        provider is looked at again every ``recheck_s`` (reading it costs ~1 µs)."""
+        self._recheck_s = recheck_s
+        self._next_check = 0.0
         self._extract = propagate.extract
         self._kind = trace.SpanKind.SERVER
         self._link = trace.Link
@@ -482,9 +496,18 @@ class _ServerSpans:
     ) -> contextlib.AbstractContextManager[None]:
         """Run the handler of ``message`` in its span: the parent is the call's trace context
         (``metadata``), or in a batch the message's own, linked to the call's. Without
-        OpenTelemetry: one shared no-op (this runs for every message of a batch)."""
+        OpenTelemetry, or while no tracer provider is set: one shared no-op (this runs for
+        every message of a batch)."""
         if self._tracer is None:
             return _NO_SPAN
+        if self._waiting:
+            now = time.monotonic()
+            if now < self._next_check:
+                return _NO_SPAN
+            if isinstance(self._global(), self._unset):
+                self._next_check = now + self._recheck_s
+                return _NO_SPAN
+            self._waiting = False
         return self._span(method, message, metadata, in_batch)
 
     @contextlib.contextmanager

@@ -113,7 +113,7 @@ class Handover:
             self.push.cancel_calls(parts, Cancel.LOST)  # the new owner delivers them
         writes = await self._parking.cancel(set(parts))
         for part in parts:
-            self._forget(part)
+            self._forget(part, "lost")
         log.warning(
             "group %s: lost %d partitions (no commit possible; %d DLQ/tier writes cancelled)",
             self.name,
@@ -121,8 +121,8 @@ class Handover:
             writes,
         )
 
-    def _forget(self, part: PartitionState) -> None:
-        self._partitions.forget(part)
+    def _forget(self, part: PartitionState, why: str = "revoked") -> None:
+        self._partitions.forget(part, why)
         self._metrics.forget_partition(self.name, part.topic, part.partition)
 
 

@@ -210,8 +210,6 @@ class UnaryPush(Push):
         while not self.draining:
             delivery = await ready.get()
             if partitions.drop_stale(delivery):
-                if delivery.trace is not None:
-                    delivery.trace.end("stale")
                 continue
             if self.rate is not None:
                 await self.rate.acquire()
@@ -245,8 +243,6 @@ class UnaryPush(Push):
                     self.breaker.abandon_probe()
                 if began and result is None:
                     partitions.abandon(delivery)
-                    if delivery.trace is not None and delivery.stale:
-                        delivery.trace.end("stale")
                 self.limiter.release(rtt, result)
 
     async def _deliver(self, delivery: Delivery, probe: bool) -> Classification | None:
@@ -269,10 +265,7 @@ class UnaryPush(Push):
         decision = self.partitions.finish(delivery, result, probe)
         if decision is not None:
             self.tally.settled(delivery, decision, result.status, endpoint.target)
-        trace = delivery.trace
-        if trace is not None:
-            if decision is not None:
-                trace.decided(decision, result.status)
-            elif not delivery.moved:
-                trace.end("stale")
+        # (None: stale, its trace ended by the core's ``gone``, or moved, its write under way)
+        if decision is not None and delivery.trace is not None:
+            delivery.trace.decided(decision, result.status)
         return result

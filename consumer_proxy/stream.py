@@ -20,6 +20,7 @@ A revoked or lost partition's calls, and every call at shutdown, are cancelled t
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from .config import LongRunningConfig
 from .core.heartbeat import MAX_PROCESSING_STATUS, CallWatch, Expiry, Limits
@@ -72,7 +73,16 @@ class StreamPush(UnaryPush):
         request = self.request(delivery)
         # The watch runs on the event loop's clock, as the dispatcher's timers do.
         watch = CallWatch(self.limits, asyncio.get_running_loop().time())
-        push_stream, on_gap = self.pusher.push_stream, self._m_gap.observe
+        push_stream = self.pusher.push_stream
+        observe = self._m_gap.observe
+        on_gap: Callable[[float], None] = observe
+        trace = delivery.trace
+        if trace is not None and trace.sampled:  # each heartbeat an event of the attempt
+
+            def on_gap(gap_s: float) -> None:
+                observe(gap_s)
+                trace.heartbeat(gap_s, watch.progress)
+
         self._m_open.inc()
         try:
             result = await self._one_call(

@@ -11,6 +11,7 @@ exporter, the ``tracing`` extra) and every message gets a ``MessageTrace`` on
                     link to it with link_producer; a root without one)
     each attempt -> CLIENT span, its context in the call's gRPC metadata (W3C)
     retry, backoff, breaker hold, outage wait, guard hold -> events on the process span
+    a long-running call's heartbeats -> events on its attempt span
     dead letter, retry tier -> PRODUCER span; the record carries the process span's traceparent
     batch call   -> CLIENT span linked to each message's process span; each message's context
                     in its ``Message.traceparent`` field
@@ -43,6 +44,8 @@ class MessageTrace(Protocol):
     traceparent: str
     """The process span's context as a W3C traceparent (a batch request carries it); "" for
     a new trace not sampled."""
+    tracestate: str
+    """The W3C tracestate that goes with ``traceparent`` ("" when there is none)."""
     sampled: bool
     """Whether its spans are recorded."""
 
@@ -52,6 +55,10 @@ class MessageTrace(Protocol):
 
     def attempt_done(self, handle: object, result: Classification | None) -> None:
         """The attempt ended with ``result`` (None: cancelled by the proxy)."""
+
+    def heartbeat(self, gap_s: float, progress: str) -> None:
+        """A long-running call's heartbeat (``gap_s`` after the previous one, the handler's
+        latest ``progress`` note): an event on the attempt under way."""
 
     def event(self, name: str, attributes: Mapping[str, str | int | float | bool]) -> None:
         """Something happened to the message (a breaker hold, ...)."""
@@ -95,6 +102,15 @@ class Tracing(Protocol):
     def tracer(self, group: str) -> Tracer: ...
 
     def shutdown(self) -> None: ...
+
+
+def end_trace(delivery: Delivery, why: str) -> None:
+    """``PartitionSet.gone`` while tracing is on: a message that leaves without being done
+    here (revoked, lost, stale, truncated, shutdown) ends its process span with that
+    outcome, wherever it waited."""
+    trace = delivery.trace
+    if trace is not None:
+        trace.end(why)
 
 
 def start_tracing(config: TracingConfig) -> Tracing | None:

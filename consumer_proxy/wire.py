@@ -43,7 +43,8 @@ def unary_request(delivery: Delivery, group: str) -> handler_pb2.HandleMessageRe
 def batch_request(batch: list[Delivery], group: str, traced: bool = False) -> bytes:
     """The encoded HandleMessageBatchRequest. Built in place for each push (measured:
     cheaper than caching each encoded message and concatenating them). ``traced``: each
-    message carries its process span's trace context (``Message.traceparent``)."""
+    message carries its process span's trace context (``Message.traceparent``, and
+    ``Message.tracestate`` when there is one)."""
     request = handler_pb2.HandleMessageBatchRequest()
     add = request.messages.add
     for d in batch:
@@ -66,6 +67,10 @@ def batch_request(batch: list[Delivery], group: str, traced: bool = False) -> by
         m.consumer_group = group
         m.attempt = d.attempt
         m.source = d.source  # type: ignore[assignment]
-        if traced and d.trace is not None and d.trace.traceparent:
-            m.traceparent = d.trace.traceparent
+        if traced:
+            trace = d.trace
+            if trace is not None and trace.traceparent:
+                m.traceparent = trace.traceparent
+                if trace.tracestate:
+                    m.tracestate = trace.tracestate
     return request.SerializeToString()

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Generate the chart's `kafka` and `groups` value schemas from the proxy's pydantic models.
+"""Generate the chart's `kafka`, `tracing` and `groups` value schemas from the proxy's pydantic
+models.
 
     python scripts/gen_values_schema.py          # rewrite the generated parts
     python scripts/gen_values_schema.py --check  # exit 1 if they are stale
@@ -7,8 +8,9 @@
 The proxy's models (consumer_proxy/config.py) are the one source of truth for the onboarding
 config. This script writes two files of the chart from them:
 
-- helm/consumer-proxy/values.schema.json: `properties.kafka` and `properties.groups` are
-  replaced by the JSON Schema pydantic emits for KafkaConfig and GroupConfig, made
+- helm/consumer-proxy/values.schema.json: `properties.kafka`, `properties.tracing` and
+  `properties.groups` are replaced by the JSON Schema pydantic emits for KafkaConfig,
+  TracingConfig and GroupConfig, made
   self-contained (no $ref) and strict, plus the rules pydantic cannot emit because they live
   in field validators (endpoint, topic, group-name and bootstrap syntax, proxy-owned client
   properties, status names, the concurrency range). tests/test_chart_contract.py checks that
@@ -37,6 +39,7 @@ from consumer_proxy.config import (  # noqa: E402 - needs the path above
     STATUS_NAMES,
     GroupConfig,
     KafkaConfig,
+    TracingConfig,
 )
 
 CHART = ROOT / "helm" / "consumer-proxy"
@@ -165,12 +168,34 @@ def kafka_schema() -> dict[str, Any]:
     return schema
 
 
+# The chart's own addition to `tracing`: standard OTEL_* variables for the proxy's container.
+CHART_TRACING = {
+    "env": {
+        "type": "object",
+        "description": "OTEL_* environment variables of the proxy's container, name -> value "
+        "(chart only; a field of this block wins over its variable).",
+        "propertyNames": {"pattern": r"^OTEL_[A-Z0-9_]+$"},
+        "additionalProperties": {"type": "string"},
+    },
+}
+
+
+def tracing_schema() -> dict[str, Any]:
+    """The JSON Schema of `tracing`: the model's fields and the chart's OTEL_* variables."""
+    raw = TracingConfig.model_json_schema()
+    schema: dict[str, Any] = _inline(raw, raw.get("$defs", {}))
+    _at(schema, "endpoint")["pattern"] = r"^https?://"  # TracingConfig._url
+    schema["properties"].update(copy.deepcopy(CHART_TRACING))
+    return schema
+
+
 def values_schema(current: dict[str, Any]) -> dict[str, Any]:
     """The chart's schema with its generated parts replaced, in the file's key order."""
     schema = copy.deepcopy(current)
     groups = schema["properties"]["groups"]
     groups["items"] = group_schema()
     schema["properties"]["kafka"] = kafka_schema()
+    schema["properties"]["tracing"] = tracing_schema()
     return schema
 
 

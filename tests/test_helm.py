@@ -29,7 +29,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from consumer_proxy.config import GroupConfig, KafkaConfig, load_config
+from consumer_proxy.config import GroupConfig, KafkaConfig, TracingConfig, load_config
 from consumer_proxy.metrics import ProxyMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -395,6 +395,35 @@ def test_the_admin_token_comes_from_an_existing_secret_and_reaches_the_proxy(
     assert "CONSUMER_PROXY_ADMIN__TOKEN" not in {e["name"] for e in default_env}
 
 
+def test_tracing_values_reach_the_proxys_config_and_its_otel_environment(
+    helm: Helm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given tracing turned on in the values, with an OTEL_* variable for the container
+    values = {
+        "tracing": {
+            "enabled": True,
+            "endpoint": "http://otel-collector.observability:4317",
+            "sample_ratio": 0.01,
+            "env": {"OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=prod"},
+        }
+    }
+    manifests = helm.render("-f", values_file(tmp_path, values))
+    # Then the container has the variable (a plain value) ...
+    by_name = {e["name"]: e for e in proxy_container(manifests)["env"]}
+    assert by_name["OTEL_RESOURCE_ATTRIBUTES"]["value"] == "deployment.environment=prod"
+    # ... and the proxy loads the rendered config with tracing on, as the values say
+    tracing = load_config(materialise_config(manifests, tmp_path)).tracing
+    assert tracing.enabled
+    assert tracing.endpoint == "http://otel-collector.observability:4317"
+    assert tracing.sample_ratio == 0.01
+    # By default tracing is off, and no OTEL_* variable is set
+    defaults = helm.render()
+    (tmp_path / "default").mkdir()
+    assert not load_config(materialise_config(defaults, tmp_path / "default")).tracing.enabled
+    default_env = proxy_container(defaults).get("env") or []
+    assert not [e for e in default_env if e["name"].startswith("OTEL_")]
+
+
 def test_tls_material_is_mounted_read_only_from_existing_secrets(
     example_manifests: Manifests,
 ) -> None:
@@ -441,6 +470,12 @@ GROUP = {"name": "billing", "topics": ["trips"], "service": {"endpoints": ["bill
         ),
         ({"groups": [{**GROUP, "delivery": {"concurrency": 0}}]}, "/groups/0/delivery/concurrency"),
         ({"replica": 3}, "additional properties 'replica' not allowed"),
+        ({"tracing": {"endpoint": "collector:4317"}}, "at '/tracing/endpoint'"),
+        ({"tracing": {"sample_ratio": 2}}, "at '/tracing/sample_ratio': maximum"),
+        (
+            {"tracing": {"env": {"PATH": "/tmp"}}},  # (Helm misplaces a propertyNames path)
+            "'PATH' does not match pattern '^OTEL_[A-Z0-9_]+$'",
+        ),
         ({"kafka": {"bootstrap_servers": ""}}, "at '/kafka/bootstrap_servers': minLength"),
         ({"shutdown": {"graceSeconds": -5}}, "at '/shutdown/graceSeconds': minimum"),
         ({"image": {"pullPolicy": "Sometimes"}}, "at '/image/pullPolicy'"),
@@ -530,6 +565,14 @@ def test_values_schema_mirrors_the_onboarding_models() -> None:
     _compare(schema["properties"]["groups"]["items"], group_model, group_model["$defs"], "group")
     kafka = schema["properties"]["kafka"]["properties"]
     assert set(KafkaConfig.model_fields) <= set(kafka)
+    tracing_model = _model_schema(TracingConfig)
+    chart_tracing = schema["properties"]["tracing"]
+    chart_only = {
+        "properties": {k: v for k, v in chart_tracing["properties"].items() if k != "env"}
+    }
+    _compare(
+        {**chart_tracing, **chart_only}, tracing_model, tracing_model.get("$defs", {}), "tracing"
+    )
     assert schema["properties"]["replicas"] == {
         "type": "integer",
         "description": schema["properties"]["replicas"]["description"],

@@ -66,10 +66,11 @@ def provider(collector: Collector, service: str) -> TracerProvider:
 
 
 def produce_traced(
-    bootstrap: str, topic: str, producer: TracerProvider, values: list[str]
+    bootstrap: str, topic: str, producer: TracerProvider, values: list[str], tracestate: str = ""
 ) -> list[str]:
     """Produce ``values`` (key k<i>), each inside a PRODUCER span whose W3C context goes in
-    the record's headers; returns each record's trace id (hex)."""
+    the record's headers (with ``tracestate``, if any); returns each record's trace id
+    (hex)."""
     tracer = producer.get_tracer("test-producer")
     records: list[dict[str, Any]] = []
     trace_ids: list[str] = []
@@ -77,6 +78,8 @@ def produce_traced(
         with tracer.start_as_current_span(f"{topic} publish", kind=SpanKind.PRODUCER) as span:
             carrier: dict[str, str] = {}
             TraceContextTextMapPropagator().inject(carrier, set_span_in_context(span))
+            if tracestate:
+                carrier["tracestate"] = tracestate
             trace_ids.append(f"{span.get_span_context().trace_id:032x}")
         headers = [(k, v.encode()) for k, v in carrier.items()]
         records.append({"key": f"k{i}", "value": value, "headers": headers})
@@ -85,14 +88,16 @@ def produce_traced(
 
 
 async def traced_topic(
-    bootstrap: str, collector: Collector, prefix: str, values: list[str]
+    bootstrap: str, collector: Collector, prefix: str, values: list[str], tracestate: str = ""
 ) -> tuple[str, str, list[str]]:
     """A new topic (2 partitions) holding ``values`` written by an instrumented producer, and
     a group name; returns (topic, group, each record's trace id)."""
     topic, group = unique_name(prefix), unique_name(prefix)
     create_topic(bootstrap, topic, partitions=2)
     producer = provider(collector, "test-producer")
-    trace_ids = await asyncio.to_thread(produce_traced, bootstrap, topic, producer, values)
+    trace_ids = await asyncio.to_thread(
+        produce_traced, bootstrap, topic, producer, values, tracestate
+    )
     producer.shutdown()  # exports the producer's spans
     return topic, group, trace_ids
 
@@ -129,6 +134,12 @@ class Handler:
                 return cp.dead_letter('value contains "poison"')
             if b"flaky" in value and message.attempt == 1:
                 return cp.retry(reason="flaky")
+            if b"progress" in value:
+                # A heartbeat with a note (long-running calls), sent while the work goes on;
+                # the SDK's periodic one (every second here) repeats the note, should a
+                # loaded machine let the work end before the first went out.
+                await message.progress("halfway")
+                await asyncio.sleep(1.5)
             return None
 
 
@@ -340,11 +351,13 @@ async def test_in_batch_mode_each_handler_span_is_its_messages_child_and_the_cal
     python_service: tuple[cp.Server, TracerProvider],
     go_service: GoService,
 ) -> None:
-    # Given 60 messages written with trace context
+    # Given 60 messages written with trace context (a tracestate too)
     server, service_tracing = python_service
     bootstrap = kafka.bootstrap
     values = [f"order {i}" for i in range(60)]
-    topic, group, trace_ids = await traced_topic(bootstrap, collector, "tracebatch", values)
+    topic, group, trace_ids = await traced_topic(
+        bootstrap, collector, "tracebatch", values, tracestate="cp=batch"
+    )
 
     # When the proxy pushes them in batches (HandleMessageBatch) to the Python SDK service and
     # the Go example
@@ -361,7 +374,7 @@ async def test_in_batch_mode_each_handler_span_is_its_messages_child_and_the_cal
     go_service.stop()
 
     # Then each message's trace is producer -> process -> the service's span for that message
-    # (and the Python handler's own span under it)
+    # (and the Python handler's own span under it), the tracestate passed on to the service
     def one_message(spans: list[dict[str, Any]]) -> bool:
         servers = [s for s in spans if s["kind"] == SERVER]
         work = [s for s in spans if s["name"] == "handle work"]
@@ -379,6 +392,7 @@ async def test_in_batch_mode_each_handler_span_is_its_messages_child_and_the_cal
         (served,) = children(spans, process)  # no attempt span of its own: the call is shared
         assert served["kind"] == SERVER
         assert served["name"] == "consumerproxy.v1.MessageHandler/HandleMessageBatch"
+        assert process.get("traceState") == served.get("traceState") == "cp=batch"
         assert (
             attributes(served)["messaging.kafka.offset"]
             == attributes(process)["messaging.kafka.offset"]
@@ -412,10 +426,11 @@ async def test_in_batch_mode_each_handler_span_is_its_messages_child_and_the_cal
 async def test_a_long_running_call_is_an_attempt_whose_stream_the_service_continues(
     kafka: Broker, collector: Collector, python_service: tuple[cp.Server, TracerProvider]
 ) -> None:
-    # Given 5 messages written with trace context, for a long-running group
+    # Given 5 messages written with trace context, for a long-running group (the handler
+    # reports progress on the first: a heartbeat)
     server, service_tracing = python_service
     bootstrap = kafka.bootstrap
-    values = [f"job {i}" for i in range(5)]
+    values = ["job 0 progress"] + [f"job {i}" for i in range(1, 5)]
     topic, group, trace_ids = await traced_topic(bootstrap, collector, "tracelong", values)
     long_running = {"heartbeat_timeout_ms": 3000, "max_processing_ms": 20000}
     config = traced_config(
@@ -435,7 +450,7 @@ async def test_a_long_running_call_is_an_attempt_whose_stream_the_service_contin
         await task
     service_tracing.force_flush()
     # Then each trace is producer -> process -> the streaming attempt -> the SDK's server span
-    # -> the handler's own span
+    # -> the handler's own span, and the heartbeat an event of its attempt
     for i, trace_id in enumerate(trace_ids):
         complete = partial(settled, calls=1, writes=0)
         spans = await read_trace(collector, trace_id, complete, f"the trace of message {i}")
@@ -445,6 +460,12 @@ async def test_a_long_running_call_is_an_attempt_whose_stream_the_service_contin
         served = check_attempt(spans, call, "HandleMessageStream")
         (work,) = children(spans, served)
         assert work["name"] == "handle work"
+        notes = [
+            attributes(e).get("consumer_proxy.progress")
+            for e in call.get("events", [])
+            if e["name"] == "heartbeat"
+        ]  # (a loaded machine may add the SDK's periodic heartbeats, with no note before)
+        assert ("halfway" in notes) == (i == 0)
 
 
 OFF_SCRIPT = textwrap.dedent(

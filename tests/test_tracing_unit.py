@@ -7,27 +7,44 @@ exporter for what it makes of those headers and of the core's decisions.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import random
+import subprocess
+import sys
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from consumer_proxy.config import TracingConfig
+from consumer_proxy.config import (
+    BackoffConfig,
+    CircuitBreakerConfig,
+    DeliveryConfig,
+    TracingConfig,
+)
 from consumer_proxy.core.decision import Action, Decision
-from consumer_proxy.core.partitions import Delivery, PartitionState
+from consumer_proxy.core.outcomes import Classification, Outcome
+from consumer_proxy.core.partitions import Delivery, PartitionSet, PartitionState
 from consumer_proxy.core.records import Origin
 from consumer_proxy.core.tracecontext import (
     MAX_TRACEPARENT_BYTES,
     format_traceparent,
     parse_traceparent,
 )
-from consumer_proxy.otel import OtelTracer
-from consumer_proxy.tracing import start_tracing
+from consumer_proxy.flow import Breaker
+from consumer_proxy.otel import OtelTracer, _exporter
+from consumer_proxy.proto.v1 import handler_pb2
+from consumer_proxy.tracing import end_trace, start_tracing
+from consumer_proxy.wire import batch_request
+from tests.support.clock import Clock
+from tests.support.records import Rec
 
 VALID = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
@@ -218,3 +235,207 @@ def test_new_traces_are_sampled_at_the_ratio(
         assert trace.sampled or metadata is None
     # and the ratio decides how many are recorded (a process and an attempt span each)
     assert len(exporter.get_finished_spans()) == 2 * recorded
+
+
+def test_a_batch_request_carries_each_messages_traceparent_and_tracestate(
+    exported: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    # Given two messages whose producers sent a tracestate, one sampled and one not
+    provider, _ = exported
+    tracer = OtelTracer(provider.get_tracer("t"), "billing", link_producer=False, ratio=1.0)
+    sampled = delivery([("traceparent", VALID), ("tracestate", b"vendor=abc")])
+    unsampled = delivery([("traceparent", VALID[:-2] + b"00"), ("tracestate", b"other=1")])
+    for d in (sampled, unsampled):
+        tracer.begin(d, 0.0)
+    # When they go in one batch request
+    request = handler_pb2.HandleMessageBatchRequest.FromString(
+        batch_request([sampled, unsampled], "billing", traced=True)
+    )
+    # Then each message carries its own context: the process span's (with the producer's
+    # tracestate, which the span keeps), or the producer's own when it did not sample
+    first, second = request.messages
+    assert first.traceparent == sampled.trace.traceparent
+    assert first.traceparent != VALID.decode()
+    assert first.tracestate == "vendor=abc"
+    assert (second.traceparent, second.tracestate) == ((VALID[:-2] + b"00").decode(), "other=1")
+
+
+class TracedCore:
+    """The pure core (a ``PartitionSet`` on a virtual clock) with tracing's ``gone`` hook, as
+    the group wires it when tracing is on; each message is traced when it is pushed."""
+
+    def __init__(self, provider: TracerProvider, **delivery_config: Any) -> None:
+        self.clock = Clock()
+        self.ready: deque[Delivery] = deque()
+        self.breaker = Breaker("g", CircuitBreakerConfig(), clock=self.clock)
+        self.core = PartitionSet(
+            "g",
+            DeliveryConfig(backoff=BackoffConfig(initial_ms=1000, jitter=0.0), **delivery_config),
+            "g.redrive",
+            self.breaker,
+            emit=self.ready.append,
+            schedule=self.clock.call_later,
+            rng=random.Random(1),
+        )
+        self.core.gone = end_trace
+        self.tracer = OtelTracer(provider.get_tracer("t"), "g", link_producer=False)
+        self.core.assign("t", 0, 0, "")
+        self.part = self.core.parts[("t", 0)]
+
+    def fetch_and_fail(self, offset: int) -> Delivery:
+        """Fetch the record at ``offset`` and push it once: it fails and waits for a retry."""
+        self.core.intake(Rec("t", offset))
+        d = self.ready.pop()
+        assert self.core.begin(d)
+        self.tracer.begin(d, 0.0)
+        decision = self.core.finish(d, FAILED, probe=False)
+        assert decision is not None and decision.action is Action.RETRY
+        d.trace.decided(decision, FAILED.status)
+        return d
+
+
+FAILED = Classification(Outcome.RETRY, "INTERNAL", reason="flaky")
+
+
+def outcome_of_process_span(exporter: InMemorySpanExporter) -> object:
+    (process,) = [s for s in exporter.get_finished_spans() if s.kind is SpanKind.CONSUMER]
+    assert process.attributes is not None
+    return process.attributes["consumer_proxy.outcome"]
+
+
+@pytest.mark.parametrize(
+    ("leave", "outcome"),
+    [
+        (lambda rig: rig.core.forget(rig.part), "revoked"),
+        (lambda rig: rig.core.forget(rig.part, "lost"), "lost"),
+        (lambda rig: rig.core.cancel_timers(), "shutdown"),
+        (lambda rig: rig.core.intake(Rec("t", 0)), "truncated"),  # the log cut below it
+    ],
+    ids=["revoked", "lost", "shutdown", "log-cut"],
+)
+def test_a_message_that_leaves_while_it_waits_for_a_retry_ends_its_span(
+    exported: tuple[TracerProvider, InMemorySpanExporter],
+    leave: Callable[[TracedCore], None],
+    outcome: str,
+) -> None:
+    # Given a traced message that failed once and waits on its retry timer
+    provider, exporter = exported
+    rig = TracedCore(provider)
+    rig.fetch_and_fail(0)
+    assert exporter.get_finished_spans() == ()
+    # When it leaves before the timer fires
+    leave(rig)
+    # Then its process span ends, saying why
+    assert outcome_of_process_span(exporter) == outcome
+
+
+@pytest.mark.parametrize("revoked_after", ["timer", "leaving"])
+def test_a_retried_message_dropped_on_its_way_out_of_the_ready_queue_ends_its_span(
+    exported: tuple[TracerProvider, InMemorySpanExporter], revoked_after: str
+) -> None:
+    # Given a traced message whose retry timer fired (it is ready again)
+    provider, exporter = exported
+    rig = TracedCore(provider)
+    rig.fetch_and_fail(0)
+    rig.clock.advance(2.0)
+    (d,) = rig.ready
+    # When its partition is revoked (forgotten, or still leaving) before a worker pushes it
+    if revoked_after == "timer":
+        rig.core.forget(rig.part)
+        expected = "stale"
+    else:
+        rig.core.leave([rig.part])
+        expected = "revoked"
+    # Then the worker skips it and its process span ends
+    assert not rig.core.begin(d)
+    assert outcome_of_process_span(exporter) == expected
+
+
+SERVICE_WITHOUT_A_PROVIDER = """
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from consumer_proxy.handler import _NO_SPAN, _ServerSpans
+from consumer_proxy.proto.v1 import handler_pb2
+
+message = handler_pb2.Message(topic="t", traceparent="{traceparent}")
+spans = _ServerSpans(recheck_s=0.0)
+unset = spans.span("HandleMessageBatch", message, (), in_batch=True) is _NO_SPAN
+told_noop = _ServerSpans(trace.NoOpTracerProvider())
+noop = told_noop.span("HandleMessage", message, ()) is _NO_SPAN
+trace.set_tracer_provider(TracerProvider())
+with spans.span("HandleMessageBatch", message, (), in_batch=True):
+    recorded = trace.get_current_span().is_recording()
+print(unset, noop, recorded)
+"""
+
+
+def test_a_service_with_opentelemetry_but_no_tracer_provider_makes_no_span_objects() -> None:
+    # Given a service process with the OpenTelemetry SDK installed and no provider set (a
+    # process of its own: the global provider is set once per process)
+    script = SERVICE_WITHOUT_A_PROVIDER.format(traceparent=VALID.decode())
+    # When the SDK's server spans run for a message, then the service sets a provider (looked
+    # at again at once here, within a second by default)
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    # Then without a provider (or with the no-op one) each message gets the shared no-op,
+    # as without OpenTelemetry; once a provider is set, its spans are recorded
+    assert run.stdout.split() == ["True", "True", "True"], run.stderr
+
+
+def test_a_long_running_calls_heartbeats_are_events_of_its_attempt_span(
+    exported: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    # Given a traced message in a streaming call (its attempt span under way)
+    provider, exporter = exported
+    tracer = OtelTracer(provider.get_tracer("t"), "billing", link_producer=False)
+    trace = tracer.begin(delivery([]), 0.0)
+    handle, _ = trace.attempt("HandleMessageStream", "127.0.0.1:1", 1)
+    # When the service heartbeats twice, the second time with a long progress note, and a
+    # late heartbeat comes after the call ended
+    trace.heartbeat(1.0, "")
+    trace.heartbeat(0.5, "x" * 1000)
+    trace.attempt_done(handle, None)
+    trace.heartbeat(0.1, "late")
+    # Then the attempt span has one event per heartbeat in the call, the note cut short
+    attempt = finished(exporter)["consumerproxy.v1.MessageHandler/HandleMessageStream"]
+    assert [(e.name, dict(e.attributes or {})) for e in attempt.events] == [
+        ("heartbeat", {"consumer_proxy.gap_ms": 1000}),
+        ("heartbeat", {"consumer_proxy.gap_ms": 500, "consumer_proxy.progress": "x" * 256}),
+    ]
+
+
+def test_the_exporters_request_is_what_the_otlp_encoder_builds_for_every_kind_of_span(
+    exported: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    # Given spans of every kind the proxy makes: process spans (a producer's child with a
+    # tracestate, a linked root, a root; breaker, retry and DLQ events; error statuses),
+    # attempts with heartbeats, cancelled or failed, a DLQ write, a batch call with links
+    provider, exporter = exported
+    for link_producer in (False, True):
+        tracer = OtelTracer(provider.get_tracer("t", "1.0"), "g", link_producer, ratio=1.0)
+        batch = []
+        for i in range(6):
+            headers = [("traceparent", VALID), ("tracestate", b"v=1")] if i % 2 else []
+            d = delivery(headers, key=b"k" if i % 3 else b"\xff")
+            batch.append(d)
+            trace = tracer.begin(d, 0.25 * (i % 2))
+            handle, _ = trace.attempt("HandleMessageStream", "127.0.0.1:1", 1)
+            trace.heartbeat(1.0, "40%" if i % 2 else "")
+            failed = FAILED if i % 3 == 0 else None
+            trace.attempt_done(handle, failed)
+            trace.decided(Decision(Action.RETRY, delay_s=0.1, counted=True), "INTERNAL")
+            if i % 2:
+                trace.decided(Decision(Action.DEAD_LETTER, reason="bad"), "INVALID_ARGUMENT")
+                trace.written(trace.write("g.dlq", "dead_letter"), True)
+            else:
+                trace.decided(Decision(Action.ACK), "OK")
+        span, _ = tracer.batch_call(batch, "HandleMessageBatch", "127.0.0.1:1")
+        tracer.batch_done(span, "UNAVAILABLE", len(batch))
+    spans = exporter.get_finished_spans()
+    # When the proxy's exporter builds its request
+    config = TracingConfig(enabled=True, endpoint="http://127.0.0.1:4317")
+    request = _exporter(config)._translate_data(spans)  # type: ignore[attr-defined]
+    # Then it is field for field what the OTLP exporter's own encoder builds
+    assert request == encode_spans(spans)
+    assert len(request.resource_spans[0].scope_spans[0].spans) == len(spans) == 32

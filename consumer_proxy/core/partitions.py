@@ -318,6 +318,10 @@ class PartitionSet:
         self._emit = emit
         self._schedule = schedule
         self._on_idle = on_idle
+        self.gone: Callable[[Delivery, str], None] | None = None
+        """Told when a message leaves without being done here (why: ``revoked``, ``lost``,
+        ``stale``, ``truncated``, ``shutdown``), wherever it waited: a retry timer, the
+        dead-letter guard, the ready queue; the shell ends its trace (None: tracing off)."""
         self.guard = DeadLetterGuard(guard) if guard is not None and guard.enabled else None
         self._held: deque[Held] = deque()  # what the guard holds, oldest first (probes)
         self._probe: Handle | None = None
@@ -405,13 +409,25 @@ class PartitionSet:
         for part in self.parts.values():
             for timer in part.timers:
                 timer.cancel()
+            self._gone_waiting(part, "shutdown")
 
-    def forget(self, part: PartitionState) -> None:
-        """Drop a partition (revoked or lost): its timers, backlog and bytes go with it."""
+    def _gone_waiting(self, part: PartitionState, why: str) -> None:
+        """``gone`` for each message of ``part`` waiting on a retry timer or the guard."""
+        gone = self.gone
+        if gone is not None:
+            for delivery, _ in part.retrying.values():
+                gone(delivery, why)
+            for held in part.held.values():
+                gone(held.delivery, why)
+
+    def forget(self, part: PartitionState, why: str = "revoked") -> None:
+        """Drop a partition (``why``: revoked or lost): its timers, backlog and bytes go with
+        it."""
         part.revoked = True
         for timer in part.timers:
             timer.cancel()
         part.timers.clear()
+        self._gone_waiting(part, why)
         part.retrying.clear()
         part.due.clear()
         if part.held:
@@ -474,18 +490,18 @@ class PartitionSet:
                 delivery, handle = timed.pop(o)
                 handle.cancel()
                 part.timers.discard(handle)
-                self._release(delivery)
+                self._release(delivery, "truncated")
         cut_held = [part.held.pop(o) for o in [o for o in part.held if o >= offset]]
         if cut_held:
             for held in cut_held:
-                self._release(held.delivery)
+                self._release(held.delivery, "truncated")
             self._held = deque(h for h in self._held if h not in cut_held)
         if part.gate is not None:
             # Messages cut from the log no longer hold their key back, and those waiting
             # are forgotten (their records come again with the new fetches).
             dropped, promoted = part.gate.prune(_is_stale)
             for delivery in dropped:
-                self._release(delivery)
+                self._release(delivery, "truncated")
             for delivery in promoted:
                 self._emit(delivery)
 
@@ -612,7 +628,7 @@ class PartitionSet:
         """True when a ready message is stale (revoked, or cut from the log): a worker drops
         it, and its bytes are given back here."""
         if delivery.stale:
-            self._release(delivery)
+            self._release(delivery, "stale")
             return True
         return False
 
@@ -620,7 +636,11 @@ class PartitionSet:
         """A worker is about to push ``delivery``; False when it must be skipped: it is
         stale (its bytes are given back), or its partition is leaving (a revoke returns the
         partition's bytes)."""
-        if self.drop_stale(delivery) or delivery.part.leaving:
+        if self.drop_stale(delivery):
+            return False
+        if delivery.part.leaving:
+            if self.gone is not None:
+                self.gone(delivery, "revoked")
             return False
         delivery.part.calls += 1
         if self._watch:
@@ -656,7 +676,7 @@ class PartitionSet:
         )
         delivery.successes_mark = breaker.successes
         if delivery.stale:
-            self._release(delivery)
+            self._release(delivery, "stale")
             return None
         if result.alone:
             delivery.alone = True
@@ -708,7 +728,7 @@ class PartitionSet:
             if part.out.get(delivery.offset) is delivery:
                 del part.out[delivery.offset]
         if delivery.stale:
-            self._release(delivery)
+            self._release(delivery, "stale")
         else:
             self._emit(delivery)
 
@@ -720,7 +740,7 @@ class PartitionSet:
             part.timers.discard(handle)
             del part.retrying[delivery.offset]  # a cut or an unblock would have cancelled us
             if delivery.stale:  # (revoked: forget() cancels the timers too)
-                self._release(delivery)
+                self._release(delivery, "stale")
             else:
                 self._emit(delivery)
 
@@ -819,11 +839,14 @@ class PartitionSet:
         delivery.part.calls -= 1
         self._release(delivery)
 
-    def _release(self, delivery: Delivery) -> None:
+    def _release(self, delivery: Delivery, gone: str = "") -> None:
+        """Give ``delivery``'s bytes back; ``gone``: why it leaves without being done."""
         part = delivery.part
         if not part.revoked:  # a revoked partition's bytes were returned by forget()
             part.bytes -= delivery.size
             part.budget.held -= delivery.size
+        if gone and self.gone is not None:
+            self.gone(delivery, gone)
 
     def _done(self, delivery: Delivery) -> None:
         part = delivery.part

@@ -110,6 +110,10 @@ health:
   grpc_port: {{ int .Values.grpcHealth.port }}
 {{- end }}
 shutdown_grace_s: {{ .Values.shutdown.graceSeconds }}
+{{- with omit .Values.tracing "env" }}
+tracing:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- if .Values.console.enabled }}
 console:
   enabled: true
@@ -234,10 +238,10 @@ A Prometheus duration of the schema's form (a number and one unit: ms, s, m or h
 
 {{/*
 The proxy's environment: Kafka secrets as CONSUMER_PROXY_KAFKA__CLIENT__* from the existing
-Secret, then extraEnv and extraEnvFrom. Shared by the proxy, the init container and the test.
+Secret, tracing's OTEL_* variables, then extraEnv and extraEnvFrom. Shared by the proxy, the init container and the test.
 */}}
 {{- define "consumer-proxy.proxyEnv" -}}
-{{- if or .Values.kafka.secretProperties .Values.extraEnv .Values.admin.existingSecret }}
+{{- if or .Values.kafka.secretProperties .Values.extraEnv .Values.admin.existingSecret .Values.tracing.env }}
 env:
   {{- with .Values.admin.existingSecret }}
   # The admin token (consumer-proxy guard release|hold), from an existing Secret.
@@ -254,6 +258,10 @@ env:
       secretKeyRef:
         name: {{ $.Values.kafka.existingSecret }}
         key: {{ $key }}
+  {{- end }}
+  {{- range $name, $value := .Values.tracing.env }}
+  - name: {{ $name }}
+    value: {{ $value | quote }}
   {{- end }}
   {{- with .Values.extraEnv }}
   {{- toYaml . | nindent 2 }}
