@@ -206,17 +206,30 @@ def _scope(scope: InstrumentationScope | None) -> bytes:
     return encoded
 
 
+Encoded = tuple[Any, InstrumentationScope | None, bytes]
+"""A finished span as the exporter keeps it: its resource, its scope and its encoded body."""
+
+
+def encode_span(span: ReadableSpan) -> Encoded:
+    """``span`` encoded as it ends: the bytes are all an export needs of it, so the span (its
+    attributes, events, links) is garbage at once instead of waiting for the export."""
+    return (span.resource, span.instrumentation_scope or None, _span(span))
+
+
 def encode_request(spans: Sequence[ReadableSpan]) -> bytes:
-    """``spans`` as an encoded ``ExportTraceServiceRequest``: grouped by resource, then by
+    """``spans`` as an encoded ``ExportTraceServiceRequest`` (see ``request_of``)."""
+    return request_of([encode_span(span) for span in spans])
+
+
+def request_of(entries: Sequence[Encoded]) -> bytes:
+    """Encoded spans as an ``ExportTraceServiceRequest``: grouped by resource, then by
     instrumentation scope, in the order first seen (as the exporter's encoder does)."""
     # By identity: hashing a resource or a scope serialises its attributes, and the proxy's
     # spans share one of each.
     grouped: dict[int, tuple[Any, dict[int, tuple[Any, list[bytes]]]]] = {}
-    for span in spans:
-        resource = span.resource
+    for resource, scope, encoded_span in entries:
         _, scopes = grouped.setdefault(id(resource), (resource, {}))
-        scope = span.instrumentation_scope or None
-        scopes.setdefault(id(scope), (scope, []))[1].append(_span(span))
+        scopes.setdefault(id(scope), (scope, []))[1].append(encoded_span)
     out = []
     for resource, scopes in grouped.values():
         body = [_resource(resource)]

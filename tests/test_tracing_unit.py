@@ -7,9 +7,12 @@ exporter for what it makes of those headers and of the core's decisions.
 
 from __future__ import annotations
 
+import gc
 import random
 import subprocess
 import sys
+import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -18,9 +21,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import SpanKind
 
 from consumer_proxy.config import (
@@ -39,7 +44,8 @@ from consumer_proxy.core.tracecontext import (
     parse_traceparent,
 )
 from consumer_proxy.flow import Breaker
-from consumer_proxy.otel import OtelTracer, _exporter
+from consumer_proxy.otel import EncodedBatches, OtelTracer, _exporter
+from consumer_proxy.otlp import Encoded, encode_span, request_of
 from consumer_proxy.proto.v1 import handler_pb2
 from consumer_proxy.tracing import end_trace, start_tracing
 from consumer_proxy.wire import batch_request
@@ -435,7 +441,73 @@ def test_the_exporters_request_is_what_the_otlp_encoder_builds_for_every_kind_of
     spans = exporter.get_finished_spans()
     # When the proxy's exporter builds its request
     config = TracingConfig(enabled=True, endpoint="http://127.0.0.1:4317")
-    request = _exporter(config)._translate_data(spans)  # type: ignore[attr-defined]
+    encoded = [encode_span(span) for span in spans]
+    request = _exporter(config)._translate_data(encoded)  # type: ignore[attr-defined]
     # Then it is field for field what the OTLP exporter's own encoder builds
     assert request == encode_spans(spans)
     assert len(request.resource_spans[0].scope_spans[0].spans) == len(spans) == 32
+
+
+class _Chunks(SpanExporter):
+    """Records what ``EncodedBatches`` hands the exporter; ``gate`` holds an export."""
+
+    def __init__(self) -> None:
+        self.chunks: list[list[Encoded]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def export(self, spans: Any) -> SpanExportResult:
+        self.gate.wait(10)
+        self.chunks.append(list(spans))
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        return None
+
+
+def test_encoded_batches_keep_bytes_not_spans_and_bound_the_queue() -> None:
+    # Given the gRPC path's processor with room for 5 spans and a long export interval
+    exporter = _Chunks()
+    processor = EncodedBatches(exporter, max_queue=5, batch=100, interval_s=3600)
+    provider = TracerProvider()
+    provider.add_span_processor(processor)
+    tracer = provider.get_tracer("t")
+    # When a span ends
+    span = tracer.start_span("one", attributes={"a": "b" * 100})
+    span.end()
+    ref = weakref.ref(span)
+    del span
+    gc.collect()
+    # Then nothing of it but its bytes waits for the export: the span object is gone
+    assert ref() is None
+    # and 9 more spans fill the queue: 4 are kept, 5 dropped and counted, never waited for
+    for i in range(9):
+        tracer.start_span(f"s{i}").end()
+    assert processor.dropped == 5
+    # When flushed, the 5 kept go out, and decode to the spans that ended
+    assert processor.force_flush(10_000)
+    sent = [entry for chunk in exporter.chunks for entry in chunk]
+    request = ExportTraceServiceRequest.FromString(request_of(sent))
+    names = [s.name for s in request.resource_spans[0].scope_spans[0].spans]
+    assert names == ["one", "s0", "s1", "s2", "s3"]
+    provider.shutdown()
+
+
+def test_encoded_batches_export_what_is_left_at_shutdown_in_batches() -> None:
+    exporter = _Chunks()
+    processor = EncodedBatches(exporter, max_queue=100, batch=4, interval_s=3600)
+    provider = TracerProvider()
+    provider.add_span_processor(processor)
+    tracer = provider.get_tracer("t")
+    exporter.gate.clear()  # the first full batch's export waits
+    for i in range(10):
+        tracer.start_span(f"s{i}").end()
+    # an unsampled span is never queued
+    unsampled = TracerProvider(sampler=ALWAYS_OFF, shutdown_on_exit=False)
+    unsampled.add_span_processor(processor)
+    unsampled.get_tracer("t").start_span("off").end()
+    exporter.gate.set()
+    provider.shutdown()  # every span still queued goes out before it returns
+    assert [len(c) for c in exporter.chunks if c] and all(len(c) <= 4 for c in exporter.chunks)
+    sent = [entry for chunk in exporter.chunks for entry in chunk]
+    assert len(sent) == 10
