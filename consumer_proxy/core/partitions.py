@@ -457,7 +457,7 @@ class PartitionSet:
             part.tracker = PartitionTracker(offset, self._max_in_flight)
         if part.backlog or self._full(part) or part.budget.spent:
             part.backlog.append(record)
-            size = _record_size(record)
+            size = len(record.key() or b"") + len(record.value() or b"")  # _record_size
             part.backlog_bytes += size
             part.budget.waiting += size
             return
@@ -561,8 +561,8 @@ class PartitionSet:
         assert tracker is not None
         offset = record.offset() or 0
         epoch = record.leader_epoch()
-        if epoch is not None:
-            tracker.saw_epoch(offset, epoch)
+        if epoch is not None and (epoch != tracker.epoch or tracker.restoring):
+            tracker.saw_epoch(offset, epoch)  # (once per epoch unless restoring: per record)
         if not tracker.track(offset):
             return  # done before a restart or rebalance: the commit metadata says so
         headers = record.headers()
@@ -624,16 +624,24 @@ class PartitionSet:
             self._emit(delivery)
 
     def _drain_backlog(self, part: PartitionState) -> None:
+        """Take in what the window has room for (one window reading per call, not per
+        record: a record takes at most one slot, so the room is never overrun)."""
         tracker = part.tracker
+        if tracker is None:
+            return
+        if self.commits_failing:
+            room = 0 if self._full(part) else 1
+        else:
+            room = self._max_in_flight - tracker.in_flight
         backlog = part.backlog
-        while backlog and tracker is not None and not self._full(part):
-            if part.budget.spent:
-                return
+        budget = part.budget
+        while room > 0 and backlog and not budget.spent:
             record = backlog.popleft()
-            size = _record_size(record)
+            size = len(record.key() or b"") + len(record.value() or b"")  # _record_size
             part.backlog_bytes -= size
-            part.budget.waiting -= size
+            budget.waiting -= size
             self._accept(part, record)
+            room -= 1
 
     # -- delivery ------------------------------------------------------------------------
 
