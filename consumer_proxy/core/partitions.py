@@ -867,7 +867,9 @@ class PartitionSet:
         tracker = part.tracker
         assert tracker is not None
         tracker.done(delivery.offset)
-        self._release(delivery)
+        if not part.revoked:  # _release, inline: once per message
+            part.bytes -= delivery.size
+            part.budget.held -= delivery.size
         if part.backlog:
             self._drain_backlog(part)
         elif tracker.pending == 0 and self._on_idle is not None:
