@@ -106,6 +106,20 @@ def test_a_revoked_partition_gives_its_backlog_bytes_back() -> None:
     assert part.budget.waiting == 0
 
 
+def test_a_log_cut_below_the_backlog_gives_the_cut_records_bytes_back() -> None:
+    # Given a full window of 4 and six 10-byte records in the backlog (offsets 4..9)
+    core, _ready = _core(window=4)
+    for offset in range(10):
+        core.intake(Rec("t", offset, value=b"x" * 10))
+    part = core.parts[TP]
+    assert part.budget.waiting == 60
+    # When the log is cut at 7 (the consumer hands over offset 7 again)
+    core.intake(Rec("t", 7, value=b"y" * 10))
+    # Then the backlog keeps 4..6 and the new 7, and counts exactly their bytes
+    assert [r.offset() for r in part.backlog] == [4, 5, 6, 7]
+    assert part.budget.waiting == part.backlog_bytes == 40
+
+
 # -- on the real broker ------------------------------------------------------------------------
 
 WINDOW = 20
