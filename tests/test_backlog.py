@@ -16,7 +16,7 @@ import pytest
 
 from consumer_proxy.config import CircuitBreakerConfig, DeliveryConfig
 from consumer_proxy.core.outcomes import Classifier
-from consumer_proxy.core.partitions import Delivery, PartitionSet, backlog_bound
+from consumer_proxy.core.partitions import Delivery, PartitionSet, PartitionState, backlog_bound
 from consumer_proxy.flow import Breaker
 from consumer_proxy.proto.v1 import handler_pb2
 from tests.support.clock import Clock
@@ -96,23 +96,24 @@ def test_the_backlog_counts_in_the_byte_budget_and_gives_its_bytes_back() -> Non
     assert core.pause_plan().resume == [TP]
 
 
-def test_a_revoked_partition_gives_its_backlog_bytes_back() -> None:
+def _six_in_the_backlog() -> tuple[PartitionSet, PartitionState]:
+    """A full window of 4 and six 10-byte records in the backlog (offsets 4..9)."""
     core, _ready = _core(window=4)
     for offset in range(10):
         core.intake(Rec("t", offset, value=b"x" * 10))
     part = core.parts[TP]
     assert part.budget.waiting == 60
+    return core, part
+
+
+def test_a_revoked_partition_gives_its_backlog_bytes_back() -> None:
+    core, part = _six_in_the_backlog()
     core.forget(part)
     assert part.budget.waiting == 0
 
 
 def test_a_log_cut_below_the_backlog_gives_the_cut_records_bytes_back() -> None:
-    # Given a full window of 4 and six 10-byte records in the backlog (offsets 4..9)
-    core, _ready = _core(window=4)
-    for offset in range(10):
-        core.intake(Rec("t", offset, value=b"x" * 10))
-    part = core.parts[TP]
-    assert part.budget.waiting == 60
+    core, part = _six_in_the_backlog()
     # When the log is cut at 7 (the consumer hands over offset 7 again)
     core.intake(Rec("t", 7, value=b"y" * 10))
     # Then the backlog keeps 4..6 and the new 7, and counts exactly their bytes
