@@ -19,7 +19,8 @@ books), each run a fresh group reading from the start:
 Interleaved rounds (floor, proxy, proxy defaults; the order rotates each round). The rate is
 committed msg/s: N / (first arrival at the handler -> every offset committed), read on one
 client. Target: **proxy >= 0.9 x floor**, the median of per-round ratios. Also CPU
-microseconds per message (first arrival -> N-th) of each.
+microseconds per message (first arrival -> N-th) of each. ``--workers N`` runs the proxy as N
+processes (the floor stays one): a figure of its own, never the single-process one.
 """
 
 from __future__ import annotations
@@ -62,8 +63,10 @@ def run_one(
     topic: str,
     n: int,
     client: dict[str, str] | None = None,
+    workers: int = 1,
 ) -> dict[str, Any]:
-    """One fresh group drains ``topic`` through the floor or the proxy."""
+    """One fresh group drains ``topic`` through the floor or the proxy (``workers``
+    processes)."""
     group = unique_name(f"bench-tput-{who}")
     process: BenchProxy | FloorProcess
     if who == "floor":
@@ -74,7 +77,7 @@ def run_one(
     else:
         delivery = PROXY_DELIVERY if who == "proxy" else {"batch": "auto"}
         config = bench_config(bootstrap, group, [topic], [handler.address], delivery, client)
-        process = BenchProxy(config)
+        process = BenchProxy(config, workers=workers)
     handler.reset()
     with CommittedReader(bootstrap, group, topic) as reader:
         reader.sum()  # the reader's connection and coordinator lookup, before the clock runs
@@ -90,13 +93,14 @@ def throughput_rounds(
     n: int,
     rounds: int,
     client: dict[str, str] | None = None,
+    workers: int = 1,
 ) -> dict[str, list[dict[str, Any]]]:
     """Interleaved rounds of every contender over the same records."""
     runs: dict[str, list[dict[str, Any]]] = {who: [] for who in CONTENDERS}
     for round_ in range(rounds):
         order = CONTENDERS[round_ % 3 :] + CONTENDERS[: round_ % 3]
         for who in order:
-            run = run_one(who, bootstrap, handler, topic, n, client)
+            run = run_one(who, bootstrap, handler, topic, n, client, workers)
             runs[who].append(run)
             print(
                 f"  round {round_ + 1} {who:<14}: committed {run['committed_rate']:,.0f} msg/s "
@@ -112,6 +116,13 @@ def main() -> int:
     parser = OPTIONS.parser(__doc__.splitlines()[1])
     parser.add_argument("-n", type=int, default=200_000, help="records")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="the proxy's worker processes (--workers N; the floor stays one process): a "
+        "figure of its own, not the single-process one",
+    )
     args = parser.parse_args()
     n = 40_000 if args.quick else args.n
     rounds = 1 if args.quick else args.rounds
@@ -124,6 +135,7 @@ def main() -> int:
             "handler": args.handler,
             "proxy": PROXY_DELIVERY,
             "client": client,
+            "workers": args.workers,
         },
     )
     med = statistics.median
@@ -131,7 +143,7 @@ def main() -> int:
         topic = create_topic(bootstrap, unique_name("bench-tput"), partitions=4)
         produce_bulk(bootstrap, topic, n, partitions=4, value=sized_value)
         with HandlerServer(HandlerSpec(count_only=True), args.handler) as handler:
-            runs = throughput_rounds(bootstrap, handler, topic, n, rounds, client)
+            runs = throughput_rounds(bootstrap, handler, topic, n, rounds, client, args.workers)
     for who in CONTENDERS:
         result.figure(f"{who}.committed_msgs_per_s", med(r["committed_rate"] for r in runs[who]))
         result.figure(

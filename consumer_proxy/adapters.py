@@ -75,13 +75,15 @@ class RealEdges:
         overrides = dict(self._consumer_overrides)
         batch = group.delivery.batch
         if batch is not None and batch.mode == "always" and BATCH_FETCH_WAIT not in kafka.client:
-            # A partition paused for a full window is resumed while the consumer's fetch
-            # request long-polls the group's other (often empty: the redrive topic)
-            # partitions; librdkafka's 500 ms default then starves the batch path (measured:
-            # 1 partition, 20 ms batches of 50, 200 window: 1,000 msg/s at 500 ms, 4,456 at
-            # 10 ms). kafka.client overrides it. Not for ``auto``, every group's default: an
-            # idle consumer then fetches 50 times a second (bench_idle, 10 groups: 2.6% of a
-            # core instead of 0.6%, librdkafka's broker thread 22.8 ms/s instead of 1.7).
+            # A paused partition (its backlog at its bound) is resumed while the consumer's
+            # fetch request long-polls the group's other (often empty: the redrive topic)
+            # partitions; librdkafka's 500 ms default then starves the batch path (measured
+            # when a full window paused: 1 partition, 20 ms batches of 50, 200 window: 1,000
+            # msg/s at 500 ms, 4,456 at 10 ms). kafka.client overrides it. Not for ``auto``,
+            # every group's default, which keeps up without it since a full window no longer
+            # pauses (partitions.BACKLOG_WINDOWS): an idle consumer fetches 50 times a second
+            # at 20 ms (bench_idle, 10 groups: 2.6% of a core instead of 0.6%, librdkafka's
+            # broker thread 22.8 ms/s instead of 1.7).
             overrides.setdefault(BATCH_FETCH_WAIT, BATCH_FETCH_WAIT_MS)
         conf = consumer_config(kafka, name, overrides)
         link = hooks.link

@@ -25,7 +25,8 @@ class ReadyDeque:
     def put(self, delivery: Delivery) -> None:
         """A message is ready (``PartitionSet``'s ``emit``)."""
         self.items.append(delivery)
-        self.wake()
+        if self._waiters:
+            self.wake()
 
     def wake(self) -> None:
         """Wake one waiting worker, if any."""

@@ -201,10 +201,11 @@ def test_the_overview_shows_what_status_says(world: World, browser: Browser, cli
 def test_a_lagging_partition_shows_its_lag_growing_and_why_it_is_paused(
     world: World, browser: Browser, cli: Cli
 ) -> None:
-    # Given a slow service (1 s per message) and a window of 8 on partition 0
+    # Given a slow service (1 s per message) and a window of 8 on partition 0, and more
+    # records than the window and its backlog (ten windows) hold
     world.slow_s = 1.0
     try:
-        produce(world.bootstrap, world.topic, [{"value": b"slow", "partition": 0}] * 30)
+        produce(world.bootstrap, world.topic, [{"value": b"slow", "partition": 0}] * 90)
         with tab(browser, f"{world.url}/console/#/group/{world.group}") as opened:
             page = opened.page
             page.evaluate("window.__loaded = 'once'")
@@ -216,9 +217,9 @@ def test_a_lagging_partition_shows_its_lag_growing_and_why_it_is_paused(
 
             # Then the partition shows a lag, why it is paused and its oldest open call
             wait_until(
-                lambda: lag() > 0 and "window" in _cells(page, "partitions", key)[6],
+                lambda: lag() > 0 and "backlog" in _cells(page, "partitions", key)[6],
                 timeout=30,
-                message="partition 0 paused with a full window",
+                message="partition 0 paused with its backlog at its bound",
             )
             first = lag()
             assert _cells(page, "partitions", key)[5] != "-"

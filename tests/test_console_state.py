@@ -14,7 +14,13 @@ import pytest
 from consumer_proxy.config import CircuitBreakerConfig, DeliveryConfig, ProxyConfig
 from consumer_proxy.console.dlq import Filter
 from consumer_proxy.core.outcomes import Classifier
-from consumer_proxy.core.partitions import PAUSE_REASONS, Delivery, PartitionSet, PartitionView
+from consumer_proxy.core.partitions import (
+    PAUSE_REASONS,
+    Delivery,
+    PartitionSet,
+    PartitionView,
+    backlog_bound,
+)
 from consumer_proxy.flow import Breaker
 from consumer_proxy.metrics import HttpEndpoint
 from consumer_proxy.proto.v1 import handler_pb2
@@ -54,11 +60,18 @@ def test_a_full_window_shows_its_size_backlog_and_why_it_is_paused() -> None:
     core, _breaker, _ready = _core(window=4)
     for offset in range(6):
         core.intake(Rec("t", offset))
-    plan = core.pause_plan()
-    # Then partition 0 is paused because its window is full and a backlog waits
+    core.pause_plan()
+    # Then partition 0 shows its full window and the backlog beyond it, and keeps fetching
     view = _view(core, 0)
     assert (view.window, view.window_max, view.pending, view.backlog) == (4, 4, 4, 2)
-    assert view.paused and view.reasons == ("backlog", "window")
+    assert not view.paused and view.reasons == ()
+    # When its backlog reaches its bound (ten windows)
+    for offset in range(6, 4 + backlog_bound(4)):
+        core.intake(Rec("t", offset))
+    plan = core.pause_plan()
+    # Then it is paused because of its backlog
+    view = _view(core, 0)
+    assert view.backlog == 40 and view.paused and view.reasons == ("backlog",)
     assert ("t", 0) in plan.pause
     # And partition 1 fetches, with no reason to pause
     assert not _view(core, 1).paused and _view(core, 1).reasons == ()

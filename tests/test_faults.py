@@ -342,10 +342,10 @@ async def test_a_partition_paused_when_it_was_lost_drains_after_it_is_assigned_a
 
 
 async def _paused_and_lost(bootstrap: str, directory: Path) -> None:
-    # Given partitions whose windows are full (the service holds every call after the 40th),
-    # so the proxy has paused them
+    # Given partitions whose windows are full (the service holds every call after the 40th)
+    # and whose backlogs are at their bound (ten windows), so the proxy has paused them
     topic, group = unique_name("pausedlost"), unique_name("pausedlost")
-    partitions, n = 2, 400
+    partitions, n = 2, 600
     create_topic(bootstrap, topic, partitions=partitions)
     ledger = Ledger("partitions lost while paused")
     await asyncio.to_thread(produce, bootstrap, topic, ledger.records(n, partitions=partitions))
@@ -490,7 +490,7 @@ async def _dlq_outage(bootstrap: str) -> None:
     # Given 2000 ledger messages on 4 partitions, every 25th a poison pill too large for the
     # DLQ topic (its max.message.bytes is tiny for now)
     topic, group = unique_name("dlqload"), unique_name("dlqload")
-    partitions, n, window = 4, 2000, 100
+    partitions, n, window = 4, 2000, 40  # 500 a partition: a window and a full backlog
     create_topic(bootstrap, topic, partitions=partitions)
     dlq_topic = create_topic(
         bootstrap, f"{group}.dlq", partitions=1, config={"max.message.bytes": "200"}
@@ -531,7 +531,8 @@ async def _dlq_outage(bootstrap: str) -> None:
             text = proxy.metrics.exposition().decode()
             return parse(text).total("consumer_proxy_partitions_paused", group=group)
 
-        # (each partition fills its window behind its first pill and stops taking messages)
+        # (each partition fills its window behind its first pill, then its backlog, and
+        # stops taking messages)
         await async_wait_until(lambda: paused() == partitions, timeout=60)
         # Then no commit passes a pill that is not confirmed in the DLQ (the first pill of
         # each partition sits at its offset 1 or so: index 7 is partition 3's offset 1)

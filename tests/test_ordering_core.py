@@ -23,7 +23,7 @@ from consumer_proxy.config import BackoffConfig, CircuitBreakerConfig, DeliveryC
 from consumer_proxy.core.decision import Action
 from consumer_proxy.core.ordering import KeyGate
 from consumer_proxy.core.outcomes import Classification, Classifier
-from consumer_proxy.core.partitions import Delivery, PartitionSet
+from consumer_proxy.core.partitions import Delivery, PartitionSet, backlog_bound
 from consumer_proxy.core.records import H_ORDERING, Origin, dlq_headers
 from consumer_proxy.flow import Breaker
 from consumer_proxy.proto.v1 import handler_pb2
@@ -244,8 +244,9 @@ def test_partition_mode_is_one_message_per_partition_in_offset_order() -> None:
 def test_a_window_full_of_one_keys_backlog_pauses_the_partition() -> None:
     # Given a window of 4 and a hot key
     h = Harness("key", max_in_flight=4)
-    h.produce("hhhhhh")
-    # Then one message is out, three wait in the window, the rest is backlog: paused
+    h.produce("h" * (4 + backlog_bound(4)))
+    # Then one message is out, three wait in the window, the rest is backlog (at its bound):
+    # paused
     out = h.take()
     assert names(out) == ["h0"]
     assert h.core.key_backlog().held == 3
@@ -258,7 +259,7 @@ def test_a_window_full_of_one_keys_backlog_pauses_the_partition() -> None:
             seen.append(delivery.offset)
             h.finish(delivery, ACK)
         out = h.take()
-    assert seen == [0, 1, 2, 3, 4, 5]
+    assert seen == list(range(4 + backlog_bound(4)))
     assert h.core.pause_plan().resume == [("t", 0)]
 
 

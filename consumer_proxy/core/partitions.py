@@ -93,11 +93,18 @@ class Budget:
 
     limit: int
     held: int = 0
+    waiting: int = 0
+    """Bytes of the records in the partitions' backlogs (fetched, not taken in yet)."""
 
     @property
     def spent(self) -> bool:
-        """The budget holds ``limit`` bytes or more."""
+        """The messages taken in hold ``limit`` bytes or more: no more is taken in."""
         return self.held >= self.limit
+
+    @property
+    def full(self) -> bool:
+        """With the backlogs, the budget holds ``limit`` bytes or more: fetching pauses."""
+        return self.held + self.waiting >= self.limit
 
 
 @dataclass(eq=False, slots=True)
@@ -108,6 +115,7 @@ class PartitionState:
     partition: int
     tracker: PartitionTracker | None = None
     backlog: deque[Record] = field(default_factory=deque)
+    backlog_bytes: int = 0  # of the records in the backlog (``_record_size``)
     paused: bool | None = None  # None: unknown (librdkafka keeps a pause across re-assign)
     revoked: bool = False
     leaving: bool = False  # being revoked: in-flight calls may finish, no new push starts
@@ -218,11 +226,27 @@ class Counters:
     held: int = 0  # dead-letter decisions the guard held (each time one was held)
 
 
-PAUSE_REASONS = ("breaker", "budget", "backlog", "window", "metadata", "tier_due", "guard")
+PAUSE_REASONS = ("breaker", "budget", "backlog", "metadata", "tier_due", "guard")
 """Why a partition is paused (``PartitionSet.views``): the breaker is open and it holds
-messages; the group's byte budget is spent; a backlog waits for room in its window; its window
-(``max_in_flight``) is full; its ack state is over the metadata budget; a retry tier record it
-read is not due yet; the dead-letter guard holds a message of it."""
+messages; the group's byte budget is spent (by the messages taken in, or with the backlogs);
+its backlog, the records fetched beyond its full window, is at its bound (``backlog_bound``);
+its ack state is over the metadata budget; a retry tier record it read is not due yet; the
+dead-letter guard holds a message of it."""
+BACKLOG_WINDOWS = 10
+"""A partition's backlog holds up to this many windows (``max_in_flight``) of records before
+the partition pauses, and it resumes when the backlog is down to half of that. A pause costs
+more than the records: librdkafka drops the partition's prefetched records, and on resume the
+partition joins the next fetch request only, after the one in flight (long-polling the group's
+other, often empty, partitions for up to ``fetch.wait.max.ms``, 500 ms) has returned. Paused
+for every full window, one partition at 10,000 msg/s fell behind by 10-20 s; the records
+held instead are bounded by the count below and their bytes by the group's byte budget."""
+BACKLOG_MAX = 20_000
+"""... and never more than this many records (a confluent_kafka.Message each)."""
+
+
+def backlog_bound(max_in_flight: int) -> int:
+    """The records a partition's backlog holds before the partition pauses."""
+    return min(BACKLOG_WINDOWS * max_in_flight, BACKLOG_MAX)
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,6 +320,8 @@ class PartitionSet:
         ``max_in_flight`` past its last confirmed commit stops taking messages, so that losing
         it (or a crash) redelivers at most a window, however long the outage."""
         self._max_in_flight = delivery.max_in_flight
+        self._backlog_max = backlog_bound(delivery.max_in_flight)
+        self._backlog_resume = self._backlog_max // 2
         self._budget = delivery.metadata_budget_bytes
         self._policy = Policy(
             delivery.max_attempts,
@@ -436,6 +462,8 @@ class PartitionSet:
         part.budget.held -= part.bytes
         part.bytes = 0
         part.backlog.clear()
+        part.budget.waiting -= part.backlog_bytes
+        part.backlog_bytes = 0
         if self.parts.get(part.tp) is part:
             del self.parts[part.tp]
 
@@ -454,6 +482,9 @@ class PartitionSet:
             part.tracker = PartitionTracker(offset, self._max_in_flight)
         if part.backlog or self._full(part) or part.budget.spent:
             part.backlog.append(record)
+            size = len(record.key() or b"") + len(record.value() or b"")  # _record_size
+            part.backlog_bytes += size
+            part.budget.waiting += size
             return
         self._accept(part, record)
 
@@ -479,6 +510,9 @@ class PartitionSet:
         # Positions read so far may predate the cut: none of them may move the commit.
         part.positions_from = self._positions_seen + 1
         part.backlog = deque(r for r in part.backlog if (r.offset() or 0) < offset)
+        part.budget.waiting -= part.backlog_bytes
+        part.backlog_bytes = sum(_record_size(r) for r in part.backlog)
+        part.budget.waiting += part.backlog_bytes
         assert part.tracker is not None
         part.tracker.truncate(offset)
         # Messages cut from the log that wait on a timer here (a retry, a tier due time) give
@@ -552,8 +586,8 @@ class PartitionSet:
         assert tracker is not None
         offset = record.offset() or 0
         epoch = record.leader_epoch()
-        if epoch is not None:
-            tracker.saw_epoch(offset, epoch)
+        if epoch is not None and (epoch != tracker.epoch or tracker.restoring):
+            tracker.saw_epoch(offset, epoch)  # (once per epoch unless restoring: per record)
         if not tracker.track(offset):
             return  # done before a restart or rebalance: the commit metadata says so
         headers = record.headers()
@@ -615,12 +649,24 @@ class PartitionSet:
             self._emit(delivery)
 
     def _drain_backlog(self, part: PartitionState) -> None:
+        """Take in what the window has room for (one window reading per call, not per
+        record: a record takes at most one slot, so the room is never overrun)."""
         tracker = part.tracker
+        if tracker is None:
+            return
+        if self.commits_failing:
+            room = 0 if self._full(part) else 1
+        else:
+            room = self._max_in_flight - tracker.in_flight
         backlog = part.backlog
-        while backlog and tracker is not None and not self._full(part):
-            if part.budget.spent:
-                return
-            self._accept(part, backlog.popleft())
+        budget = part.budget
+        while room > 0 and backlog and not budget.spent:
+            record = backlog.popleft()
+            size = len(record.key() or b"") + len(record.value() or b"")  # _record_size
+            part.backlog_bytes -= size
+            budget.waiting -= size
+            self._accept(part, record)
+            room -= 1
 
     # -- delivery ------------------------------------------------------------------------
 
@@ -853,7 +899,9 @@ class PartitionSet:
         tracker = part.tracker
         assert tracker is not None
         tracker.done(delivery.offset)
-        self._release(delivery)
+        if not part.revoked:  # _release, inline: once per message
+            part.bytes -= delivery.size
+            part.budget.held -= delivery.size
         if part.backlog:
             self._drain_backlog(part)
         elif tracker.pending == 0 and self._on_idle is not None:
@@ -1022,8 +1070,10 @@ class PartitionSet:
 
         A partition pauses while the breaker is open and it holds messages (one with none
         keeps fetching: the half-open probe needs a message, and after a rebalance during an
-        outage nothing else would bring one), the group is over its byte budget, it
-        has a backlog, its window is full, or its ack state is over the metadata budget and
+        outage nothing else would bring one), the group is over its byte budget (with the
+        backlogs), its backlog is at its bound (a full window alone does not pause: the
+        records fetched beyond it wait in the backlog; a paused partition resumes when its
+        backlog is down to half the bound), or its ack state is over the metadata budget and
         can still shrink by acks (never while it is re-fetching a restored range: only
         fetching could undo that). A partition whose pause state is unknown (just assigned:
         librdkafka keeps a pause across revoke and re-assign) always gets an explicit call.
@@ -1049,11 +1099,11 @@ class PartitionSet:
         ``PAUSE_REASONS``."""
         tracker = part.tracker
         holding = bool(part.backlog) or (tracker is not None and tracker.pending > 0)
+        backlog = len(part.backlog)
         checks = (
             breaker_open and holding,
-            part.budget.spent,
-            bool(part.backlog),
-            tracker is not None and self._full(part),
+            part.budget.full,
+            backlog > (self._backlog_resume if part.paused else self._backlog_max - 1),
             part.meta_over_budget and tracker is not None and not tracker.restoring,
             bool(part.due),
             bool(part.held),
@@ -1155,6 +1205,12 @@ class PartitionSet:
     def commit_confirmed(self, ok: bool) -> None:
         """The outcome of the last commit sent to Kafka (``commits_failing`` follows it)."""
         self.commits_failing = not ok
+
+
+def _record_size(record: Record) -> int:
+    """What a backlog record counts in the byte budget: its key and value (its headers are
+    counted when it is taken in)."""
+    return len(record.key() or b"") + len(record.value() or b"")
 
 
 def _key_lane(delivery: Delivery) -> Hashable:

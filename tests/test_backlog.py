@@ -1,0 +1,174 @@
+"""A partition whose window fills keeps fetching into its backlog (up to ``backlog_bound``
+records) instead of pausing: a pause drops librdkafka's prefetched records, and on resume the
+partition waits for the fetch request in flight, which long-polls the group's other (empty)
+partitions for up to ``fetch.wait.max.ms``. The core's rule, then the proxy on the real broker.
+What the stall cost (10,000 msg/s on one partition): ``bench/bench_latency.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import deque
+from collections.abc import Sequence
+
+import pytest
+
+from consumer_proxy.config import CircuitBreakerConfig, DeliveryConfig
+from consumer_proxy.core.outcomes import Classifier
+from consumer_proxy.core.partitions import Delivery, PartitionSet, PartitionState, backlog_bound
+from consumer_proxy.flow import Breaker
+from consumer_proxy.proto.v1 import handler_pb2
+from tests.support.clock import Clock
+from tests.support.kafka import Broker, create_topic, produce, unique_name
+from tests.support.proxy import caught_up, make_config, start_proxy
+from tests.support.records import Rec
+from tests.support.service import Behaviour, TestService, always
+from tests.support.waiting import async_wait_until
+
+ACK = Classifier().from_response(handler_pb2.HandleMessageResponse())
+TP = ("t", 0)
+TPs = tuple[str, int]
+
+
+def _core(window: int, budget: int = 64 * 1024 * 1024) -> tuple[PartitionSet, deque[Delivery]]:
+    clock = Clock()
+    ready: deque[Delivery] = deque()
+    core = PartitionSet(
+        "g",
+        DeliveryConfig(max_in_flight=window, max_in_flight_bytes=budget),
+        "g.redrive",
+        Breaker("g", CircuitBreakerConfig(), clock=clock),
+        emit=ready.append,
+        schedule=clock.call_later,
+        rng=random.Random(1),
+        clock=clock,
+    )
+    core.assign("t", 0, 0, "")
+    core.pause_plan()  # the first plan resumes: librdkafka's pause state is unknown
+    return core, ready
+
+
+def _ack(core: PartitionSet, ready: deque[Delivery], n: int) -> None:
+    for _ in range(n):
+        delivery = ready.popleft()
+        assert core.begin(delivery)
+        core.finish(delivery, ACK, probe=False)
+
+
+def test_a_full_window_fetches_on_until_its_backlog_is_at_the_bound() -> None:
+    # Given a window of 4 (a backlog bound of 40)
+    core, ready = _core(window=4)
+    bound = backlog_bound(4)
+    assert bound == 40
+    # When the window is full and records keep coming, short of the bound
+    for offset in range(4 + bound - 1):
+        core.intake(Rec("t", offset))
+    # Then the partition keeps fetching
+    assert core.pause_plan().pause == []
+    # And it pauses with the record that brings its backlog to the bound
+    core.intake(Rec("t", 4 + bound - 1))
+    assert core.pause_plan().pause == [TP]
+    # And it resumes only once the backlog is down to half of it (not at every free slot)
+    _ack(core, ready, bound // 2 - 1)
+    assert core.pause_plan().resume == []
+    _ack(core, ready, 1)
+    assert core.pause_plan().resume == [TP]
+
+
+def test_the_backlog_counts_in_the_byte_budget_and_gives_its_bytes_back() -> None:
+    # Given a budget of 2,000 bytes and 100-byte records beyond a full window of 4
+    core, ready = _core(window=4, budget=2000)
+    for offset in range(4):
+        core.intake(Rec("t", offset, value=b"x" * 100))
+    part = core.parts[TP]
+    assert core.pause_plan().pause == []
+    # When the backlog's bytes bring the budget to its limit (400 taken in, 16 x 100 waiting)
+    for offset in range(4, 20):
+        core.intake(Rec("t", offset, value=b"x" * 100))
+    # Then the partition pauses for the budget, with fewer records than the bound
+    assert core.pause_plan().pause == [TP]
+    assert part.budget.waiting == 1600 and len(part.backlog) < backlog_bound(4)
+    # And everything acked, every byte is given back and it fetches again
+    while ready:
+        _ack(core, ready, len(ready))
+    assert (part.budget.held, part.budget.waiting, part.backlog_bytes) == (0, 0, 0)
+    assert core.pause_plan().resume == [TP]
+
+
+def _six_in_the_backlog() -> tuple[PartitionSet, PartitionState]:
+    """A full window of 4 and six 10-byte records in the backlog (offsets 4..9)."""
+    core, _ready = _core(window=4)
+    for offset in range(10):
+        core.intake(Rec("t", offset, value=b"x" * 10))
+    part = core.parts[TP]
+    assert part.budget.waiting == 60
+    return core, part
+
+
+def test_a_revoked_partition_gives_its_backlog_bytes_back() -> None:
+    core, part = _six_in_the_backlog()
+    core.forget(part)
+    assert part.budget.waiting == 0
+
+
+def test_a_log_cut_below_the_backlog_gives_the_cut_records_bytes_back() -> None:
+    core, part = _six_in_the_backlog()
+    # When the log is cut at 7 (the consumer hands over offset 7 again)
+    core.intake(Rec("t", 7, value=b"y" * 10))
+    # Then the backlog keeps 4..6 and the new 7, and counts exactly their bytes
+    assert [r.offset() for r in part.backlog] == [4, 5, 6, 7]
+    assert part.budget.waiting == part.backlog_bytes == 40
+
+
+# -- on the real broker ------------------------------------------------------------------------
+
+WINDOW = 20
+BURST = 150  # more than the window, less than the backlog bound (200)
+
+
+@pytest.mark.kafka
+async def test_a_burst_beyond_a_full_window_waits_in_the_backlog_and_nothing_pauses(
+    kafka: Broker,
+) -> None:
+    # Given a proxy with a window of 20 on one partition, assigned, and a service that holds
+    # its calls open until the test lets them go
+    topic, group = unique_name("backlog"), unique_name("backlog")
+    create_topic(kafka.bootstrap, topic, partitions=1)
+    hold = asyncio.Event()
+    async with TestService(always(Behaviour(hold=hold))) as service:
+        config = make_config(
+            kafka.bootstrap, group, [topic], [service.address], delivery={"max_in_flight": WINDOW}
+        )
+        proxy, task = start_proxy(config)
+        try:
+            runner = proxy.runners[0]
+            await async_wait_until(lambda: (topic, 0) in runner.partitions.parts, timeout=60)
+            assert runner.fetcher is not None
+            pauses: list[tuple[str, int]] = []
+            real_set_paused = runner.fetcher.set_paused
+
+            async def set_paused(pause: Sequence[TPs], resume: Sequence[TPs]) -> None:
+                pauses.extend(pause)
+                await real_set_paused(pause, resume)
+
+            runner.fetcher.set_paused = set_paused  # type: ignore[method-assign]
+            # When a burst of 150 records comes while the window's calls are held
+            await asyncio.to_thread(
+                produce, kafka.bootstrap, topic, [f"m{i}" for i in range(BURST)]
+            )
+            part = runner.partitions.parts[(topic, 0)]
+            await async_wait_until(lambda: len(part.backlog) == BURST - WINDOW, timeout=60)
+            # Then the window is full, the rest waits in the backlog, and the partition was
+            # never paused (a pause drops librdkafka's prefetched records, and the resume
+            # waits for the fetch request in flight: up to fetch.wait.max.ms)
+            assert part.tracker is not None and part.tracker.in_flight == WINDOW
+            assert (topic, 0) not in pauses and not part.paused
+            # And once the calls go, every record is delivered
+            hold.set()
+            await async_wait_until(lambda: caught_up(kafka.bootstrap, group, topic), timeout=60)
+            assert len({d.offset for d in service.deliveries}) == BURST
+            assert (topic, 0) not in pauses
+        finally:
+            await proxy.shutdown()
+            await task
