@@ -201,14 +201,19 @@ class BatchPush(Push):
     def _finished(
         self, batch: list[Delivery], outcome: BatchOutcome, probe: bool, endpoint: Any
     ) -> BatchOutcome:
-        """The breaker hears the call once, then the core decides each message."""
+        """The breaker hears the call once, then the core decides each message (an answer
+        of plain acks, untraced: all at once, ``PartitionSet.finish_acked``)."""
         # A protocol error (breaker None) says nothing about the service's health.
         self._tell_breaker(outcome.breaker, endpoint, probe)
+        results = outcome.results
+        if self._tracer is None and self.partitions.finish_acked(batch, results):
+            self.tally.acked(len(batch))
+            return outcome
         finish = self.partitions.finish
         settled = self.tally.settled
         target = endpoint.target
         acks = 0
-        for delivery, result in zip(batch, outcome.results, strict=True):
+        for delivery, result in zip(batch, results, strict=True):
             decision = finish(delivery, result, probe)
             if decision is None:
                 continue  # stale (the core's ``gone`` ended its trace) or moved

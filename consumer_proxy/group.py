@@ -112,6 +112,7 @@ class GroupRunner:
             group.redrive_topic,
             self.breaker,
             emit=self.ready.put_nowait if isinstance(self.ready, asyncio.Queue) else self.ready.put,
+            emit_batch=None if isinstance(self.ready, asyncio.Queue) else self.ready.put_batch,
             schedule=self._call_later,
             on_idle=lambda: self.committer.wake(),
             retry_topics=group.retry_topics,

@@ -21,7 +21,7 @@ from .committer import Committer
 from .config import DeliveryConfig
 from .core.cadence import FETCH_WAIT_S, poll_wait, quiet_polls
 from .core.decision import HEAD_BLOCKED, Action
-from .core.partitions import PartitionSet
+from .core.partitions import PartitionSet, Record
 from .flow import Breaker
 from .metrics import ProxyMetrics
 from .parking import Tally
@@ -78,11 +78,16 @@ class Intake:
             if not started:
                 started = True
                 self._on_started()  # the consumer is up (joined, or joining, the group)
+            good: list[Record] = []  # taken in together, up to the next error
             for message in messages:
                 error = message.error()
                 if error is None:
-                    partitions.intake(message)
-                elif error.fatal():
+                    good.append(message)
+                    continue
+                if good:
+                    partitions.intake_batch(good)
+                    good = []
+                if error.fatal():
                     raise KafkaException(error)
                 elif error.code() == KafkaError._LOG_TRUNCATION:
                     log.warning("group %s: %s", self.name, error.str())
@@ -90,6 +95,8 @@ class Intake:
                     partitions.truncated(tp, await source.position(tp))
                 elif error.code() != KafkaError._PARTITION_EOF:
                     log.warning("group %s: consumer error: %s", self.name, error)
+            if good:
+                partitions.intake_batch(good)
             partitions.skip_unfetchable(source.positions, source.positions_read)
             if self._unblocking:
                 self._unblock()

@@ -28,6 +28,13 @@ class ReadyDeque:
         if self._waiters:
             self.wake()
 
+    def put_batch(self, deliveries: list[Delivery]) -> None:
+        """Messages are ready together (``PartitionSet``'s ``emit_batch``): as ``put`` of
+        each, one waiting worker woken per message while any waits."""
+        self.items.extend(deliveries)
+        for _ in range(min(len(deliveries), len(self._waiters))):
+            self.wake()
+
     def wake(self) -> None:
         """Wake one waiting worker, if any."""
         waiters = self._waiters

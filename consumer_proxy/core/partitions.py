@@ -303,6 +303,7 @@ class PartitionSet:
         retry_topics: Sequence[str] = (),
         clock: Callable[[], float] = time.time,
         guard: DeadLetterGuardConfig | None = None,
+        emit_batch: Callable[[list[Delivery]], None] | None = None,
     ) -> None:
         self.group = group
         self.parts: dict[TP, PartitionState] = {}
@@ -358,7 +359,11 @@ class PartitionSet:
         self._admit: Callable[[Delivery], None] = emit
         self._complete: Callable[[Delivery], None] = self._done
         self._lane: Callable[[Delivery], Hashable] | None = None
+        # A run of records taken in at once goes out at once (``emit_batch``, when the shell
+        # has one); with an ordering gate each message passes the gate on its own.
+        self._admit_run: Callable[[list[Delivery]], None] = emit_batch or self._admit_each
         if delivery.ordering != "none":
+            self._admit_run = self._admit_each
             self._admit = self._admit_ordered
             self._complete = self._done_ordered
             self._lane = _key_lane if delivery.ordering == "key" else _partition_lane
@@ -487,6 +492,100 @@ class PartitionSet:
             part.budget.waiting += size
             return
         self._accept(part, record)
+
+    def intake_batch(self, records: Sequence[Record]) -> None:
+        """Fetched records in fetch order (errors already handled by the shell), as
+        ``intake`` of each would take them. A run of one partition's records with nothing
+        special about it (increasing offsets above what was received, no backlog, no restored
+        ack state, not a retry tier or the redrive topic, commits succeeding) is taken in at
+        once: one window reading, one tracker call, one byte budget update, one ``emit``;
+        what the window or the byte budget has no room for, and anything else, goes record by
+        record through ``intake``."""
+        parts = self.parts
+        count = len(records)
+        start = 0
+        while start < count:
+            record = records[start]
+            topic = record.topic()
+            partition = record.partition()
+            end = start + 1
+            while (
+                end < count
+                and records[end].partition() == partition
+                and records[end].topic() == topic
+            ):
+                end += 1
+            part = parts.get((topic or "", partition or 0))
+            if part is not None:
+                taken = self._intake_run(part, records, start, end)
+                for index in range(start + taken, end):
+                    self.intake(records[index])
+            start = end
+
+    def _intake_run(
+        self, part: PartitionState, records: Sequence[Record], start: int, end: int
+    ) -> int:
+        """Take in records[start:end] (one partition's) at once, as far as the window and
+        the byte budget have room; returns how many were taken (the rest go through
+        ``intake``: a backlog, a reset, a duplicate)."""
+        tracker = part.tracker
+        if (
+            tracker is None
+            or part.backlog
+            or part.tier
+            or part.topic == self._redrive
+            or self.commits_failing
+            or not tracker.takes_run_from(records[start].offset() or 0)
+            or (records[start].offset() or 0) < part.received_end
+        ):
+            return 0
+        room = min(end - start, self._max_in_flight - tracker.in_flight)
+        budget = part.budget
+        spare = budget.limit - budget.held  # bytes before the budget is spent
+        topic = part.topic
+        partition = part.partition
+        epoch = part.epoch
+        previous = part.received_end - 1
+        deliveries: list[Delivery] = []
+        offsets: list[int] = []
+        total = 0
+        taken = 0
+        while taken < room and total < spare:
+            record = records[start + taken]
+            offset = record.offset() or 0
+            if offset <= previous:
+                break  # not increasing (a reset within the batch): record by record
+            leader = record.leader_epoch()
+            if leader is not None and leader != tracker.epoch:
+                tracker.saw_epoch(offset, leader)
+            headers = record.headers()
+            user = split_headers(headers)[0] if headers else []
+            key = record.key()
+            value = record.value()
+            size = len(key or b"") + len(value or b"")
+            if user:
+                size += sum(len(k) + len(v) for k, v in user)
+            _, ts = record.timestamp()
+            origin = _new_tuple(Origin, (topic, partition, offset, ts if ts > 0 else 0, 0))
+            deliveries.append(
+                Delivery(part, epoch, offset, key, value, user, origin, size, SOURCE_PRIMARY, 1)
+            )
+            offsets.append(offset)
+            total += size
+            previous = offset
+            taken += 1
+        if taken:
+            tracker.track_run(offsets)
+            part.received_end = previous + 1
+            part.bytes += total
+            budget.held += total
+            self._admit_run(deliveries)
+        return taken
+
+    def _admit_each(self, deliveries: list[Delivery]) -> None:
+        admit = self._admit
+        for delivery in deliveries:
+            admit(delivery)
 
     def _reset(self, part: PartitionState, offset: int) -> None:
         """The consumer went back below what it handed over: the log was truncated (an
@@ -763,6 +862,45 @@ class PartitionSet:
                 delivery.uncounted += 1
             self._retry_later(delivery, decision.delay_s)
         return decision
+
+    def finish_acked(self, batch: Sequence[Delivery], results: Sequence[Classification]) -> bool:
+        """One call's answers, when every one is a plain ack: ``finish`` of each would ack
+        it (ACK, not stale, not a guard probe; ordering none, no head-of-line watch). Then
+        they are finished together (one tracker call and one byte budget update per
+        partition, its backlog drained or the committer told it is idle once) and True is
+        returned; otherwise nothing changes and False says to ``finish`` each in turn."""
+        if self._complete != self._done or self._watch:
+            return False
+        done: dict[PartitionState, tuple[list[int], list[int]]] = {}
+        ack = Outcome.ACK
+        for delivery, result in zip(batch, results, strict=True):
+            part = delivery.part
+            if (
+                result.outcome is not ack
+                or delivery.guard_probe
+                or part.revoked
+                or part.epoch != delivery.epoch
+            ):
+                return False
+            entry = done.get(part)
+            if entry is None:
+                entry = done[part] = ([], [])
+            entry[0].append(delivery.offset)
+            entry[1].append(delivery.size)
+        self.counters.ack += len(batch)
+        for part, (offsets, sizes) in done.items():
+            part.calls -= len(offsets)
+            tracker = part.tracker
+            assert tracker is not None
+            tracker.done_many(offsets)
+            size = sum(sizes)
+            part.bytes -= size
+            part.budget.held -= size
+            if part.backlog:
+                self._drain_backlog(part)
+            elif tracker.pending == 0 and self._on_idle is not None:
+                self._on_idle()
+        return True
 
     def abandon(self, delivery: Delivery) -> None:
         """A push that began never reached the service (cancelled): deliver it again now."""
@@ -1205,6 +1343,9 @@ class PartitionSet:
     def commit_confirmed(self, ok: bool) -> None:
         """The outcome of the last commit sent to Kafka (``commits_failing`` follows it)."""
         self.commits_failing = not ok
+
+
+_new_tuple = tuple.__new__  # an Origin without the named tuple's Python-level __new__
 
 
 def _record_size(record: Record) -> int:

@@ -12,7 +12,7 @@ Pure logic, no I/O, not thread-safe: one owner per partition.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from .codec import AckState, encode
 
@@ -112,6 +112,23 @@ class PartitionTracker:
         self._pending.add(offset)
         return True
 
+    def takes_run_from(self, offset: int) -> bool:
+        """True when :meth:`track` would deliver every offset of an increasing run starting
+        at ``offset``: it is above the last tracked one and no restored state is left to
+        say that one of them was acked already (:meth:`track_run` may take the run)."""
+        return offset > self._last and self._restored is None
+
+    def track_run(self, offsets: list[int]) -> None:
+        """Record a run of fetched offsets at once, as :meth:`track` of each would (each
+        returning True): strictly increasing, the first one accepted by
+        :meth:`takes_run_from`."""
+        if not offsets:
+            return
+        assert self.takes_run_from(offsets[0]), "a run must start above the last tracked offset"
+        self._last = offsets[-1]
+        self._offsets.extend(offsets)
+        self._pending.update(offsets)
+
     def saw_epoch(self, offset: int, epoch: int) -> None:
         """The record about to be tracked at ``offset`` was written in leader ``epoch``.
 
@@ -182,6 +199,10 @@ class PartitionTracker:
         are harmless, so they are not errors.
         """
         self._pending.discard(offset)
+
+    def done_many(self, offsets: Iterable[int]) -> None:
+        """:meth:`done` of each offset (one call for a batch call's answers)."""
+        self._pending.difference_update(offsets)
 
     def committable(self) -> int:
         """Return the offset to commit: the first offset that is not known to be done.

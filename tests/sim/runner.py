@@ -72,6 +72,7 @@ from consumer_proxy.core.partitions import Delivery, PartitionSet
 from consumer_proxy.core.records import CP_PREFIX, retry_headers
 from consumer_proxy.flow import Breaker
 from tests.sim.world import (
+    ACKED,
     TP,
     Consumer,
     Log,
@@ -461,8 +462,7 @@ class Simulation:
 
     def fetch(self) -> None:
         core = self.member.core
-        for record in self.consumer.fetch(self.rng, 5):
-            core.intake(record)
+        core.intake_batch(self.consumer.fetch(self.rng, 5))
         # The shell re-reads positions every so often (right after a fetch), not after each.
         if self.rng.random() < 0.4 or not self.reading:
             self.reading += 1
@@ -548,6 +548,10 @@ class Simulation:
                     member.breaker.abandon_probe()
             else:
                 member.breaker.record(outcome.breaker, probe)
+            if member.core.finish_acked(batch, outcome.results):
+                for delivery, ident in zip(batch, idents, strict=True):
+                    self._decided(delivery, ident, ACKED)
+                return
             for delivery, ident, result in zip(batch, idents, outcome.results, strict=True):
                 self._decided(delivery, ident, member.core.finish(delivery, result, probe))
 

@@ -81,6 +81,7 @@ from consumer_proxy.readyq import ReadyDeque
 from tests.sim.runner import InvariantViolation, Truth
 from tests.sim.vloop import run_virtual
 from tests.sim.world import (
+    ACKED,
     TP,
     Consumer,
     Log,
@@ -687,6 +688,11 @@ class ShellSim:
             self.began_with.pop(d, None)
             self._decided(d, decision)
 
+        def finished_acked(all_acked: bool, batch: list[Delivery], *_: Any) -> None:
+            if all_acked:
+                for d in batch:
+                    finished(ACKED, d)
+
         def ended(_: Any, d: Delivery) -> None:
             self.calls.discard(d)
             self.given_back[d] = self.began_with.pop(d)
@@ -697,6 +703,7 @@ class ShellSim:
         wrap("drop_stale", dropped)
         wrap("begin", begun)
         wrap("finish", finished)
+        wrap("finish_acked", finished_acked)
         wrap("abandon", ended)
         for name in ("dead_lettered", "dead_letter_abandoned", "tier_written", "tier_abandoned"):
             wrap(name, unparked)

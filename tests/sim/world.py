@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 
 from consumer_proxy.core.batching import BatchOutcome, classify_batch, classify_failed_call
+from consumer_proxy.core.decision import Action, Decision
 from consumer_proxy.core.outcomes import Classification, Classifier
 from consumer_proxy.proto.v1 import handler_pb2
 
@@ -165,6 +166,9 @@ class Consumer:
         if tp in self.assigned:
             self.commits[tp] = (offset, metadata)
 
+
+ACKED = Decision(Action.ACK)
+"""What ``finish`` decides for each message ``PartitionSet.finish_acked`` finished at once."""
 
 # -- the service -------------------------------------------------------------------------
 # Both drivers (``runner`` and ``shell``) answer with the same model: a message's behaviour
