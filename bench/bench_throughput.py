@@ -21,6 +21,9 @@ committed msg/s: N / (first arrival at the handler -> every offset committed), r
 client. Target: **proxy >= 0.9 x floor**, the median of per-round ratios. Also CPU
 microseconds per message (first arrival -> N-th) of each. ``--workers N`` runs the proxy as N
 processes (the floor stays one): a figure of its own, never the single-process one.
+``--baseline-root DIR`` adds the proxy of another checkout to every round (``baseline``: the
+proxy's settings above, run from ``DIR``): before/after from one run, ``proxy_over_baseline``
+the median of per-round ratios.
 """
 
 from __future__ import annotations
@@ -28,13 +31,14 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from bench.floors import FloorProcess
 from bench.handlers import HandlerServer, HandlerSpec
 from bench.measure import Result
 from bench.offsets import CommittedReader
-from bench.options import BenchOptions, broker, client_settings
+from bench.options import ROOT, BenchOptions, broker, client_settings
 from bench.producing import produce_bulk, sized_value
 from bench.proxy import BenchProxy, bench_config, drain, drain_figures
 from tests.support.kafka import create_topic, unique_name
@@ -54,6 +58,7 @@ PROXY_DELIVERY = {
     "fetch_batch": 5000,
 }
 CONTENDERS = ("floor", "proxy", "proxy_defaults")
+BASELINE = "baseline"  # the proxy of another checkout (--baseline-root), the proxy's settings
 
 
 def run_one(
@@ -64,9 +69,10 @@ def run_one(
     n: int,
     client: dict[str, str] | None = None,
     workers: int = 1,
+    baseline_root: Path | None = None,
 ) -> dict[str, Any]:
     """One fresh group drains ``topic`` through the floor or the proxy (``workers``
-    processes)."""
+    processes; ``baseline``: the proxy in ``baseline_root``)."""
     group = unique_name(f"bench-tput-{who}")
     process: BenchProxy | FloorProcess
     if who == "floor":
@@ -75,9 +81,10 @@ def run_one(
         args += ["--concurrency", str(CALLS), "--commit-interval-ms", str(COMMIT_INTERVAL_MS)]
         process = FloorProcess("throughput", *args)
     else:
-        delivery = PROXY_DELIVERY if who == "proxy" else {"batch": "auto"}
+        delivery = {"batch": "auto"} if who == "proxy_defaults" else PROXY_DELIVERY
         config = bench_config(bootstrap, group, [topic], [handler.address], delivery, client)
-        process = BenchProxy(config, workers=workers)
+        root = baseline_root if who == BASELINE and baseline_root is not None else ROOT
+        process = BenchProxy(config, workers=workers, root=root)
     handler.reset()
     with CommittedReader(bootstrap, group, topic) as reader:
         reader.sum()  # the reader's connection and coordinator lookup, before the clock runs
@@ -94,13 +101,16 @@ def throughput_rounds(
     rounds: int,
     client: dict[str, str] | None = None,
     workers: int = 1,
+    baseline_root: Path | None = None,
 ) -> dict[str, list[dict[str, Any]]]:
     """Interleaved rounds of every contender over the same records."""
-    runs: dict[str, list[dict[str, Any]]] = {who: [] for who in CONTENDERS}
+    contenders = CONTENDERS + ((BASELINE,) if baseline_root is not None else ())
+    runs: dict[str, list[dict[str, Any]]] = {who: [] for who in contenders}
     for round_ in range(rounds):
-        order = CONTENDERS[round_ % 3 :] + CONTENDERS[: round_ % 3]
+        shift = round_ % len(contenders)
+        order = contenders[shift:] + contenders[:shift]
         for who in order:
-            run = run_one(who, bootstrap, handler, topic, n, client, workers)
+            run = run_one(who, bootstrap, handler, topic, n, client, workers, baseline_root)
             runs[who].append(run)
             print(
                 f"  round {round_ + 1} {who:<14}: committed {run['committed_rate']:,.0f} msg/s "
@@ -123,6 +133,12 @@ def main() -> int:
         help="the proxy's worker processes (--workers N; the floor stays one process): a "
         "figure of its own, not the single-process one",
     )
+    parser.add_argument(
+        "--baseline-root",
+        type=Path,
+        help="a checkout whose proxy runs in every round too, with the proxy's settings "
+        "(before/after in one run)",
+    )
     args = parser.parse_args()
     n = 40_000 if args.quick else args.n
     rounds = 1 if args.quick else args.rounds
@@ -136,6 +152,7 @@ def main() -> int:
             "proxy": PROXY_DELIVERY,
             "client": client,
             "workers": args.workers,
+            "baseline_root": str(args.baseline_root or ""),
         },
     )
     med = statistics.median
@@ -143,15 +160,25 @@ def main() -> int:
         topic = create_topic(bootstrap, unique_name("bench-tput"), partitions=4)
         produce_bulk(bootstrap, topic, n, partitions=4, value=sized_value)
         with HandlerServer(HandlerSpec(count_only=True), args.handler) as handler:
-            runs = throughput_rounds(bootstrap, handler, topic, n, rounds, client, args.workers)
-    for who in CONTENDERS:
+            runs = throughput_rounds(
+                bootstrap, handler, topic, n, rounds, client, args.workers, args.baseline_root
+            )
+    for who in runs:
         result.figure(f"{who}.committed_msgs_per_s", med(r["committed_rate"] for r in runs[who]))
         result.figure(
             f"{who}.cpu_us_per_msg", med(r["client_cpu_us_per_msg"] for r in runs[who]), "us"
         )
     result.figures["runs"] = runs
     floor = runs["floor"]
-    for who in ("proxy", "proxy_defaults"):
+    if BASELINE in runs:
+        result.ratio(
+            "proxy_over_baseline",
+            med(
+                p["committed_rate"] / b["committed_rate"]
+                for b, p in zip(runs[BASELINE], runs["proxy"], strict=True)
+            ),
+        )
+    for who in [w for w in ("proxy", "proxy_defaults", BASELINE) if w in runs]:
         per_round = [
             p["committed_rate"] / f["committed_rate"] for f, p in zip(floor, runs[who], strict=True)
         ]

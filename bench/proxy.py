@@ -71,6 +71,7 @@ class BenchProxy(ProxyProcess):
         profile_out: Path | None = None,
         env: dict[str, str] | None = None,
         log_level: str = "warning",
+        root: Path = ROOT,
     ) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="cp-bench-proxy-")
         config_path = Path(self._dir.name) / "proxy.yaml"
@@ -87,7 +88,7 @@ class BenchProxy(ProxyProcess):
             *("--workers", str(workers), "--log-level", log_level),
             command=command,
             env=env or {},
-            cwd=ROOT,
+            cwd=root,
         )
 
     @property

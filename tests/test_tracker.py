@@ -526,3 +526,43 @@ def test_the_epochs_remembered_are_bounded() -> None:
     # the newest ones are kept; for the oldest offsets the epoch is unknown, never wrong
     assert tracker.commit_epoch(1000) == 999
     assert tracker.commit_epoch(1) is None
+
+
+@relaxed
+@given(
+    start=st.integers(0, 50),
+    steps=st.lists(st.integers(1, 3), max_size=30),
+    done=st.sets(st.integers(0, 150)),
+)
+def test_a_run_tracked_at_once_is_each_offset_tracked(
+    start: int, steps: list[int], done: set[int]
+) -> None:
+    # Given an increasing run of fetched offsets (gaps included) above a tracker's start
+    offsets = []
+    offset = start
+    for step in steps:
+        offsets.append(offset)
+        offset += step
+    one, many = PartitionTracker(start, 100), PartitionTracker(start, 100)
+    # When one tracker takes them one by one and the other as a run, then some are done
+    assert many.takes_run_from(start)
+    assert all(one.track(o) for o in offsets)
+    many.track_run(offsets)
+    for o in done:
+        one.done(o)
+    many.done_many(done)
+    # Then both answer the same, and neither takes the run again
+    assert (many.committable(), many.in_flight, many.pending, many.metadata()) == (
+        one.committable(),
+        one.in_flight,
+        one.pending,
+        one.metadata(),
+    )
+    assert not offsets or not many.takes_run_from(offsets[-1])
+
+
+def test_a_restored_state_is_never_taken_as_a_run() -> None:
+    # Given a tracker restored with offset 11 acked / Then a run from 10 is not taken at once
+    # (record by record, 11 is done without a delivery)
+    tracker = PartitionTracker(10, 100, AckState(10, (1, 1)))
+    assert not tracker.takes_run_from(10)

@@ -1,0 +1,230 @@
+"""A consume() batch handled a partition's run at a time (``PartitionSet.intake_batch``) and a
+call's plain acks finished together (``PartitionSet.finish_acked``): the same state and the
+same messages, in the same order, as record by record and message by message. What it saves:
+``bench/bench_throughput.py``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from consumer_proxy.config import CircuitBreakerConfig, DeliveryConfig
+from consumer_proxy.core.outcomes import Classification, Classifier, Outcome
+from consumer_proxy.core.partitions import Delivery, PartitionSet
+from consumer_proxy.flow import Breaker
+from consumer_proxy.proto.v1 import handler_pb2
+from tests.support.clock import Clock
+from tests.support.records import Rec
+
+ACK = Classifier().from_response(handler_pb2.HandleMessageResponse())
+RETRY = Classification(Outcome.RETRY, "UNKNOWN")
+relaxed = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=300)
+
+
+class Rig:
+    """A core with two partitions of topic t; the ready messages in ``ready``, and each
+    ``emit_batch`` call's size in ``emits``."""
+
+    def __init__(self, window: int = 1000, budget: int = 64 * 1024 * 1024) -> None:
+        self.clock = Clock()
+        self.ready: deque[Delivery] = deque()
+        self.emits: list[int] = []
+        self.idle = 0
+
+        def emit_batch(deliveries: list[Delivery]) -> None:
+            self.emits.append(len(deliveries))
+            self.ready.extend(deliveries)
+
+        self.core = PartitionSet(
+            "g",
+            DeliveryConfig(max_in_flight=window, max_in_flight_bytes=budget),
+            "g.redrive",
+            Breaker("g", CircuitBreakerConfig(), clock=self.clock),
+            emit=self.ready.append,
+            schedule=self.clock.call_later,
+            on_idle=self._idle,
+            rng=random.Random(1),
+            clock=self.clock,
+            emit_batch=emit_batch,
+        )
+        for partition in (0, 1):
+            self.core.assign("t", partition, 0, "")
+        self.core.pause_plan()
+
+    def _idle(self) -> None:
+        self.idle += 1
+
+    def take(self, n: int) -> list[Delivery]:
+        taken = [self.ready.popleft() for _ in range(n)]
+        assert all(self.core.begin(d) for d in taken)
+        return taken
+
+    def state(self) -> list[object]:
+        """Everything intake decides, per partition: the window, the backlog, the bytes."""
+        out: list[object] = []
+        for part in self.core.parts.values():
+            tracker = part.tracker
+            assert tracker is not None
+            out.append(
+                (
+                    part.tp,
+                    tracker.committable(),
+                    tracker.in_flight,
+                    tracker.pending,
+                    tracker.epoch,
+                    [r.offset() for r in part.backlog],
+                    part.backlog_bytes,
+                    part.bytes,
+                    part.received_end,
+                    part.epoch,
+                )
+            )
+        budget = self.core.budgets[0]
+        out.append((budget.held, budget.waiting, self.core.counters.resets))
+        return out
+
+    def emitted(self) -> list[tuple[object, ...]]:
+        return [
+            (d.part.tp, d.offset, d.epoch, d.size, d.key, d.value, d.headers, d.origin)
+            for d in self.ready
+        ]
+
+
+def test_a_run_of_one_partition_goes_out_in_one_emit() -> None:
+    # Given a core with room for everything
+    rig = Rig()
+    # When one consume() batch brings 5 records of partition 0, then 3 of partition 1
+    records = [Rec("t", o) for o in range(5)] + [Rec("t", o, partition=1) for o in range(3)]
+    rig.core.intake_batch(records)
+    # Then each run went out in one emit, in fetch order, and the windows and bytes count it
+    assert rig.emits == [5, 3]
+    assert [(d.part.partition, d.offset) for d in rig.ready] == [(0, o) for o in range(5)] + [
+        (1, o) for o in range(3)
+    ]
+    windows = [(p.tracker.in_flight, p.bytes) for p in rig.core.parts.values() if p.tracker]
+    assert windows == [(5, 5), (3, 3)]
+
+
+def test_what_the_window_has_no_room_for_waits_in_the_backlog() -> None:
+    # Given a window of 4
+    rig = Rig(window=4)
+    # When a batch brings 10 records of one partition
+    rig.core.intake_batch([Rec("t", o) for o in range(10)])
+    # Then 4 go out at once and the other 6 wait in the backlog, as record by record
+    assert rig.emits == [4]
+    part = rig.core.parts[("t", 0)]
+    assert [r.offset() for r in part.backlog] == list(range(4, 10))
+
+
+records_strategy = st.lists(
+    st.tuples(
+        st.integers(0, 1),  # partition
+        st.integers(-3, 4),  # offset step from the previous record of the partition
+        st.integers(0, 300),  # value bytes
+        st.integers(0, 2),  # leader epoch bump
+        st.booleans(),  # a user header
+    ),
+    max_size=60,
+)
+
+
+@relaxed
+@given(
+    steps=records_strategy,
+    cuts=st.lists(st.integers(1, 10), max_size=6),
+    window=st.integers(1, 8),
+    budget=st.integers(1024, 2500),
+    acks=st.integers(0, 5),
+)
+def test_batch_intake_is_record_by_record_intake(
+    steps: list[tuple[int, int, int, int, bool]],
+    cuts: list[int],
+    window: int,
+    budget: int,
+    acks: int,
+) -> None:
+    # Given fetched records with gaps, duplicates, resets (a step back), epochs and headers,
+    # cut into consume() batches
+    records: list[Rec] = []
+    last = {0: -1, 1: -1}
+    epoch = {0: 0, 1: 0}
+    for partition, step, size, bump, header in steps:
+        offset = max(0, last[partition] + step)
+        last[partition] = offset
+        epoch[partition] += bump == 2
+        headers = [("h", b"x" * 3)] if header else None
+        value = b"v" * size
+        records.append(
+            Rec(
+                "t",
+                offset,
+                partition=partition,
+                epoch=epoch[partition],
+                headers=headers,
+                value=value,
+            )
+        )
+    batches: list[list[Rec]] = []
+    rest = list(records)
+    for cut in cuts:
+        batches.append(rest[:cut])
+        rest = rest[cut:]
+    batches.append(rest)
+    one, many = Rig(window, budget), Rig(window, budget)
+    for batch in batches:
+        # When one core takes each record on its own and the other each batch at once
+        for record in batch:
+            one.core.intake(record)
+        many.core.intake_batch(batch)
+        # Then both hold the same state and emitted the same messages, in the same order
+        assert many.state() == one.state()
+        assert many.emitted() == one.emitted()
+        # (and some acks in between make room, drain backlogs)
+        for rig in (one, many):
+            ready = rig.ready
+            for d in [ready.popleft() for _ in range(min(acks, len(ready)))]:
+                if rig.core.begin(d):
+                    rig.core.finish(d, ACK, probe=False)
+        rig_pause = [r.core.pause_plan() for r in (one, many)]
+        assert rig_pause[0] == rig_pause[1]
+
+
+def test_a_calls_plain_acks_finish_together() -> None:
+    # Given 6 messages of two partitions out in one call
+    rig = Rig()
+    rig.core.intake_batch(
+        [Rec("t", o) for o in range(3)] + [Rec("t", o, partition=1) for o in range(3)]
+    )
+    batch = rig.take(6)
+    # When the answer acks every one
+    assert rig.core.finish_acked(batch, [ACK] * 6)
+    # Then they are done: the commit passes them, their bytes are back, the acks counted,
+    # and the committer heard once per partition that it holds nothing more
+    plan, _ = rig.core.commit_plan()
+    assert sorted((c.part.partition, c.offset) for c in plan) == [(0, 3), (1, 3)]
+    assert (rig.core.bytes, rig.core.counters.ack, rig.idle) == (0, 6, 2)
+    assert all(p.calls == 0 for p in rig.core.parts.values())
+
+
+def test_an_answer_that_is_not_all_plain_acks_changes_nothing() -> None:
+    # Given 3 messages out in one call, and one more whose partition was cut since
+    rig = Rig()
+    rig.core.intake_batch([Rec("t", o) for o in range(4)])
+    batch = rig.take(4)
+    before = rig.state()
+    # When one answer is a retry / Then finish_acked leaves them all to finish
+    assert not rig.core.finish_acked(batch[:3], [ACK, RETRY, ACK])
+    assert rig.state() == before and rig.core.counters.ack == 0
+    # When one message is stale (its log was cut below it) / Then the same
+    rig.core.truncated(("t", 0), 3)
+    after_cut = rig.state()
+    assert not rig.core.finish_acked(batch, [ACK] * 4)
+    assert rig.state() == after_cut
+    # When one is a guard probe / Then the same
+    batch[0].guard_probe = True
+    assert not rig.core.finish_acked(batch[:2], [ACK] * 2)
+    assert rig.state() == after_cut
