@@ -101,7 +101,9 @@ class Intake:
                 committer.wake()  # traffic after a quiet spell: the committer's usual cadence
             busy = bool(messages) or bool(plan.paused) or partitions.holding()
             quiet = quiet_polls(quiet, busy)
-            waiting = bool(plan.paused) and not self._breaker.is_open
+            # (a partition waiting only for a due time, the guard or the breaker: no poll
+            # brings it sooner, and polling every 5 ms for an hour-long tier delay is waste)
+            waiting = bool(plan.waiting) and not self._breaker.is_open
             timeout_s = poll_wait(
                 waiting=waiting,
                 ready_low=waiting and self._ready_low(),

@@ -288,6 +288,23 @@ def test_a_tier_record_waits_until_due_with_its_partition_paused() -> None:
     assert decision.action is Action.TIER and decision.tier == 2
 
 
+def test_a_partition_waiting_for_a_due_time_does_not_make_the_intake_poll_often() -> None:
+    # Given a tier partition paused because its record is due in an hour
+    rig = Rig(max_in_flight=2)
+    rig.core.pause_plan()
+    rig.core.intake(_tier_record(0, int(rig.clock.now * 1000) + 3_600_000))
+    plan = rig.core.pause_plan()
+    # Then it is paused, but not waiting for room: no poll frees it (the intake polls every
+    # 5 ms only for partitions the workers' progress resumes; found by the simulation's
+    # hour-long tiers)
+    assert plan.paused == 1 and plan.waiting == 0
+    # When the source partition's window fills up, Then that one is waiting for room
+    rig.core.intake(TierRecord("t", 0))
+    rig.core.intake(TierRecord("t", 1))
+    plan = rig.core.pause_plan()
+    assert plan.paused == 2 and plan.waiting == 1
+
+
 def test_a_due_tier_record_goes_at_once_and_the_last_tier_leads_to_the_dlq() -> None:
     rig = Rig()
     rig.core.assign("g.retry.2", 0, 0, "")

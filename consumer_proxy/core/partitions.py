@@ -200,6 +200,10 @@ class PausePlan:
     pause: list[TP]
     resume: list[TP]
     paused: int  # partitions paused after the plan
+    waiting: int = 0
+    """... of which paused for room (their window, a backlog, the byte budget, the ack state's
+    size), which the workers' progress frees; not those waiting only for a due time, the
+    dead-letter guard or the breaker, which no poll brings sooner."""
 
 
 @dataclass(slots=True)
@@ -222,6 +226,8 @@ PAUSE_REASONS = ("breaker", "budget", "backlog", "window", "metadata", "tier_due
 messages; the group's byte budget is spent; a backlog waits for room in its window; its window
 (``max_in_flight``) is full; its ack state is over the metadata budget; a retry tier record it
 read is not due yet; the dead-letter guard holds a message of it."""
+ROOM_REASONS = frozenset(("budget", "backlog", "window", "metadata"))
+"""The pause reasons the workers' progress undoes (``PausePlan.waiting``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -1001,16 +1007,18 @@ class PartitionSet:
             self._guard_tick()
         pause: list[TP] = []
         resume: list[TP] = []
-        paused = 0
+        paused = waiting = 0
         for part in self.parts.values():
             if part.backlog and not breaker_open:
                 self._drain_backlog(part)
-            want = bool(self._pause_reasons(part, breaker_open))
+            reasons = self._pause_reasons(part, breaker_open)
+            want = bool(reasons)
             if want is not part.paused:
                 (pause if want else resume).append(part.tp)
                 part.paused = want
             paused += want
-        return PausePlan(pause, resume, paused)
+            waiting += want and not ROOM_REASONS.isdisjoint(reasons)
+        return PausePlan(pause, resume, paused, waiting)
 
     def _pause_reasons(self, part: PartitionState, breaker_open: bool) -> tuple[str, ...]:
         """Why ``part`` should be paused now (empty: it should fetch), named as in
