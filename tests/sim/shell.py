@@ -61,6 +61,7 @@ from consumer_proxy.config import (
     DeliveryConfig,
     GroupConfig,
     LongRunningConfig,
+    RetryTopicConfig,
     ServiceConfig,
 )
 from consumer_proxy.core.batching import BatchOutcome
@@ -71,6 +72,7 @@ from consumer_proxy.core.heartbeat import MAX_PROCESSING_STATUS, CallWatch
 from consumer_proxy.core.ordering import ORDERINGS, Ordering
 from consumer_proxy.core.outcomes import Classification, Classifier
 from consumer_proxy.core.partitions import Delivery, PartitionSet
+from consumer_proxy.core.records import CP_PREFIX
 from consumer_proxy.dispatcher import read_stream
 from consumer_proxy.fetcher import CONSUME_CHUNK_S, POSITIONS_INTERVAL_S
 from consumer_proxy.group import GroupRunner
@@ -97,6 +99,7 @@ DRAIN_LIMIT_S = 600.0
 BYTE_BUDGET = 1024
 WALL_EPOCH_S = 1_700_000_000.0  # the core's wall clock (tier due times) is virtual too
 GROUP = "g"
+TIER_PREFIX = f"{GROUP}.retry."
 
 
 @dataclass
@@ -130,6 +133,10 @@ class ShellStats:
     silences: int = 0  # streaming calls ended by no heartbeat in time
     capped: int = 0  # streaming calls ended by max_processing_ms
     calls_cancelled: int = 0  # calls the proxy cancelled (revoke, lost, shutdown)
+    tier_schedules: int = 0
+    long_tier_schedules: int = 0  # a tier waits far longer (a minute, an hour) than the run
+    tier_writes: int = 0
+    unblocks: int = 0  # messages head_block_ms moved aside
     virtual_s: int = 0
 
 
@@ -285,7 +292,7 @@ class SimSource:
         while self.pending:
             pending = self.pending.pop(0)
             if pending is None:
-                tps = list(self.sim.tps)
+                tps = list(self.sim.all_tps)
             else:
                 tps = [tp for tp in pending[0] if tp in self.consumer.assigned]
                 await (self._lose(tps) if pending[1] else self._revoke(tps))
@@ -510,13 +517,21 @@ class SimSink:
         on_failure: Any = None,
     ) -> int:
         sim = self.sim
-        ident = int(dict(headers)["id"])
-        while sim.dlq_down:
+        fields = dict(headers)
+        ident = int(fields["id"])
+        while sim.dlq_down:  # the DLQ and the tiers share the producer: tier writes fail too
             if on_failure is not None:
                 on_failure(KafkaException(KafkaError(KafkaError._TRANSPORT, "dlq down")))
             await asyncio.sleep(0.2)
         await asyncio.sleep(sim.rng.uniform(0.001, 0.02))
-        sim.dead_lettered(ident, dict(headers)["cp-status"].decode())
+        if topic.startswith(TIER_PREFIX):
+            extra = tuple(
+                (k, v) for k, v in headers if k.startswith(CP_PREFIX) and isinstance(v, bytes)
+            )
+            tp = (topic, int(fields["cp-original-partition"]))
+            sim.tier_written(ident, tp, Msg(0, "", key=key, value=value, extra=extra))
+        else:
+            sim.dead_lettered(ident, fields["cp-status"].decode())
         return 0
 
     async def close(self, timeout_s: float = 10.0) -> None:
@@ -567,7 +582,28 @@ class ShellSim:
             )
         self.losses = random.Random(f"shell-lost:{seed}")  # which rebalances lose
         self.tps: list[TP] = [(TOPIC, p) for p in range(partitions)]
-        self.logs = {tp: Log() for tp in self.tps}
+        # Retry tiers (half the seeds of ordering none: config refuses them with ordering),
+        # from their own generator; a third of them wait far longer than the run.
+        tiers = random.Random(f"shell-tiers:{seed}")
+        self.tier_delays_ms: list[int] = []
+        self.in_memory_attempts = 1
+        self.head_block_ms: int | None = None
+        self.max_unblock = 10
+        if self.ordering == "none" and tiers.random() < 0.5:
+            self.tier_delays_ms = tiers.choice(
+                [[300], [100, 800], [50, 200, 1000], [60_000], [500, 3_600_000], [600_000]]
+            )
+            self.in_memory_attempts = tiers.choice([1, 2])
+            self.head_block_ms = tiers.choice([None, 300, 1500])
+            self.max_unblock = tiers.choice([1, 10])
+        self.tier_tps: list[TP] = [
+            (f"{TIER_PREFIX}{n}", p)
+            for n in range(1, len(self.tier_delays_ms) + 1)
+            for p in range(partitions)
+        ]
+        self.all_tps = [*self.tps, *self.tier_tps]
+        self.root: dict[int, int] = {}  # a tier record's ident -> the produced message's
+        self.logs = {tp: Log() for tp in self.all_tps}
         self.commits: dict[TP, tuple[int, str]] = {}
         self.last_commit: dict[TP, int] = {}
         self.lanes: dict[tuple[TP, object], list[tuple[int, int]]] = {}
@@ -576,6 +612,8 @@ class ShellSim:
         self.stats = ShellStats(
             batch_schedules=int(self.batch is not None),
             long_schedules=int(self.long_running is not None),
+            tier_schedules=int(bool(self.tier_delays_ms)),
+            long_tier_schedules=int(max(self.tier_delays_ms, default=0) >= 60_000),
         )
         self.classifier = Classifier()
         self.next_ident = 0
@@ -615,6 +653,10 @@ class ShellSim:
             commit_interval_ms=self.commit_interval_ms,
             revoke_grace_ms=int((TIMEOUT_S + 0.5) * 1000),
             fetch_batch=5,
+            retry_topics=[RetryTopicConfig(delay_ms=d) for d in self.tier_delays_ms],
+            in_memory_attempts=self.in_memory_attempts,
+            head_block_ms=self.head_block_ms,
+            max_unblock_per_minute=self.max_unblock,
         )
         return GroupConfig(
             name=GROUP,
@@ -694,7 +736,13 @@ class ShellSim:
         def unparked(_: Any, d: Delivery) -> None:
             self.parked.discard(d)
 
+        def unblocked(moved: list[tuple[Delivery, Decision]], *_: Any) -> None:
+            for d, decision in moved:
+                self.stats.unblocks += 1
+                self._decided(d, decision)
+
         wrap("drop_stale", dropped)
+        wrap("unblock", unblocked)
         wrap("begin", begun)
         wrap("finish", finished)
         wrap("abandon", ended)
@@ -842,7 +890,8 @@ class ShellSim:
         self.trace(f"push {ident} attempt {d.attempt}")
         if ident in truth.acked and ident not in truth.dup_ok:
             self.fail(f"message {ident} pushed again after it was acked")
-        truth.attempts[ident] = truth.attempts.get(ident, 0) + 1
+        root = self.root.get(ident, ident)
+        truth.attempts[root] = truth.attempts.get(root, 0) + 1
         if self.ordering == "none":
             return
         tp = d.part.tp
@@ -880,10 +929,48 @@ class ShellSim:
         elif action is Action.DROP:
             truth.done.add(ident)
         elif action is Action.DEAD_LETTER:
-            if not truth.behaviour[ident].startswith(("poison", "timeout:", "garbled", "endless")):
-                self.fail(f"message {ident} ({truth.behaviour[ident]}) dead-lettered")
+            behaviour = truth.behaviour[ident]
+            past_tiers = bool(self.tier_delays_ms) and (
+                "last retry tier" in decision.reason or "blocked the head" in decision.reason
+            )
+            # A garbled message's broken answer, once alone, is its own counted failure.
+            if not (
+                behaviour.startswith(("poison", "timeout:", "garbled", "endless"))
+                or (past_tiers and behaviour.startswith("flaky:"))
+            ):
+                self.fail(f"message {ident} ({behaviour}) dead-lettered ({decision.reason})")
+        elif action is Action.TIER:
+            if not self.tier_delays_ms or not decision.counted:
+                self.fail(f"message {ident} moved to tier {decision.tier} ({decision})")
+            # A deadline charged while the service answered others is the message's attempt
+            # (guarantee 2), also at the start of a hang; nothing else moves a good message.
+            charged_deadline = (
+                decision.reason == "deadline" or "blocked the head" in decision.reason
+            )
+            behaviour = truth.behaviour[ident]
+            if not behaviour.startswith(("flaky:", "timeout:", "garbled", "endless")) and not (
+                charged_deadline
+            ):
+                self.fail(f"message {ident} ({behaviour}) moved to a retry tier ({decision})")
         elif action is not Action.RETRY:
             self.fail(f"message {ident}: unexpected decision {decision}")
+
+    def tier_written(self, ident: int, tp: TP, record: Msg) -> None:
+        """A tier write confirmed: the record is in the tier's log under a new ident (its
+        behaviour and attempts the produced message's), and only now is the source done."""
+        new = self.next_ident
+        self.next_ident += 1
+        self.root[new] = self.root.get(ident, ident)
+        behaviour = self.truth.behaviour[ident]
+        self.truth.behaviour[new] = behaviour
+        self.logs[tp].append(
+            Msg(new, behaviour, key=record.key, value=record.value, extra=record.extra)
+        )
+        self.truth.done.add(ident)
+        self.stats.tier_writes += 1
+        self.trace(f"tier {ident} -> {new} {tp}")
+        if self.source is not None:
+            self.source.arrived.set()
 
     def dead_lettered(self, ident: int, status: str) -> None:
         if self.truth.behaviour[ident] == "endless" and status != MAX_PROCESSING_STATUS:
@@ -951,7 +1038,7 @@ class ShellSim:
 
     def _behave(self, ident: int) -> tuple[grpc.StatusCode, int]:
         """The service's answer for one message: (status, response action)."""
-        tries = self.truth.attempts.get(ident, 0)
+        tries = self.truth.attempts.get(self.root.get(ident, ident), 0)
         return service_answer(self.truth.behaviour[ident], tries, self.outage)
 
     def answer(self, ident: int) -> tuple[Classification, float]:
@@ -1033,7 +1120,8 @@ class ShellSim:
         source = self.source
         if source is None:
             return
-        tps = self.rng.sample(self.tps, self.rng.randint(1, len(self.tps)))
+        owned = self.all_tps
+        tps = self.rng.sample(owned, self.rng.randint(1, len(owned)))
         lost = self.losses.random() < 0.2
         source.pending.append((sorted(tps), lost))
         source.arrived.set()
@@ -1114,25 +1202,36 @@ class ShellSim:
             task.result()  # the group failed: its exception is the finding
             self.fail("the group stopped by itself")
 
-    def _drained(self) -> bool:
-        return all(self.commits.get(tp, (0, ""))[0] >= self.logs[tp].end for tp in self.tps)
+    def _drained(self, tps: Sequence[TP]) -> bool:
+        return all(self.commits.get(tp, (0, ""))[0] >= self.logs[tp].end for tp in tps)
+
+    def _lag(self) -> str:
+        lag = {tp: (self.commits.get(tp, (0, ""))[0], self.logs[tp].end) for tp in self.all_tps}
+        paused = sorted(self.source.consumer.paused) if self.source else []
+        return f"(committed, end) {lag}; paused in the consumer: {paused}"
 
     async def drain(self) -> None:
-        """Heal everything; every partition must drain within DRAIN_LIMIT_S of virtual time."""
+        """Heal everything; the source partitions must drain within DRAIN_LIMIT_S of virtual
+        time whatever the retry tiers hold (records waiting an hour for their due time must
+        not hold the source back), the tiers once their records are due too."""
         self.outage = None
         self.dlq_down = False
         self.commits_down = False
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + DRAIN_LIMIT_S
-        while not self._drained():
-            if loop.time() >= deadline:
-                lag = {tp: (self.commits.get(tp, (0, ""))[0], self.logs[tp].end) for tp in self.tps}
-                paused = sorted(self.source.consumer.paused) if self.source else []
-                self.fail(
-                    f"partitions did not drain in {DRAIN_LIMIT_S:.0f}s: (committed, end) {lag}; "
-                    f"paused in the consumer: {paused}"
-                )
-            await asyncio.sleep(0.5)
+        source_deadline = loop.time() + DRAIN_LIMIT_S
+        # (a message may go through every tier after the source drained)
+        deadline = source_deadline + sum(self.tier_delays_ms) / 1000.0 + DRAIN_LIMIT_S
+        sources_drained = False
+        while not self._drained(self.all_tps):
+            now = loop.time()
+            if not sources_drained:
+                sources_drained = self._drained(self.tps)
+                if not sources_drained and now >= source_deadline:
+                    self.fail(f"source partitions did not drain in {DRAIN_LIMIT_S:.0f}s: {self._lag()}")
+            if now >= deadline:
+                self.fail(f"partitions did not drain in time: {self._lag()}")
+            # Once the source drained, only tier records waiting for their due time are left.
+            await asyncio.sleep(0.5 if not sources_drained else 5.0)
             self._raise_failure()
             self.check()
         for tp, log in self.logs.items():
