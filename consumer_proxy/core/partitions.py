@@ -398,10 +398,14 @@ class PartitionSet:
         return Commit(part, offset, meta)
 
     def cancel_timers(self) -> None:
-        """Shutdown: no retry timer fires any more (the messages are redelivered later)."""
+        """Shutdown: no retry timer nor the guard's probe fires any more (the messages are
+        redelivered later)."""
         for part in self.parts.values():
             for timer in part.timers:
                 timer.cancel()
+        if self._probe is not None:
+            self._probe.cancel()
+            self._probe = None
 
     def forget(self, part: PartitionState) -> None:
         """Drop a partition (revoked or lost): its timers, backlog and bytes go with it."""

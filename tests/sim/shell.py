@@ -67,7 +67,7 @@ from consumer_proxy.config import (
 from consumer_proxy.core.batching import BatchOutcome
 from consumer_proxy.core.cadence import FETCH_WAIT_S
 from consumer_proxy.core.codec import decode
-from consumer_proxy.core.decision import Action, Decision
+from consumer_proxy.core.decision import HEAD_BLOCKED, Action, Decision
 from consumer_proxy.core.heartbeat import MAX_PROCESSING_STATUS, CallWatch
 from consumer_proxy.core.ordering import ORDERINGS, Ordering
 from consumer_proxy.core.outcomes import Classification, Classifier
@@ -137,6 +137,10 @@ class ShellStats:
     long_tier_schedules: int = 0  # a tier waits far longer (a minute, an hour) than the run
     tier_writes: int = 0
     unblocks: int = 0  # messages head_block_ms moved aside
+    bad_deploys: int = 0  # spells of a service that rejects every message (INVALID_ARGUMENT)
+    guard_trips: int = 0
+    guard_held: int = 0  # dead-letter decisions the guard held
+    guard_releases: int = 0  # by an operator (GuardControl.release; a probe's ack too)
     virtual_s: int = 0
 
 
@@ -619,6 +623,7 @@ class ShellSim:
         self.next_ident = 0
         self.step_no = 0
         self.outage: str | None = None
+        self.bad_deploy = False  # the service rejects every message (it answers)
         self.dlq_down = False
         self.commits_down = False
         self.crashing = False
@@ -636,6 +641,8 @@ class ShellSim:
         self.given_back: dict[Delivery, tuple[int, int]] = {}
         self.cuts: dict[TP, int] = {}  # where a log was cut, until a commit comes back to it
         self.rebalanced_at = -1.0  # when the consumer thread last served a rebalance
+        self._operator_at = float("inf")  # the drain: when an operator releases the guard
+        self._recoverable_since: float | None = None
 
     # -- the member ----------------------------------------------------------------------
 
@@ -664,7 +671,9 @@ class ShellSim:
             service=ServiceConfig(endpoints=["127.0.0.1:1"], timeout_ms=int(TIMEOUT_S * 1000)),
             delivery=delivery,
             circuit_breaker=CircuitBreakerConfig(failure_threshold=5, reset_timeout_s=2.0),
-            dead_letter_guard=DeadLetterGuardConfig(enabled=False),
+            dead_letter_guard=DeadLetterGuardConfig(
+                min_messages=20, window_ms=10_000, probe_interval_ms=500
+            ),
         )
 
     async def _open_edges(self, group: GroupConfig, hooks: EdgeHooks) -> Edges | None:
@@ -778,6 +787,8 @@ class ShellSim:
         runner.stop()
         await task
         self.crashing = False
+        guard = runner.partitions.guard
+        self.stats.guard_trips += guard.trips if guard is not None else 0
         self._count_long_calls()
         self.check_nothing_left()
         self.runner = self.source = self._run_task = None
@@ -920,15 +931,22 @@ class ShellSim:
         truth = self.truth
         action = decision.action
         self.trace(f"decided {ident} {action.value}")
+        guard = self.runner.partitions.guard if self.runner is not None else None
         if action is Action.ACK:
             truth.acked.add(ident)
             truth.done.add(ident)
             self.stats.acked += 1
             if self.crashing:
                 truth.dup_ok.add(ident)
+            if d.guard_probe and guard is not None and guard.held and not guard.by_operator:
+                self.fail(f"message {ident}, a probe of the guard, was acked: still held")
         elif action is Action.DROP:
             truth.done.add(ident)
+        elif action is Action.HOLD:
+            self.stats.guard_held += 1
         elif action is Action.DEAD_LETTER:
+            if guard is not None and guard.held:
+                self.fail(f"message {ident} dead-lettered while the dead-letter guard holds")
             behaviour = truth.behaviour[ident]
             past_tiers = bool(self.tier_delays_ms) and (
                 "last retry tier" in decision.reason or "blocked the head" in decision.reason
@@ -937,6 +955,7 @@ class ShellSim:
             if not (
                 behaviour.startswith(("poison", "timeout:", "garbled", "endless"))
                 or (past_tiers and behaviour.startswith("flaky:"))
+                or ident in truth.rejected  # by a bad deploy, before the guard tripped
             ):
                 self.fail(f"message {ident} ({behaviour}) dead-lettered ({decision.reason})")
         elif action is Action.TIER:
@@ -973,7 +992,11 @@ class ShellSim:
             self.source.arrived.set()
 
     def dead_lettered(self, ident: int, status: str) -> None:
-        if self.truth.behaviour[ident] == "endless" and status != MAX_PROCESSING_STATUS:
+        # (with retry tiers, head_block_ms may move it aside first: the same limit, sooner)
+        if self.truth.behaviour[ident] == "endless" and status not in (
+            MAX_PROCESSING_STATUS,
+            HEAD_BLOCKED,
+        ):
             self.fail(f"endless message {ident} dead-lettered as {status}, not by the cap")
         self.truth.dlq.append(ident)
         self.truth.done.add(ident)
@@ -1038,8 +1061,14 @@ class ShellSim:
 
     def _behave(self, ident: int) -> tuple[grpc.StatusCode, int]:
         """The service's answer for one message: (status, response action)."""
-        tries = self.truth.attempts.get(self.root.get(ident, ident), 0)
-        return service_answer(self.truth.behaviour[ident], tries, self.outage)
+        if self.bad_deploy and self.outage not in ("unavailable", "hung"):
+            self.truth.rejected.add(ident)
+            return grpc.StatusCode.INVALID_ARGUMENT, 0
+        return service_answer(self.truth.behaviour[ident], self._tries(ident), self.outage)
+
+    def _tries(self, ident: int) -> int:
+        """Attempts of the produced message (across its tier records)."""
+        return self.truth.attempts.get(self.root.get(ident, ident), 0)
 
     def answer(self, ident: int) -> tuple[Classification, float]:
         """One unary call's result and how long it takes."""
@@ -1189,6 +1218,11 @@ class ShellSim:
             self.stats.commit_outages += self.commits_down
         elif x < 0.425:
             self.truncate()
+        elif x < 0.43:
+            self.bad_deploy = not self.bad_deploy
+            self.stats.bad_deploys += self.bad_deploy
+        elif x < 0.4305:
+            self.operator_release()
         wait = rng.uniform(0.0, 0.25) if rng.random() < 0.95 else rng.uniform(1.0, 8.0)
         await asyncio.sleep(wait)
         self._raise_failure()
@@ -1201,6 +1235,48 @@ class ShellSim:
         if task is not None and task.done():
             task.result()  # the group failed: its exception is the finding
             self.fail("the group stopped by itself")
+
+    def operator_release(self) -> None:
+        """An operator releases a held guard (``GuardControl.release``, as the admin
+        endpoint): the held messages go to the DLQ."""
+        runner = self.runner
+        if runner is None:
+            return
+        held = [h.delivery for p in runner.partitions.parts.values() for h in p.held.values()]
+        released = runner.guard.release()
+        self.stats.guard_releases += bool(released)
+        self.truth.released.update(int(dict(d.headers)["id"]) for d in held)
+        self.trace(f"release {released}")
+
+    def _only_real_poison_held(self) -> bool:
+        """Every message the guard holds fails on its own next time too: no probe can
+        release it (an operator must)."""
+        assert self.runner is not None
+        for part in self.runner.partitions.parts.values():
+            for held in part.held.values():
+                ident = int(dict(held.delivery.headers)["id"])
+                behaviour = self.truth.behaviour[ident]
+                if behaviour.startswith(("poison", "garbled", "endless")):
+                    continue
+                if behaviour.startswith(("flaky:", "timeout:")) and self._tries(ident) < int(
+                    behaviour.split(":")[1]
+                ):
+                    continue
+                return False
+        return True
+
+    def _watch_guard(self, now: float) -> None:
+        """While draining: a guard holding a message the service now acks is released by a
+        probe (every 0.5 s) within seconds; one holding only real poison by an operator."""
+        guard = self.runner.partitions.guard if self.runner is not None else None
+        if guard is not None and guard.held and not self._only_real_poison_held():
+            self._recoverable_since = self._recoverable_since or now
+            if now - self._recoverable_since >= 30.0:
+                self.fail("the dead-letter guard still holds 30 s after the service recovered")
+        else:
+            self._recoverable_since = None
+            if now >= self._operator_at:
+                self.operator_release()
 
     def _drained(self, tps: Sequence[TP]) -> bool:
         return all(self.commits.get(tp, (0, ""))[0] >= self.logs[tp].end for tp in tps)
@@ -1217,7 +1293,10 @@ class ShellSim:
         self.outage = None
         self.dlq_down = False
         self.commits_down = False
+        self.bad_deploy = False  # rolled back: a probe's ack releases a held guard
         loop = asyncio.get_running_loop()
+        self._operator_at = loop.time() + 60.0  # ... unless every held one is real poison
+        self._recoverable_since = None
         source_deadline = loop.time() + DRAIN_LIMIT_S
         # (a message may go through every tier after the source drained)
         deadline = source_deadline + sum(self.tier_delays_ms) / 1000.0 + DRAIN_LIMIT_S
@@ -1230,6 +1309,7 @@ class ShellSim:
                     self.fail(f"source partitions did not drain in {DRAIN_LIMIT_S:.0f}s: {self._lag()}")
             if now >= deadline:
                 self.fail(f"partitions did not drain in time: {self._lag()}")
+            self._watch_guard(now)
             # Once the source drained, only tier records waiting for their due time are left.
             await asyncio.sleep(0.5 if not sources_drained else 5.0)
             self._raise_failure()
