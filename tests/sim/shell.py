@@ -114,6 +114,7 @@ class ShellStats:
     rebalances: int = 0
     truncations: int = 0
     silent_truncations: int = 0  # cuts the member is not told of (librdkafka seeks back)
+    handover_truncations: int = 0  # ... while a restored ack state described the cut range
     paused_at_revoke: int = 0  # partitions revoked and assigned back while paused
     restarts: int = 0
     crashes: int = 0
@@ -141,6 +142,9 @@ class ShellStats:
     guard_trips: int = 0
     guard_held: int = 0  # dead-letter decisions the guard held
     guard_releases: int = 0  # by an operator (GuardControl.release; a probe's ack too)
+    garbled: int = 0  # messages that make any batch answer have the wrong length
+    protocol_errors: int = 0  # batch answers of the wrong length
+    held_back: int = 0  # checks at which the ordering gate held messages back
     virtual_s: int = 0
 
 
@@ -300,6 +304,7 @@ class SimSource:
             else:
                 tps = [tp for tp in pending[0] if tp in self.consumer.assigned]
                 await (self._lose(tps) if pending[1] else self._revoke(tps))
+            self.sim.cut_at_handover(tps)
             self.sim.trace(f"assign {tps}")
             committed = self.consumer.assign(tps)
             await self.listener.partitions_assigned(
@@ -585,6 +590,9 @@ class ShellSim:
                 max_processing_ms=choose.choice([2000, 4000]),
             )
         self.losses = random.Random(f"shell-lost:{seed}")  # which rebalances lose
+        self.handovers = random.Random(f"shell-handover:{seed}")  # cuts at hand-over
+        # A restart may bring another metadata budget (pods of a config roll).
+        self.budgets = random.Random(f"shell-budget:{seed}")
         self.tps: list[TP] = [(TOPIC, p) for p in range(partitions)]
         # Retry tiers (half the seeds of ordering none: config refuses them with ordering),
         # from their own generator; a third of them wait far longer than the run.
@@ -1015,6 +1023,18 @@ class ShellSim:
         for budget in core.budgets:
             if budget.held > BYTE_BUDGET + slack:
                 self.fail(f"{budget.held} bytes held over the {BYTE_BUDGET}-byte budget")
+        held = 0
+        for part in core.parts.values():
+            gate, tracker = part.gate, part.tracker
+            if gate is None or tracker is None:
+                continue
+            held += gate.held
+            if gate.keys_out + gate.held != tracker.pending:
+                self.fail(
+                    f"{part.tp}: {tracker.pending} offsets pending but the gate holds "
+                    f"{gate.keys_out} out and {gate.held} waiting"
+                )
+        self.stats.held_back += held > 0
         calls = len(runner.push.pushing) if runner.push is not None else 0
         if calls > self.concurrency:
             self.fail(f"{calls} calls over concurrency {self.concurrency}")
@@ -1101,9 +1121,16 @@ class ShellSim:
 
     def answer_batch(self, idents: list[int]) -> tuple[BatchOutcome, float]:
         """One batch call's outcome (per-message statuses, a failed call, a glitch)."""
-        outcome, latency, _ = service_batch_call(
-            self.classifier, self.rng, self.outage, idents, self._behave, TIMEOUT_S
+        outcome, latency, wrong = service_batch_call(
+            self.classifier,
+            self.rng,
+            self.outage,
+            idents,
+            self._behave,
+            TIMEOUT_S,
+            garbled=lambda ident: self.truth.behaviour[ident] == "garbled",
         )
+        self.stats.protocol_errors += wrong
         return outcome, latency
 
     # -- the schedule --------------------------------------------------------------------
@@ -1124,6 +1151,9 @@ class ShellSim:
                 if x < 0.12
                 else "ok"
             )
+            if self.batch is not None and behaviour == "ok" and rng.random() < 0.01:
+                behaviour = "garbled"  # any batch answer with it has one result too few
+                self.stats.garbled += 1
             long_running = self.long_running
             if long_running is not None and behaviour == "ok":
                 y = rng.random()
@@ -1170,7 +1200,13 @@ class ShellSim:
             # leader-epoch check of a committed offset (KIP-320) is what catches that on the
             # next assignment; the simulated consumer does not model it.
             return
-        cut = rng.randint(floor, log.end - 1)
+        self.cut_log(tp, rng.randint(floor, log.end - 1))
+
+    def cut_log(self, tp: TP, cut: int) -> None:
+        """Cut ``tp``'s log at ``cut``; the member is told (a _LOG_TRUNCATION error from
+        consume) only when it owns ``tp`` and received records at or past the cut:
+        otherwise librdkafka seeks back silently."""
+        log = self.logs[tp]
         for msg in log.truncate(cut):
             self.truth.done.discard(msg.ident)  # gone: no longer owed to anyone
         for lane, entries in self.lanes.items():
@@ -1192,6 +1228,21 @@ class ShellSim:
         else:
             self.stats.silent_truncations += 1
 
+    def cut_at_handover(self, tps: Sequence[TP]) -> None:
+        """An unclean election while partitions change hands (served between the revoke's
+        final commit and the assignment): the new owner restores an ack state that may
+        describe records that are gone, and is not told."""
+        rng = self.handovers
+        sources = [tp for tp in tps if tp in self.tps]
+        if not sources or rng.random() >= 0.3:
+            return
+        tp = rng.choice(sources)
+        committed, meta = self.commits.get(tp, (0, ""))
+        top = min(decode(meta).end, self.logs[tp].end) - 1 if meta else committed
+        if top > committed:  # inside the range the restored state describes
+            self.cut_log(tp, rng.randint(committed + 1, top))
+            self.stats.handover_truncations += 1
+
     async def step(self) -> None:
         self.step_no += 1
         rng = self.rng
@@ -1205,6 +1256,7 @@ class ShellSim:
             await self.stop_member(crash)
             self.stats.crashes += crash
             self.stats.restarts += not crash
+            self.budget = self.budgets.choice([64, 4000])
             self.start_member()
         elif x < 0.40:
             outages = ["unavailable", "hung"] + (["unimplemented"] if self.batch else [])
