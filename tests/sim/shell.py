@@ -615,6 +615,7 @@ class ShellSim:
         ]
         self.all_tps = [*self.tps, *self.tier_tps]
         self.root: dict[int, int] = {}  # a tier record's ident -> the produced message's
+        self.tiered: set[int] = set()  # produced messages moved to a tier
         self.logs = {tp: Log() for tp in self.all_tps}
         self.commits: dict[TP, tuple[int, str]] = {}
         self.last_commit: dict[TP, int] = {}
@@ -960,25 +961,32 @@ class ShellSim:
                 "last retry tier" in decision.reason or "blocked the head" in decision.reason
             )
             # A garbled message's broken answer, once alone, is its own counted failure.
+            # Past the tiers: a flaky or long message, or one that went to a tier by a charge.
+            tiered = behaviour.startswith(("flaky:", "long:")) or self._root(ident) in self.tiered
             if not (
                 behaviour.startswith(("poison", "timeout:", "garbled", "endless"))
-                or (past_tiers and behaviour.startswith("flaky:"))
+                or (past_tiers and tiered)
                 or ident in truth.rejected  # by a bad deploy, before the guard tripped
             ):
                 self.fail(f"message {ident} ({behaviour}) dead-lettered ({decision.reason})")
         elif action is Action.TIER:
             if not self.tier_delays_ms or not decision.counted:
                 self.fail(f"message {ident} moved to tier {decision.tier} ({decision})")
-            # A deadline charged while the service answered others is the message's attempt
-            # (guarantee 2), also at the start of a hang; nothing else moves a good message.
-            charged_deadline = (
-                decision.reason == "deadline" or "blocked the head" in decision.reason
+            # A deadline or a silence charged while the service answered others is the
+            # message's attempt (guarantee 2), also at the start of a hang, and so is blocking
+            # the head for head_block_ms; nothing else moves a good message.
+            reason = decision.reason
+            charged = (
+                reason == "deadline"
+                or "blocked the head" in reason
+                or reason.startswith("no heartbeat")
             )
             behaviour = truth.behaviour[ident]
             if not behaviour.startswith(("flaky:", "timeout:", "garbled", "endless")) and not (
-                charged_deadline
+                charged
             ):
                 self.fail(f"message {ident} ({behaviour}) moved to a retry tier ({decision})")
+            self.tiered.add(self._root(ident))
         elif action is not Action.RETRY:
             self.fail(f"message {ident}: unexpected decision {decision}")
 
@@ -1088,7 +1096,11 @@ class ShellSim:
 
     def _tries(self, ident: int) -> int:
         """Attempts of the produced message (across its tier records)."""
-        return self.truth.attempts.get(self.root.get(ident, ident), 0)
+        return self.truth.attempts.get(self._root(ident), 0)
+
+    def _root(self, ident: int) -> int:
+        """The produced message a tier record stands for (itself if produced)."""
+        return self.root.get(ident, ident)
 
     def answer(self, ident: int) -> tuple[Classification, float]:
         """One unary call's result and how long it takes."""
@@ -1330,13 +1342,34 @@ class ShellSim:
             if now >= self._operator_at:
                 self.operator_release()
 
+    def _serial_work_s(self) -> float:
+        """What the long-running handlers left to do take one after another (ordering
+        partition pushes them so): each long one its time, each endless one every attempt
+        up to the cap."""
+        if self.long_running is None:
+            return 0.0
+        cap_s = self.long_running.max_processing_ms / 1000
+        work = 0.0
+        for tp in self.tps:
+            committed = self.commits.get(tp, (0, ""))[0]
+            for offset, msg in self.logs[tp].records.items():
+                if offset < committed:
+                    continue
+                if msg.behaviour.startswith("long:"):
+                    work += float(msg.behaviour[5:])
+                elif msg.behaviour == "endless":
+                    work += 5 * (cap_s + 0.5)  # max_attempts, each with its backoff
+        return work
+
     def _drained(self, tps: Sequence[TP]) -> bool:
         return all(self.commits.get(tp, (0, ""))[0] >= self.logs[tp].end for tp in tps)
 
     def _lag(self) -> str:
         lag = {tp: (self.commits.get(tp, (0, ""))[0], self.logs[tp].end) for tp in self.all_tps}
         paused = sorted(self.source.consumer.paused) if self.source else []
-        return f"(committed, end) {lag}; paused in the consumer: {paused}"
+        views = self.runner.partitions.views() if self.runner is not None else []
+        why = {(v.topic, v.partition): v.reasons for v in views if v.reasons}
+        return f"(committed, end) {lag}; paused in the consumer: {paused}, by the core: {why}"
 
     async def drain(self) -> None:
         """Heal everything; the source partitions must drain within DRAIN_LIMIT_S of virtual
@@ -1349,7 +1382,7 @@ class ShellSim:
         loop = asyncio.get_running_loop()
         self._operator_at = loop.time() + 60.0  # ... unless every held one is real poison
         self._recoverable_since = None
-        source_deadline = loop.time() + DRAIN_LIMIT_S
+        source_deadline = loop.time() + DRAIN_LIMIT_S + self._serial_work_s()
         # (a message may go through every tier after the source drained)
         deadline = source_deadline + sum(self.tier_delays_ms) / 1000.0 + DRAIN_LIMIT_S
         sources_drained = False
