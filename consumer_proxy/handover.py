@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from confluent_kafka import TopicPartition
 
@@ -123,6 +123,24 @@ class Handover:
             len(partitions),
             writes,
         )
+
+    async def settle(self, busy: set[asyncio.Task[Any]], grace_s: float) -> None:
+        """Shutdown: the pushes and DLQ writes under way (``busy``) get ``grace_s``; then the
+        open calls are cancelled first, so the service sees them cancelled and the messages
+        are given back (never an attempt); the caller cancels whatever is left."""
+        if not busy:
+            return
+        _, pending = await asyncio.wait(busy, timeout=grace_s)
+        if pending and self.push is not None and self.push.cancel_calls(None, Cancel.SHUTDOWN):
+            _, pending = await asyncio.wait(pending, timeout=CANCEL_WAIT_S)
+        if pending:
+            log.warning(
+                "group %s: %d pushes/DLQ writes still running after %.1fs; cancelled "
+                "(they will be redelivered)",
+                self.name,
+                len(pending),
+                grace_s,
+            )
 
     def _forget(self, part: PartitionState) -> None:
         self._partitions.forget(part)

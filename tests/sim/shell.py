@@ -80,7 +80,7 @@ from consumer_proxy.metrics import ProxyMetrics
 from consumer_proxy.ports import EdgeHooks, Edges, RebalanceListener
 from consumer_proxy.proto.v1 import handler_pb2
 from consumer_proxy.readyq import ReadyDeque
-from tests.sim.runner import InvariantViolation, Truth
+from tests.sim.truth import InvariantViolation, Truth
 from tests.sim.vloop import run_virtual
 from tests.sim.world import (
     TP,
@@ -591,6 +591,7 @@ class ShellSim:
             )
         self.losses = random.Random(f"shell-lost:{seed}")  # which rebalances lose
         self.handovers = random.Random(f"shell-handover:{seed}")  # cuts at hand-over
+        self.handover_cuts = 0.3  # ... at this share of hand-overs
         # A restart may bring another metadata budget (pods of a config roll).
         self.budgets = random.Random(f"shell-budget:{seed}")
         self.tps: list[TP] = [(TOPIC, p) for p in range(partitions)]
@@ -608,15 +609,10 @@ class ShellSim:
             self.in_memory_attempts = tiers.choice([1, 2])
             self.head_block_ms = tiers.choice([None, 300, 1500])
             self.max_unblock = tiers.choice([1, 10])
-        self.tier_tps: list[TP] = [
-            (f"{TIER_PREFIX}{n}", p)
-            for n in range(1, len(self.tier_delays_ms) + 1)
-            for p in range(partitions)
-        ]
-        self.all_tps = [*self.tps, *self.tier_tps]
+        self._topology()
         self.root: dict[int, int] = {}  # a tier record's ident -> the produced message's
         self.tiered: set[int] = set()  # produced messages moved to a tier
-        self.logs = {tp: Log() for tp in self.all_tps}
+        self.hung_pushes: set[int] = set()  # produced messages pushed during a hang
         self.commits: dict[TP, tuple[int, str]] = {}
         self.last_commit: dict[TP, int] = {}
         self.lanes: dict[tuple[TP, object], list[tuple[int, int]]] = {}
@@ -652,6 +648,29 @@ class ShellSim:
         self.rebalanced_at = -1.0  # when the consumer thread last served a rebalance
         self._operator_at = float("inf")  # the drain: when an operator releases the guard
         self._recoverable_since: float | None = None
+
+    def _topology(self) -> None:
+        partitions = len(self.tps)
+        self.tier_tps: list[TP] = [
+            (f"{TIER_PREFIX}{n}", p)
+            for n in range(1, len(self.tier_delays_ms) + 1)
+            for p in range(partitions)
+        ]
+        self.all_tps = [*self.tps, *self.tier_tps]
+        self.logs = {tp: Log() for tp in self.all_tps}
+
+    def plain(self, ordering: Ordering = "none", batch: BatchConfig | None = None) -> ShellSim:
+        """This seed's schedule with a plain configuration (for scenario tests, before
+        anything ran): ``ordering``, ``batch``, no long-running calls, no retry tiers, no
+        cuts at hand-over."""
+        self.ordering = ordering
+        self.batch = batch
+        self.long_running = None
+        self.tier_delays_ms = []
+        self.head_block_ms = None
+        self.handover_cuts = 0.0
+        self._topology()
+        return self
 
     # -- the member ----------------------------------------------------------------------
 
@@ -831,7 +850,7 @@ class ShellSim:
         now = asyncio.get_running_loop().time()
         violation = InvariantViolation(
             f"shell seed {self.seed}, step {self.step_no}, t={now:.3f}s: {what} "
-            f"(replay: python -m tests.sim --shell --seed {self.seed})"
+            f"(replay: python -m tests.sim --seed {self.seed})"
         )
         if self.failure is None:
             self.failure = violation
@@ -912,6 +931,8 @@ class ShellSim:
             self.fail(f"message {ident} pushed again after it was acked")
         root = self.root.get(ident, ident)
         truth.attempts[root] = truth.attempts.get(root, 0) + 1
+        if self.outage == "hung":
+            self.hung_pushes.add(root)
         if self.ordering == "none":
             return
         tp = d.part.tp
@@ -1008,10 +1029,14 @@ class ShellSim:
             self.source.arrived.set()
 
     def dead_lettered(self, ident: int, status: str) -> None:
-        # (with retry tiers, head_block_ms may move it aside first: the same limit, sooner)
+        # (with retry tiers, head_block_ms may move it aside first: the same limit, sooner;
+        # pushed to a dead instance, its last attempt may be a silence charged at the start
+        # of the hang)
+        charged = ("DEADLINE_EXCEEDED",) if self._root(ident) in self.hung_pushes else ()
         if self.truth.behaviour[ident] == "endless" and status not in (
             MAX_PROCESSING_STATUS,
             HEAD_BLOCKED,
+            *charged,
         ):
             self.fail(f"endless message {ident} dead-lettered as {status}, not by the cap")
         self.truth.dlq.append(ident)
@@ -1246,7 +1271,7 @@ class ShellSim:
         describe records that are gone, and is not told."""
         rng = self.handovers
         sources = [tp for tp in tps if tp in self.tps]
-        if not sources or rng.random() >= 0.3:
+        if not sources or rng.random() >= self.handover_cuts:
             return
         tp = rng.choice(sources)
         committed, meta = self.commits.get(tp, (0, ""))
@@ -1391,7 +1416,9 @@ class ShellSim:
             if not sources_drained:
                 sources_drained = self._drained(self.tps)
                 if not sources_drained and now >= source_deadline:
-                    self.fail(f"source partitions did not drain in {DRAIN_LIMIT_S:.0f}s: {self._lag()}")
+                    self.fail(
+                        f"source partitions did not drain in {DRAIN_LIMIT_S:.0f}s: {self._lag()}"
+                    )
             if now >= deadline:
                 self.fail(f"partitions did not drain in time: {self._lag()}")
             self._watch_guard(now)
