@@ -19,21 +19,19 @@ from typing import Any
 
 import pytest
 
-from consumer_proxy.config import BatchConfig
 from consumer_proxy.core import batching, heartbeat
 from consumer_proxy.core.batching import PROTOCOL_ERROR, BatchOutcome
 from consumer_proxy.core.decision import Action, Decision
 from consumer_proxy.core.heartbeat import CallWatch, Expiry, Limits
 from consumer_proxy.core.outcomes import Classification, Classifier, Outcome
 from consumer_proxy.core.partitions import Delivery, PartitionSet, PartitionState
-from consumer_proxy.core.tracker import PartitionTracker
 from consumer_proxy.parking import Parking
 from tests.sim.shell import ShellSim, ShellStats, run_shell
 from tests.sim.truth import InvariantViolation
 from tests.sim.vloop import run_virtual
 from tests.sim.world import Msg
 
-SCHEDULES = 100
+SCHEDULES = 80
 STEPS = 150
 
 
@@ -59,30 +57,30 @@ def test_random_schedules_through_the_real_shell_keep_every_invariant() -> None:
     # revoked while paused and assigned back), restarts and crashes through stop(), log cuts
     # (told, silent, and at hand-over inside a restored ack state's range), outages, commits
     # that fail, idle long polls, stale ready messages
-    assert total.rebalances > 300 and total.paused_at_revoke > 200
-    assert total.restarts > 50 and total.crashes > 20
-    assert total.truncations > 50 and total.silent_truncations > 20
+    assert total.rebalances > 250 and total.paused_at_revoke > 400
+    assert total.restarts > 60 and total.crashes > 25
+    assert total.truncations > 70 and total.silent_truncations > 50
     assert total.handover_truncations > 15
-    assert total.outages > 50 and total.dlq_outages > 50 and total.commit_outages > 20
-    assert total.idle_polls > 500 and total.stale_drops > 200
-    assert total.acked > 20_000 and total.dead_lettered > 500 and total.commits > 5000
+    assert total.outages > 60 and total.dlq_outages > 60 and total.commit_outages > 30
+    assert total.idle_polls > 500 and total.stale_drops > 400
+    assert total.acked > 15_000 and total.dead_lettered > 1000 and total.commits > 5000
     # ... in unary and batch mode, with real batches and answers of the wrong length
-    assert 30 < total.batch_schedules < 70 and total.batched_messages > total.batch_calls > 0
-    assert total.garbled > 50 and total.protocol_errors > 200
+    assert 20 < total.batch_schedules < 60 and total.batched_messages > total.batch_calls > 0
+    assert total.garbled > 60 and total.protocol_errors > 400
     # ... and rebalances that lose their partitions, and long-running schedules (streaming
     # calls): heartbeats that keep long handlers alive, silences (hung handlers, dead
     # instances), the cap, and calls cancelled by revokes, losses and shutdowns
-    assert total.losses > 40
-    assert 10 < total.long_schedules < 35 and total.heartbeats > 10_000
-    assert total.silences > 100 and total.capped > 100 and total.calls_cancelled > 10
+    assert total.losses > 50
+    assert 8 < total.long_schedules < 30 and total.heartbeats > 15_000
+    assert total.silences > 250 and total.capped > 250 and total.calls_cancelled > 15
     # ... and retry tiers (half the seeds of ordering none), some waiting far longer than the
     # run, and head-of-line unblocking
-    assert 10 < total.tier_schedules < 40 and total.long_tier_schedules > 4
-    assert total.tier_writes > 300 and total.unblocks > 20
+    assert 8 < total.tier_schedules < 30 and total.long_tier_schedules > 3
+    assert total.tier_writes > 300 and total.unblocks > 40
     # ... and bad deploys that reject every message: the dead-letter guard trips and holds
-    assert total.bad_deploys > 20 and total.guard_trips > 20 and total.guard_held > 500
+    assert total.bad_deploys > 25 and total.guard_trips > 25 and total.guard_held > 800
     # ... and the ordering gate (a third of the seeds each mode) holding messages back
-    assert total.held_back > 1000
+    assert total.held_back > 5000
 
 
 def test_the_same_seed_gives_the_same_trace() -> None:
@@ -198,31 +196,6 @@ def _revert_positions_after_a_cut(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(PartitionSet, "_reset", old_reset)
 
 
-def _revert_commit_stops_at_what_was_fetched(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The commit passes restored acks that were not fetched again.
-    committable = PartitionTracker.committable
-
-    def old_committable(self: PartitionTracker) -> int:
-        offset = committable(self)
-        restored = self._restored
-        if restored is not None and offset == self._last + 1:
-            return restored.next_pending(offset)
-        return offset
-
-    monkeypatch.setattr(PartitionTracker, "committable", old_committable)
-
-
-def _revert_tier_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The retry tiers' records share the source partitions' byte budget.
-    assign = PartitionSet.assign
-
-    def old_assign(self: PartitionSet, topic: str, partition: int, *args: Any) -> None:
-        assign(self, topic, partition, *args)
-        self.parts[(topic, partition)].budget = self.budgets[0]
-
-    monkeypatch.setattr(PartitionSet, "assign", old_assign)
-
-
 class _WrittenEarly:
     """A core whose ``tier_written`` does nothing (it was called before the write)."""
 
@@ -275,37 +248,48 @@ def _revert_guard_probe(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(PartitionSet, "_probe_acked", lambda self: None)
 
 
+Kind = Callable[[ShellSim], bool]
+ANY: Kind = lambda sim: True  # noqa: E731
+LONG: Kind = lambda sim: sim.long_running is not None  # noqa: E731
+BATCH: Kind = lambda sim: sim.batch is not None  # noqa: E731
+TIERS: Kind = lambda sim: bool(sim.tier_delays_ms)  # noqa: E731
+
+
 @pytest.mark.parametrize(
-    "revert",
+    ("revert", "kind"),
     [
-        _revert_stale_drop_gives_bytes_back,
-        _revert_no_long_poll_while_a_commit_is_due,
-        _revert_resume_when_the_pause_is_unknown,
-        _revert_shutdown_cancels_retry_timers,
-        _revert_shutdown_cancels_the_guard_probe,
-        _revert_silence_under_the_outage_rule,
-        _revert_the_cap_is_counted,
-        _revert_a_heartbeat_moves_the_expiry,
-        _revert_a_cancelled_call_is_no_attempt,
-        _revert_positions_after_a_cut,
-        _revert_commit_stops_at_what_was_fetched,
-        _revert_tier_budget,
-        _revert_tier_done_when_written,
-        _revert_protocol_error_rule,
-        _revert_guard_hold,
-        _revert_guard_probe,
+        # the shell's fixes (the first three: issue 35's "found by random schedules")
+        (_revert_stale_drop_gives_bytes_back, ANY),
+        (_revert_no_long_poll_while_a_commit_is_due, ANY),
+        (_revert_resume_when_the_pause_is_unknown, ANY),
+        (_revert_shutdown_cancels_retry_timers, ANY),
+        (_revert_shutdown_cancels_the_guard_probe, ANY),
+        # the long-running call's decisions
+        (_revert_silence_under_the_outage_rule, LONG),
+        (_revert_the_cap_is_counted, LONG),
+        (_revert_a_heartbeat_moves_the_expiry, LONG),
+        (_revert_a_cancelled_call_is_no_attempt, BATCH),
+        # the core's, as the moved schedules reach them: cuts, tiers, batch answers, the guard
+        (_revert_positions_after_a_cut, ANY),
+        (_revert_tier_done_when_written, TIERS),
+        (_revert_protocol_error_rule, BATCH),
+        (_revert_guard_hold, ANY),
+        (_revert_guard_probe, ANY),
     ],
 )
 def test_the_schedules_find_each_fix_reverted(
-    revert: Callable[[pytest.MonkeyPatch], None], monkeypatch: pytest.MonkeyPatch
+    revert: Callable[[pytest.MonkeyPatch], None], kind: Kind, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given one of the fixes (the shell's, the core's, the long-running call's decisions)
     # put back to the old behaviour
     revert(monkeypatch)
-    # When the seeds of the test above run, Then one of them breaks an invariant
+    # When the seeds of the test above of the kind the fix is about (long-running, batch,
+    # retry tiers, or any) run, Then one of them breaks an invariant (measured: after 28, 2,
+    # 2, 1, 1 seeds; 10, 1, 2, 55 of their kind; 16, 3, 1, 1 and 1)
+    seeds = [seed for seed in range(10_000, 10_000 + 4 * SCHEDULES) if kind(ShellSim(seed))]
     with pytest.raises(InvariantViolation):
-        for seed in range(2 * SCHEDULES):
-            run_shell(10_000 + seed, STEPS)
+        for seed in seeds[:SCHEDULES]:
+            run_shell(seed, STEPS)
 
 
 # -- scenarios ---------------------------------------------------------------------------
@@ -331,35 +315,6 @@ async def _for(sim: ShellSim, seconds: float, tick_s: float = 0.5) -> None:
         await asyncio.sleep(tick_s)
         sim._raise_failure()
         sim.check()
-
-
-@pytest.mark.parametrize(
-    ("outage", "batch"),
-    [
-        ("hung", None),
-        ("hung", BatchConfig(max_messages=20, max_bytes=1000)),
-        ("unavailable", BatchConfig(max_messages=20, max_bytes=1000)),
-        ("unimplemented", BatchConfig(max_messages=20, max_bytes=1000)),
-    ],
-)
-def test_a_long_service_outage_dead_letters_nothing(outage: str, batch: BatchConfig) -> None:
-    # Given a group (unary, or batch mode) whose service hangs, says UNAVAILABLE (per call or
-    # per message) or does not implement HandleMessageBatch, for a long outage
-    sim = ShellSim(11).plain(batch=batch)
-
-    async def body() -> None:
-        for _ in range(20):
-            sim.produce()
-        sim.outage = outage
-        await _for(sim, 200.0)
-        # Then nothing was dead-lettered meanwhile (only poison pills, and messages that
-        # timed out on their own before the outage), the breaker is open
-        assert sim.stats.pushes > 0
-        assert all(sim.truth.behaviour[i].startswith(("poison", "timeout:")) for i in sim.truth.dlq)
-        assert sim.runner is not None and sim.runner.breaker.is_open
-
-    # ... and everything drains once it answers
-    _run(sim, body)
 
 
 def test_while_commits_fail_a_partition_stops_a_window_past_its_last_commit() -> None:

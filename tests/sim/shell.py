@@ -1,42 +1,60 @@
 """Seeded random schedules driving the real shell: ``GroupRunner`` with its ``Intake``,
-``UnaryPush``/``BatchPush``, ``Committer``, ``Parking`` and rebalance callbacks, on a
-virtual-time event loop (``tests.sim.vloop``) with simulated edges (``ports``):
+``UnaryPush``/``BatchPush``/``StreamPush``, ``Committer``, ``Parking``, ``Handover``,
+``GuardControl`` and rebalance callbacks, on a virtual-time event loop (``tests.sim.vloop``)
+with simulated edges (``ports``):
 
 - ``SimSource`` (``ports.MessageSource``): the world's consumer (``world.Consumer``: pause
   flags survive revoke and re-assign, as librdkafka's) behind one serial "consumer thread",
   as ``fetcher.Fetcher``: every call waits its turn; ``consume`` waits in chunks of
   ``CONSUME_CHUNK_S`` that end early only for a queued call or a rebalance, serves the
   rebalance callbacks (revoke, then assign back: cooperative-sticky) and re-reads positions
-  every ``POSITIONS_INTERVAL_S``; a cancelled call still runs to its end;
+  every ``POSITIONS_INTERVAL_S`` (so a reading may predate a log cut); a cancelled call still
+  runs to its end;
 - ``SimPusher`` (``ports.Pusher``): the service (ok, poison, drop, flaky, timeouts; outages:
-  UNAVAILABLE, hung, UNIMPLEMENTED for batch calls; wrong-length batch answers). Under
+  UNAVAILABLE, hung, UNIMPLEMENTED for batch calls; bad deploys that reject every message;
+  wrong-length batch answers, always for a batch holding a "garbled" message). Under
   ``delivery.long_running`` (some unary schedules) each call is a ``HandleMessageStream``
   read by the dispatcher's own loop (``dispatcher.read_stream``: the core's ``CallWatch``
   and ``expiry_result``): heartbeats while the handler runs (long handlers, several heartbeat
   timeouts long), then the result; a hung handler (the timeouts) or a dead instance (the
   hung outage) heartbeats a while and goes silent; an endless one heartbeats until the cap;
-- ``SimSink`` (``ports.DeadLetterSink``): the DLQ, retried while it is down.
+- ``SimSink`` (``ports.DeadLetterSink``): the DLQ and the retry tiers' topics (a confirmed
+  tier write appends the record to the tier's log, which the member consumes), retried while
+  the DLQ is down.
 
 The schedule produces records, rebalances (a fifth of them lose their partitions: no final
-commit), restarts (graceful, or a crash: nothing is committed after it), takes the service,
-the DLQ and commits down. Checked at every step, on
-top of the core simulation's invariants (commits never pass a message not done nor go back,
-nothing acked is pushed again unless a crash or the metadata budget allowed it, no message
-dead-lettered by an outage, per-key order, window and concurrency bounds, liveness):
+commit; a third of the hand-overs cut the log inside the range the restored ack state
+describes, which the member is not told), restarts (graceful, or a crash: nothing is
+committed after it; each with another metadata budget, as pods of a config roll), cuts logs
+(told, or silent), takes the service, the DLQ and commits down, deploys a bad service and
+releases a held dead-letter guard as an operator. Half the seeds of ordering none have 1-3
+retry tiers (a third of them waiting a minute to an hour, far longer than the run) and some
+head-of-line unblocking. Checked at every step:
 
-- the byte count is exact: each partition's count is the sum of the messages held for it
-  wherever the shell has them (the ready queue, a worker between the queue and its push, a
-  call, a DLQ write, a retry timer, the key gate);
+- a commit never passes an offset whose message is not done, nor marks one done in its
+  metadata; commits never go back (but after a cut); nothing acked is pushed again unless a
+  crash, a loss, a cut or the metadata budget allowed it;
+- no message is dead-lettered or moved to a retry tier by an outage (only poison pills and
+  counted failures: its own, a deadline or silence charged while the service answered
+  others, head_block_ms), none while the dead-letter guard holds, and a guard probe's ack
+  releases the guard; a source offset is done only once its tier record is written;
+- per-key order (``delivery.ordering``), and the key gate holds every pending offset;
+- windows, bytes and concurrency within bounds, and the byte count exact: each partition's
+  count is the sum of the messages held for it wherever the shell has them (the ready queue,
+  a worker between the queue and its push, a call, a DLQ or tier write, a retry timer, a due
+  time, the guard, the key gate);
 - a due commit never waits behind an idle wait: no commit waits for the consumer thread
   longer than a normal poll (``FETCH_WAIT_S``), unless a rebalance ran on it meanwhile;
 - after ``stop()`` returns no task of the group is left running and no timer is scheduled;
 - a call the proxy cancelled (revoke, lost, shutdown) is never an attempt: its message goes
-  out again with the attempt it had; a silence is charged only under the outage rule (a dead
-  instance dead-letters nothing) and an endless handler is dead-lettered by the cap
-  (``MAX_PROCESSING_EXCEEDED``).
+  out again with the attempt it had; an endless handler is dead-lettered by the cap
+  (``MAX_PROCESSING_EXCEEDED``);
+- liveness: healed, the source partitions drain within ``DRAIN_LIMIT_S`` whatever the tiers
+  hold (no source commit stands still for ``STALL_S``), the tiers once their records are
+  due, and a guard holding a message the service now acks is released within 30 s.
 
 Same seed, same trace: ``ShellSim.digest`` hashes every push, commit, dead letter and
-rebalance with its virtual time. Replay with ``python -m tests.sim --shell --seed N``.
+rebalance with its virtual time. Replay with ``python -m tests.sim --seed N``.
 """
 
 from __future__ import annotations
@@ -71,7 +89,7 @@ from consumer_proxy.core.decision import HEAD_BLOCKED, Action, Decision
 from consumer_proxy.core.heartbeat import MAX_PROCESSING_STATUS, CallWatch
 from consumer_proxy.core.ordering import ORDERINGS, Ordering
 from consumer_proxy.core.outcomes import Classification, Classifier
-from consumer_proxy.core.partitions import Delivery, PartitionSet
+from consumer_proxy.core.partitions import ROOM_REASONS, Delivery, PartitionSet
 from consumer_proxy.core.records import CP_PREFIX
 from consumer_proxy.dispatcher import read_stream
 from consumer_proxy.fetcher import CONSUME_CHUNK_S, POSITIONS_INTERVAL_S
@@ -96,6 +114,9 @@ from tests.sim.world import (
 TOPIC = "t"
 TIMEOUT_S = 1.0
 DRAIN_LIMIT_S = 600.0
+STALL_S = 120.0
+"""While draining, a source commit moves at least this often (a message's five attempts with
+backoff, an endless handler's five capped calls, the guard's operator: well within it)."""
 BYTE_BUDGET = 1024
 WALL_EPOCH_S = 1_700_000_000.0  # the core's wall clock (tier due times) is virtual too
 GROUP = "g"
@@ -196,6 +217,35 @@ class _Thread:
                 future.set_result(result)
 
 
+class _Arrivals:
+    """What a waiting ``consume`` hears of: a record produced, a rebalance, an error (an
+    ``asyncio.Event`` with a timeout, for a fraction of its cost: one wait per poll)."""
+
+    def __init__(self) -> None:
+        self._waiter: asyncio.Future[bool] | None = None
+
+    def set(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(True)
+
+    async def wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for ``set``; False when the time ran out."""
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        timer = loop.call_later(timeout_s, _time_out, waiter)
+        try:
+            return await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+
+def _time_out(waiter: asyncio.Future[bool]) -> None:
+    if not waiter.done():
+        waiter.set_result(False)
+
+
 class SimSource:
     """``ports.MessageSource`` over the world's consumer, with ``Fetcher``'s timing."""
 
@@ -211,7 +261,7 @@ class SimSource:
         self.pending: list[tuple[list[TP], bool] | None] = [None]
         self.errors: list[_ErrorRecord] = []  # handed over by the next consume
         self.rebalancing = False  # the consumer thread is serving a rebalance
-        self.arrived = asyncio.Event()
+        self.arrived = _Arrivals()
         self.thread: _Thread | None = None
         self.crashed = False
         self.idle = False  # a consume is waiting longer than a normal poll
@@ -274,11 +324,7 @@ class SimSource:
             left = end - loop.time()
             if left <= 0:
                 return []
-            self.arrived.clear()
-            try:
-                async with asyncio.timeout(left):
-                    await self.arrived.wait()
-            except TimeoutError:
+            if not await self.arrived.wait(left):
                 return []
 
     async def _rebalance(self) -> None:
@@ -1056,6 +1102,13 @@ class ShellSim:
         for budget in core.budgets:
             if budget.held > BYTE_BUDGET + slack:
                 self.fail(f"{budget.held} bytes held over the {BYTE_BUDGET}-byte budget")
+        breaker_open = runner.breaker.is_open
+        for part in core.parts.values():
+            # pause_plan's short cut says what the reasons the console shows say
+            reasons = core._pause_reasons(part, breaker_open)
+            kind = 2 if not ROOM_REASONS.isdisjoint(reasons) else 1 if reasons else 0
+            if core._pause_kind(part, breaker_open) != kind:
+                self.fail(f"{part.tp}: pause_plan's kind disagrees with its reasons {reasons}")
         held = 0
         for part in core.parts.values():
             gate, tracker = part.gate, part.tracker
@@ -1386,6 +1439,9 @@ class ShellSim:
                     work += 5 * (cap_s + 0.5)  # max_attempts, each with its backoff
         return work
 
+    def _source_commits(self) -> list[int]:
+        return [self.commits.get(tp, (0, ""))[0] for tp in self.tps]
+
     def _drained(self, tps: Sequence[TP]) -> bool:
         return all(self.commits.get(tp, (0, ""))[0] >= self.logs[tp].end for tp in tps)
 
@@ -1411,6 +1467,7 @@ class ShellSim:
         # (a message may go through every tier after the source drained)
         deadline = source_deadline + sum(self.tier_delays_ms) / 1000.0 + DRAIN_LIMIT_S
         sources_drained = False
+        progress, progress_at = self._source_commits(), loop.time()
         while not self._drained(self.all_tps):
             now = loop.time()
             if not sources_drained:
@@ -1419,6 +1476,11 @@ class ShellSim:
                     self.fail(
                         f"source partitions did not drain in {DRAIN_LIMIT_S:.0f}s: {self._lag()}"
                     )
+                # A stall shows long before the limit: no source commit moves for a while.
+                if self._source_commits() != progress:
+                    progress, progress_at = self._source_commits(), now
+                elif not sources_drained and now - progress_at >= STALL_S:
+                    self.fail(f"no source commit moved for {STALL_S:.0f}s: {self._lag()}")
             if now >= deadline:
                 self.fail(f"partitions did not drain in time: {self._lag()}")
             self._watch_guard(now)
