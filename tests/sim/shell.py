@@ -232,7 +232,8 @@ class _Arrivals:
     async def wait(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for ``set``; False when the time ran out."""
         loop = asyncio.get_running_loop()
-        waiter = self._waiter = loop.create_future()
+        waiter: asyncio.Future[bool] = loop.create_future()
+        self._waiter = waiter
         timer = loop.call_later(timeout_s, _time_out, waiter)
         try:
             return await waiter
