@@ -227,6 +227,7 @@ class ShellSim:
         self.root: dict[int, int] = {}  # a tier record's ident -> the produced message's
         self.tiered: set[int] = set()  # produced messages moved to a tier
         self.hung_pushes: set[int] = set()  # produced messages pushed during a hang
+        self.charged: set[int] = set()  # ... with a deadline or silence charged as an attempt
         self.commits: dict[TP, tuple[int, str]] = {}
         self.last_commit: dict[TP, int] = {}
         self.lanes: dict[tuple[TP, object], list[tuple[int, int]]] = {}
@@ -576,6 +577,11 @@ class ShellSim:
         action = decision.action
         self.trace(f"decided {ident} {action.value}")
         guard = self.runner.partitions.guard if self.runner is not None else None
+        reason = decision.reason
+        if decision.counted and (reason == "deadline" or reason.startswith("no heartbeat")):
+            # a deadline or silence charged while the service answered others (guarantee 2:
+            # at the start of a hang too): the message's own attempt
+            self.charged.add(self._root(ident))
         if action is Action.ACK:
             truth.acked.add(ident)
             truth.done.add(ident)
@@ -597,10 +603,14 @@ class ShellSim:
             )
             # A garbled message's broken answer, once alone, is its own counted failure.
             # Past the tiers: a flaky or long message, or one that went to a tier by a charge.
-            tiered = behaviour.startswith(("flaky:", "long:")) or self._root(ident) in self.tiered
+            root = self._root(ident)
+            tiered = behaviour.startswith(("flaky:", "long:")) or root in self.tiered
+            # Its own failures and charged ones (a flaky message's last ones at hang starts).
+            charged = behaviour.startswith(("flaky:", "long:")) and root in self.charged
             if not (
                 behaviour.startswith(("poison", "timeout:", "garbled", "endless"))
                 or (past_tiers and tiered)
+                or charged
                 or ident in truth.rejected  # by a bad deploy, before the guard tripped
             ):
                 self.fail(f"message {ident} ({behaviour}) dead-lettered ({decision.reason})")
