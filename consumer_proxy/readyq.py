@@ -48,3 +48,12 @@ class ReadyDeque:
                 if waiter.done() and not waiter.cancelled():
                     self.wake()  # the wake-up meant for this worker goes to another
                 raise
+
+
+def take_all(ready: asyncio.Queue[Delivery] | ReadyDeque) -> list[Delivery]:
+    """Empty either mode's ready queue (shutdown): what was in it, in order."""
+    if isinstance(ready, ReadyDeque):
+        left = list(ready.items)
+        ready.items.clear()
+        return left
+    return [ready.get_nowait() for _ in range(ready.qsize())]
