@@ -20,7 +20,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from .config import BatchConfig
+from .config import DeliveryConfig
 from .core.batching import NOT_IMPLEMENTED_REASON, BatchLimits, BatchOutcome, summarize, take
 from .core.decision import Action
 from .core.outcomes import Classification
@@ -28,6 +28,7 @@ from .core.partitions import Delivery
 from .kafka_log import KafkaLogGate
 from .push import OpenCall, Push, PushParts, UnaryPush, attempt_span
 from .readyq import ReadyDeque
+from .stream import StreamPush
 from .wire import batch_request, unary_request
 
 log = logging.getLogger(__name__)
@@ -263,13 +264,16 @@ def build_push(
     parts: PushParts,
     ready: asyncio.Queue[Delivery] | ReadyDeque,
     workers: int,
-    batch: BatchConfig | None,
+    delivery: DeliveryConfig,
     on_problem: Callable[[], None],
 ) -> UnaryPush | BatchPush:
-    """The group's push: unary with a ready queue, batch mode (``batch``, always or auto)
-    with a deque."""
+    """The group's push: unary with a ready queue (streaming calls under
+    ``delivery.long_running``), batch mode (``delivery.batch``, always or auto) with a deque."""
+    batch = delivery.batch
     if batch is None:
         assert isinstance(ready, asyncio.Queue)
+        if delivery.long_running is not None:  # (validate refuses it with batch mode)
+            return StreamPush(parts, ready, workers, delivery.long_running)
         return UnaryPush(parts, ready, workers)
     assert isinstance(ready, ReadyDeque)
     limits = BatchLimits(batch.max_messages, batch.max_bytes)

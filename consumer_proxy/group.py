@@ -2,15 +2,10 @@
 
 Every decision is the pure core's (``core.partitions.PartitionSet``: intake, windows, backlog,
 byte budget, results, retries, pause and commit plans; ``core.decision``: what a result means;
-``core.cadence``: when to poll and commit). The shell's jobs are objects, one module each;
-``GroupRunner`` builds them, owns their tasks, the rebalance callbacks and the shutdown order:
-
-    intake.Intake: consume -> PartitionSet.intake -> ready queue (batch: a ReadyDeque)
-    push.UnaryPush / BatchPush: workers -> push -> PartitionSet.finish -> parking.Tally
-    finish says: done | retry (a timer, then the ready queue) | dead letter or retry tier
-    (a write by ``parking.Parking``, then PartitionSet.dead_lettered / tier_written) ;
-    committer.Committer: every commit_interval_ms, soon after a partition goes idle and at
-    shutdown -> PartitionSet.commit_plan; on revoke -> PartitionSet.final_commit
+``core.cadence``: when to poll and commit). The shell's jobs are objects, one module each
+(``intake``, ``push``/``batch_push``/``stream``, ``parking``, ``committer``, ``handover``,
+``guarding``; docs/architecture.md says what each owns); ``GroupRunner`` builds them, owns
+their tasks, the rebalance callbacks and the shutdown order.
 
 Its I/O edges (consumer, pusher, DLQ sink, clock: ``ports``) are built when it runs by the
 ``ports.OpenEdges`` it is given (``adapters.RealEdges`` builds the real ones).
@@ -19,18 +14,16 @@ Shutdown order (``Proxy.shutdown`` / SIGTERM): stop intake -> let in-flight call
 within the grace period, then cancel them -> commit what is done -> close the consumer
 (leave the group) -> close the DLQ producer and the gRPC channels.
 
-Bounds: each partition holds at most ``max_in_flight`` offsets in its tracker; the backlog of a
-full partition is paused at once (at most one fetch batch plus what librdkafka prefetched,
-itself capped by queued.max.messages.kbytes); the group holds at most ``max_in_flight_bytes``
-of message bytes before intake pauses. The ready queue and the retry timers only ever hold
-messages that are inside a tracker window, so they are bounded by the windows.
+Bounds: each partition holds at most ``max_in_flight`` offsets in its tracker and a backlog of
+at most ``core.partitions.backlog_bound`` records; the group holds at most
+``max_in_flight_bytes`` of message bytes before intake pauses. The ready queue and the retry
+timers only hold messages inside a tracker window, so they are bounded by the windows.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import random
 import time
@@ -42,11 +35,10 @@ from confluent_kafka import KafkaException, TopicPartition
 from .batch_push import BatchPush, build_push
 from .committer import Committer
 from .config import GroupConfig
-from .core.heartbeat import Cancel
 from .core.partitions import TP, Delivery, PartitionSet
 from .flow import Breaker, RateLimiter, group_limiter
 from .guarding import GuardControl
-from .handover import CANCEL_WAIT_S, Handover
+from .handover import Handover
 from .health import KafkaLink
 from .intake import Intake
 from .metrics import ProxyMetrics
@@ -54,7 +46,7 @@ from .parking import Parking, Tally
 from .ports import Clock, DeadLetterSink, EdgeHooks, MessageSource, OpenEdges, Pusher
 from .push import PushParts, UnaryPush
 from .readyq import ReadyDeque
-from .stream import StreamPush
+from .snapshot import group_snapshot
 from .tracing import end_trace
 
 log = logging.getLogger(__name__)
@@ -84,21 +76,20 @@ class GroupRunner:
         self.metrics = metrics
         d = group.delivery
         # Batch mode: workers are call slots taking batches from a deque of ready messages.
-        self.ready: asyncio.Queue[Delivery] | ReadyDeque = (
-            asyncio.Queue() if d.batch is None else ReadyDeque()
-        )
-        self._stopping = asyncio.Event()
-        self._draining = False
+        batched = None if d.batch is None else ReadyDeque()
+        self.ready: asyncio.Queue[Delivery] | ReadyDeque = batched or asyncio.Queue()
+        self._stopping, self._draining = asyncio.Event(), False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._failure: BaseException | None = None  # a task that crashed fails the group
         self._call_ended = asyncio.Event()  # revocation waits on it for in-flight calls
         self.started = asyncio.Event()
         self.kafka_link = KafkaLink()  # the consumer's broker connections, for health
         self.on_health_change: Callable[[], None] | None = None
+        # The edges and the push, once the group runs.
         self.fetcher: MessageSource | None = None
         self.dispatcher: Pusher | None = None
         self.writer: DeadLetterSink | None = None
-        self.push: UnaryPush | BatchPush | None = None  # built when the group runs
+        self.push: UnaryPush | BatchPush | None = None
         self._workers = d.concurrency if isinstance(d.concurrency, int) else d.adaptive.max
         limit_gauge = metrics.concurrency_limit.labels(self.name)
         self.limiter = group_limiter(d, limit_gauge.set)
@@ -111,8 +102,8 @@ class GroupRunner:
             d,
             group.redrive_topic,
             self.breaker,
-            emit=self.ready.put_nowait if isinstance(self.ready, asyncio.Queue) else self.ready.put,
-            emit_batch=None if isinstance(self.ready, asyncio.Queue) else self.ready.put_batch,
+            emit=self.ready.put_nowait,
+            emit_batch=None if batched is None else batched.put_batch,  # a run taken in at once
             schedule=self._call_later,
             on_idle=lambda: self.committer.wake(),
             retry_topics=group.retry_topics,
@@ -177,34 +168,15 @@ class GroupRunner:
             self._call_ended,
         )
         d = self.group.delivery
-        if d.long_running is not None:
-            assert isinstance(self.ready, asyncio.Queue)  # validate refuses it with batch
-            push: UnaryPush | BatchPush = StreamPush(
-                parts, self.ready, self._workers, d.long_running
-            )
-        else:
-            push = build_push(parts, self.ready, self._workers, d.batch, self._health_changed)
+        push = build_push(parts, self.ready, self._workers, d, self._health_changed)
         self.push = self._handover.push = push
-        committer = self.committer
-        intake = Intake(
-            self.name,
-            d,
-            self.partitions,
-            edges.source,
-            self.breaker,
-            self._tally,
-            self.metrics,
-            edges.clock,
-            committer,
-            push.ready_low,
-            self._consumer_started,
-        )
+        intake = Intake(parts, d, self.committer, push.ready_low, self._consumer_started)
         try:
             await edges.source.start()
             for i in range(push.workers):
                 self._spawn(push.worker(), f"worker-{i}")
             polling = self._spawn(intake.run(self._stopping), "intake")
-            committing = self._spawn(committer.run(), "committer")
+            committing = self._spawn(self.committer.run(), "committer")
             stop = asyncio.ensure_future(self._stopping.wait())
             done, _ = await asyncio.wait(
                 {polling, committing, stop}, return_when=asyncio.FIRST_COMPLETED
@@ -253,35 +225,18 @@ class GroupRunner:
     async def _shutdown(self) -> None:
         self._stopping.set()
         self._draining = True
-        pushing: set[asyncio.Task[Any]] = set()
         if self.push is not None:
             self.push.draining = True
-            pushing = self.push.pushing
-        grace = self._grace_s
         # Idle workers and loops go now; pushes and DLQ writes under way get the grace period.
-        busy = pushing | self._parking.tasks.keys()
+        busy = (self.push.pushing if self.push else set()) | self._parking.tasks.keys()
         for task in self._tasks - busy:
             task.cancel()
-        if busy:
-            _, pending = await asyncio.wait(busy, timeout=grace)
-            # The open calls first, so the service sees them cancelled and the messages are
-            # given back (never an attempt); then whatever is left.
-            if pending and self.push is not None and self.push.cancel_calls(None, Cancel.SHUTDOWN):
-                _, pending = await asyncio.wait(pending, timeout=CANCEL_WAIT_S)
-            if pending:
-                log.warning(
-                    "group %s: %d pushes/DLQ writes still running after %.1fs; cancelled "
-                    "(they will be redelivered)",
-                    self.name,
-                    len(pending),
-                    grace,
-                )
+        await self._handover.settle(busy, self._grace_s)
         remaining = list(self._tasks)
         for task in remaining:
             task.cancel()
         await asyncio.gather(*remaining, return_exceptions=True)
-        self.partitions.cancel_timers()
-        self._ready_left()
+        self._handover.stopped(self.ready)
         if self.fetcher is not None:
             with contextlib.suppress(KafkaException):
                 await self.commit()
@@ -291,19 +246,6 @@ class GroupRunner:
         if self.dispatcher is not None:
             await self.dispatcher.close()
         log.info("group %s: stopped", self.name)
-
-    def _ready_left(self) -> None:
-        """Shutdown: the messages still ready (a retry's among them) are told ``gone``."""
-        gone = self.partitions.gone
-        if gone is None:
-            return
-        ready = self.ready
-        if isinstance(ready, asyncio.Queue):
-            while not ready.empty():
-                gone(ready.get_nowait(), "shutdown")
-        else:
-            while ready.items:
-                gone(ready.items.popleft(), "shutdown")
 
     def _breaker_changed(self, old: str, new: str) -> None:
         self.metrics.circuit_open.labels(self.name).set(0 if new == "closed" else 1)
@@ -326,11 +268,7 @@ class GroupRunner:
 
     async def partitions_assigned(self, committed: Sequence[TopicPartition]) -> None:
         """New partitions, with the ack state restored from their commit metadata."""
-        for tp in committed:
-            offset = tp.offset if tp.offset is not None and tp.offset >= 0 else None
-            self.partitions.assign(
-                tp.topic, tp.partition, offset, tp.metadata or "", tp.leader_epoch
-            )
+        self._handover.assigned(committed)
 
     async def partitions_revoked(
         self, partitions: Sequence[TopicPartition]
@@ -343,44 +281,19 @@ class GroupRunner:
         """Drop lost partitions without committing (``handover.Handover.lost``)."""
         await self._handover.lost(partitions)
 
-    # -- introspection (tests, health, the console) --------------------------------------
-
     def snapshot(self) -> dict[str, Any]:
-        """The group as the operator console shows it, read-only and JSON-ready: breaker,
-        guard, concurrency limit, the instances, outcome counters, and per owned partition
-        its window, pause reasons and oldest call under way (``PartitionSet.views``)."""
-        oldest = self.push.oldest() if self.push is not None else {}
-        partitions = []
-        for view in self.partitions.views():
-            row = dataclasses.asdict(view)
-            call = oldest.get((view.topic, view.partition))
-            row["oldest_call"] = (
-                None
-                if call is None
-                else {"offset": call[0], "age_s": round(call[1], 3), "note": call[2][:200]}
-            )
-            partitions.append(row)
-        guard = self.partitions.guard_state()
-        breaker = self.breaker
-        return {
-            "name": self.name,
-            "started": self.started.is_set(),
-            "stopping": self._stopping.is_set(),
-            "breaker": {
-                "state": breaker.state,
-                "failures": breaker.failures,
-                "probe_in_s": round(breaker.seconds_until_probe(), 1),
-                "last_failure": self.push.last_failure[:500] if self.push is not None else "",
-            },
-            "guard": (
-                None if guard is None else {**dataclasses.asdict(guard[0]), "messages": guard[1]}
-            ),
-            "limit": self.limiter.limit,
-            "adaptive": self.group.delivery.concurrency == "adaptive",
-            "instances": self.dispatcher.instances() if self.dispatcher is not None else [],
-            "counters": dataclasses.asdict(self.partitions.counters),
-            "partitions": partitions,
-        }
+        """The group as the operator console shows it (``snapshot.group_snapshot``)."""
+        return group_snapshot(
+            self.name,
+            started=self.started.is_set(),
+            stopping=self._stopping.is_set(),
+            partitions=self.partitions,
+            breaker=self.breaker,
+            push=self.push,
+            limiter=self.limiter,
+            adaptive=self.group.delivery.concurrency == "adaptive",
+            pusher=self.dispatcher,
+        )
 
     def assignment(self) -> list[TP]:
         """Partitions currently owned."""

@@ -1,4 +1,5 @@
-"""Partitions leaving this member: ``Handover`` (a graceful revoke, or a loss).
+"""Partitions arriving and leaving this member: ``Handover`` (an assignment, a graceful revoke,
+or a loss, and the shutdown's last steps).
 
 A revoked partition takes no new push; its calls get the revoke grace
 (``delivery.revoke_grace_ms``, none while the group shuts down), then the ones still open are
@@ -17,16 +18,17 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from confluent_kafka import TopicPartition
 
 from .committer import kafka_commit
 from .core.heartbeat import Cancel
-from .core.partitions import PartitionSet, PartitionState
+from .core.partitions import Delivery, PartitionSet, PartitionState
 from .metrics import ProxyMetrics
 from .parking import Parking
 from .ports import Clock
+from .readyq import ReadyDeque, take_all
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,14 @@ class Handover:
         self._grace_s = revoke_grace_ms / 1000.0
         self.push: Cancels | None = None  # set once the group runs
         self.clock: Clock = _loop_time  # the edges' clock once the group runs
+
+    def assigned(self, committed: Sequence[TopicPartition]) -> None:
+        """Partitions arriving, with their committed offsets, ack states and leader epochs."""
+        for tp in committed:
+            offset = tp.offset if tp.offset is not None and tp.offset >= 0 else None
+            self._partitions.assign(
+                tp.topic, tp.partition, offset, tp.metadata or "", tp.leader_epoch
+            )
 
     async def revoked(
         self, partitions: Sequence[TopicPartition], draining: bool
@@ -120,6 +130,33 @@ class Handover:
             len(partitions),
             writes,
         )
+
+    async def settle(self, busy: set[asyncio.Task[Any]], grace_s: float) -> None:
+        """Shutdown: the pushes and DLQ writes under way (``busy``) get ``grace_s``; then the
+        open calls are cancelled first, so the service sees them cancelled and the messages
+        are given back (never an attempt); the caller cancels whatever is left."""
+        if not busy:
+            return
+        _, pending = await asyncio.wait(busy, timeout=grace_s)
+        if pending and self.push is not None and self.push.cancel_calls(None, Cancel.SHUTDOWN):
+            _, pending = await asyncio.wait(pending, timeout=CANCEL_WAIT_S)
+        if pending:
+            log.warning(
+                "group %s: %d pushes/DLQ writes still running after %.1fs; cancelled "
+                "(they will be redelivered)",
+                self.name,
+                len(pending),
+                grace_s,
+            )
+
+    def stopped(self, ready: asyncio.Queue[Delivery] | ReadyDeque) -> None:
+        """Shutdown, once no task runs: no retry timer fires any more, and the messages still
+        waiting (on a timer, the guard or in ``ready``) end their traces."""
+        partitions = self._partitions
+        partitions.cancel_timers()
+        if partitions.gone is not None:
+            for left in take_all(ready):
+                partitions.gone(left, "shutdown")
 
     def _forget(self, part: PartitionState, why: str = "revoked") -> None:
         self._partitions.forget(part, why)

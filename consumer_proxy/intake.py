@@ -21,11 +21,9 @@ from .committer import Committer
 from .config import DeliveryConfig
 from .core.cadence import FETCH_WAIT_S, poll_wait, quiet_polls
 from .core.decision import HEAD_BLOCKED, Action
-from .core.partitions import PartitionSet, Record
-from .flow import Breaker
-from .metrics import ProxyMetrics
-from .parking import Tally
+from .core.partitions import Record
 from .ports import Clock, MessageSource
+from .push import PushParts
 
 log = logging.getLogger(__name__)
 
@@ -35,30 +33,25 @@ class Intake:
 
     def __init__(
         self,
-        name: str,
+        parts: PushParts,
         delivery: DeliveryConfig,
-        partitions: PartitionSet,
-        source: MessageSource,
-        breaker: Breaker,
-        tally: Tally,
-        metrics: ProxyMetrics,
-        clock: Clock,
         committer: Committer,
         ready_low: Callable[[], bool],
         on_started: Callable[[], None],
     ) -> None:
-        """``committer``: its schedule shapes the polls, and traffic after a quiet spell
-        wakes it; ``ready_low``: the workers are about to run dry; ``on_started`` is told
-        after the first poll."""
-        self.name = name
+        """``parts``: the group's core, edges (the consumer, the clock), breaker, tally and
+        metrics, as the push has them; ``committer``: its schedule shapes the polls, and
+        traffic after a quiet spell wakes it; ``ready_low``: the workers are about to run dry;
+        ``on_started`` is told after the first poll."""
+        self.name = parts.name
         self._fetch_batch = delivery.fetch_batch
         self._unblocking = delivery.head_block_ms is not None
-        self._partitions = partitions
-        self._source = source
-        self._breaker = breaker
-        self._tally = tally
-        self._metrics = metrics
-        self._clock = clock
+        self._partitions = parts.partitions
+        self._source: MessageSource = parts.edges.source
+        self._breaker = parts.breaker
+        self._tally = parts.tally
+        self._metrics = parts.metrics
+        self._clock: Clock = parts.edges.clock
         self._committer = committer
         self._ready_low = ready_low
         self._on_started = on_started
@@ -108,7 +101,9 @@ class Intake:
                 committer.wake()  # traffic after a quiet spell: the committer's usual cadence
             busy = bool(messages) or bool(plan.paused) or partitions.holding()
             quiet = quiet_polls(quiet, busy)
-            waiting = bool(plan.paused) and not self._breaker.is_open
+            # (a partition waiting only for a due time, the guard or the breaker: no poll
+            # brings it sooner, and polling every 5 ms for an hour-long tier delay is waste)
+            waiting = bool(plan.waiting) and not self._breaker.is_open
             timeout_s = poll_wait(
                 waiting=waiting,
                 ready_low=waiting and self._ready_low(),

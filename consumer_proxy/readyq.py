@@ -28,6 +28,8 @@ class ReadyDeque:
         if self._waiters:
             self.wake()
 
+    put_nowait = put  # asyncio.Queue's name: the runner hands either queue's to the core
+
     def put_batch(self, deliveries: list[Delivery]) -> None:
         """Messages are ready together (``PartitionSet``'s ``emit_batch``): as ``put`` of
         each, one waiting worker woken per message while any waits."""
@@ -55,3 +57,12 @@ class ReadyDeque:
                 if waiter.done() and not waiter.cancelled():
                     self.wake()  # the wake-up meant for this worker goes to another
                 raise
+
+
+def take_all(ready: asyncio.Queue[Delivery] | ReadyDeque) -> list[Delivery]:
+    """Empty either mode's ready queue (shutdown): what was in it, in order."""
+    if isinstance(ready, ReadyDeque):
+        left = list(ready.items)
+        ready.items.clear()
+        return left
+    return [ready.get_nowait() for _ in range(ready.qsize())]

@@ -19,7 +19,7 @@ from consumer_proxy.config import (
     RetryTopicConfig,
 )
 from consumer_proxy.core.batching import PROTOCOL_ERROR, BatchLimits, classify_batch, take
-from consumer_proxy.core.codec import AckState, decode
+from consumer_proxy.core.codec import AckState, decode, encode
 from consumer_proxy.core.decision import Action, Evidence, Policy, decide
 from consumer_proxy.core.outcomes import Classifier
 from consumer_proxy.core.partitions import Delivery, PartitionSet
@@ -309,3 +309,24 @@ def test_a_wrong_length_answer_for_a_batch_of_one_is_that_messages_counted_failu
     [result] = outcome.results
     assert result.counted and not result.service_failure and result.status == PROTOCOL_ERROR
     assert outcome.breaker is None  # it still says nothing about the service's health
+
+
+def test_a_restored_ack_state_over_the_budget_keeps_fetching_its_range() -> None:
+    # Given a partition whose committed ack state has many holes (written by a pod with a
+    # large metadata budget: every other run of offsets is done)
+    rng = random.Random(1)
+    runs = tuple(rng.randint(1, 3) for _ in range(100))  # pending, done, pending, done, ...
+    state = encode(AckState(0, runs))
+    assert len(state) > 64
+    # When a pod with a 64-byte budget takes it over and commits before fetching anything
+    rig = Rig(metadata_budget_bytes=64)
+    rig.core.assign("t", 1, 0, state)
+    rig.core.commit_plan()
+    part = rig.core.parts[("t", 1)]
+    assert part.meta_over_budget and part.tracker is not None and part.tracker.restoring
+    # Then it is not paused for its ack state, also once it fetched part of the range: only
+    # fetching the restored range again can shrink that state (a stall the simulation found)
+    for offset in range(3):
+        rig.core.intake(Rec("t", offset, partition=1))
+        rig.core.pause_plan()
+        assert not part.paused, rig.core.views()

@@ -23,7 +23,7 @@ from consumer_proxy.config import (
 )
 from consumer_proxy.core.decision import Action, Evidence, Policy, decide, unblock
 from consumer_proxy.core.outcomes import Classification, Classifier
-from consumer_proxy.core.partitions import SOURCE_RETRY, Delivery, PartitionSet
+from consumer_proxy.core.partitions import SOURCE_RETRY, Delivery, PartitionSet, backlog_bound
 from consumer_proxy.core.records import (
     H_ATTEMPT,
     H_DUE_AT,
@@ -286,6 +286,24 @@ def test_a_tier_record_waits_until_due_with_its_partition_paused() -> None:
     # When it fails again, Then it moves to tier 2 (in-memory attempts are the source's)
     _, decision = rig.push(FAIL)
     assert decision.action is Action.TIER and decision.tier == 2
+
+
+def test_a_partition_waiting_for_a_due_time_does_not_make_the_intake_poll_often() -> None:
+    # Given a tier partition paused because its record is due in an hour
+    rig = Rig(max_in_flight=2)
+    rig.core.pause_plan()
+    rig.core.intake(_tier_record(0, int(rig.clock.now * 1000) + 3_600_000))
+    plan = rig.core.pause_plan()
+    # Then it is paused, but not waiting for room: no poll frees it (the intake polls every
+    # 5 ms only for partitions the workers' progress resumes; found by the simulation's
+    # hour-long tiers)
+    assert plan.paused == 1 and plan.waiting == 0
+    # When the source partition's window (2) and backlog (its bound: 10 windows) fill up, Then
+    # that one is waiting for room
+    for offset in range(2 + backlog_bound(2)):
+        rig.core.intake(TierRecord("t", offset))
+    plan = rig.core.pause_plan()
+    assert plan.paused == 2 and plan.waiting == 1
 
 
 def test_a_due_tier_record_goes_at_once_and_the_last_tier_leads_to_the_dlq() -> None:

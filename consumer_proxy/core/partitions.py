@@ -209,6 +209,10 @@ class PausePlan:
     pause: list[TP]
     resume: list[TP]
     paused: int  # partitions paused after the plan
+    waiting: int = 0
+    """... of which paused for room (their window, a backlog, the byte budget, the ack state's
+    size), which the workers' progress frees; not those waiting only for a due time, the
+    dead-letter guard or the breaker, which no poll brings sooner."""
 
 
 @dataclass(slots=True)
@@ -232,6 +236,8 @@ messages; the group's byte budget is spent (by the messages taken in, or with th
 its backlog, the records fetched beyond its full window, is at its bound (``backlog_bound``);
 its ack state is over the metadata budget; a retry tier record it read is not due yet; the
 dead-letter guard holds a message of it."""
+ROOM_REASONS = frozenset(("budget", "backlog", "metadata"))
+"""The pause reasons the workers' progress undoes (``PausePlan.waiting``)."""
 BACKLOG_WINDOWS = 10
 """A partition's backlog holds up to this many windows (``max_in_flight``) of records before
 the partition pauses, and it resumes when the backlog is down to half of that. A pause costs
@@ -436,11 +442,15 @@ class PartitionSet:
         return Commit(part, offset, meta, tracker.commit_epoch(offset))
 
     def cancel_timers(self) -> None:
-        """Shutdown: no retry timer fires any more (the messages are redelivered later)."""
+        """Shutdown: no retry timer nor the guard's probe fires any more (the messages are
+        redelivered later)."""
         for part in self.parts.values():
             for timer in part.timers:
                 timer.cancel()
             self._gone_waiting(part, "shutdown")
+        if self._probe is not None:
+            self._probe.cancel()
+            self._probe = None
 
     def _gone_waiting(self, part: PartitionState, why: str) -> None:
         """``gone`` for each message of ``part`` waiting on a retry timer or the guard."""
@@ -1221,16 +1231,37 @@ class PartitionSet:
             self._guard_tick()
         pause: list[TP] = []
         resume: list[TP] = []
-        paused = 0
+        paused = waiting = 0
         for part in self.parts.values():
             if part.backlog and not breaker_open:
                 self._drain_backlog(part)
-            want = bool(self._pause_reasons(part, breaker_open))
+            kind = self._pause_kind(part, breaker_open)
+            want = kind != 0
             if want is not part.paused:
                 (pause if want else resume).append(part.tp)
                 part.paused = want
             paused += want
-        return PausePlan(pause, resume, paused)
+            waiting += kind == 2
+        return PausePlan(pause, resume, paused, waiting)
+
+    def _pause_kind(self, part: PartitionState, breaker_open: bool) -> int:
+        """``_pause_reasons`` as ``pause_plan`` needs it, short-circuited (it runs for every
+        partition on every poll): 0 to fetch, 2 paused for room (``ROOM_REASONS``), 1 paused
+        for another reason."""
+        tracker = part.tracker
+        if (
+            part.budget.full
+            or len(part.backlog) > (self._backlog_resume if part.paused else self._backlog_max - 1)
+            or (part.meta_over_budget and tracker is not None and not tracker.restoring)
+        ):
+            return 2
+        if (
+            part.due
+            or part.held
+            or (breaker_open and (part.backlog or (tracker is not None and tracker.pending)))
+        ):
+            return 1
+        return 0
 
     def _pause_reasons(self, part: PartitionState, breaker_open: bool) -> tuple[str, ...]:
         """Why ``part`` should be paused now (empty: it should fetch), named as in

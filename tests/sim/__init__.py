@@ -1,1 +1,2 @@
-"""Deterministic simulation of the pure core (``python -m tests.sim --help``)."""
+"""Deterministic simulation of the real shell on a virtual-time loop
+(``python -m tests.sim --help``)."""

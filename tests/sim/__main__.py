@@ -1,4 +1,5 @@
-"""``python -m tests.sim``: run seeded schedules (a long soak, or one seed to replay)."""
+"""``python -m tests.sim``: run seeded schedules through the real shell (a soak, or one seed
+to replay)."""
 
 from __future__ import annotations
 
@@ -7,21 +8,18 @@ import logging
 import sys
 import time
 from dataclasses import fields
-from typing import Any
 
-from tests.sim.runner import InvariantViolation, Stats, run
 from tests.sim.shell import ShellStats, run_shell
+from tests.sim.truth import InvariantViolation
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tests.sim",
-        description="Drive the pure core (or, with --shell, the real GroupRunner on a "
-        "virtual-time loop) through seeded random schedules and check invariants.",
+        description="Drive the real GroupRunner on a virtual-time loop through seeded random "
+        "schedules and check invariants at every step.",
     )
-    parser.add_argument(
-        "--shell", action="store_true", help="run the real shell (tests/sim/shell.py)"
-    )
+    parser.add_argument("--shell", action="store_true", help=argparse.SUPPRESS)  # the old replay
     parser.add_argument("--seed", type=int, help="replay this one seed")
     parser.add_argument("--first-seed", type=int, default=0, help="first seed of a soak")
     parser.add_argument("--steps", type=int, default=2000, help="events per schedule")
@@ -29,14 +27,14 @@ def main() -> int:
         "--total-steps", type=int, default=1_000_000, help="stop a soak after this many events"
     )
     args = parser.parse_args()
-    logging.disable(logging.ERROR)  # the core logs state changes; a soak has thousands
+    logging.disable(logging.ERROR)  # the shell logs state changes; a soak has thousands
     seeds = [args.seed] if args.seed is not None else range(args.first_seed, 2**31)
-    total: Any = ShellStats() if args.shell else Stats()
+    total = ShellStats()
     started = time.monotonic()
     runs = 0
     for seed in seeds:
         try:
-            stats: Any = run_shell(seed, args.steps)[0] if args.shell else run(seed, args.steps)
+            stats = run_shell(seed, args.steps)[0]
         except InvariantViolation as exc:
             print(f"FAILED: {exc}", file=sys.stderr)
             return 1
@@ -46,9 +44,18 @@ def main() -> int:
             setattr(total, name, getattr(total, name) + getattr(stats, name))
         if total.steps >= args.total_steps:
             break
-        if runs % 100 == 0:
-            print(f"{runs} schedules, {total.steps:,} steps, {time.monotonic() - started:.0f}s")
-    print(f"passed: {runs} schedules, {time.monotonic() - started:.0f}s; {vars(total)}")
+        if runs % 10 == 0:
+            elapsed = time.monotonic() - started
+            print(
+                f"{runs} schedules, {total.steps:,} steps, {elapsed:.0f}s "
+                f"({total.steps / elapsed:.0f} steps/s)",
+                flush=True,
+            )
+    elapsed = time.monotonic() - started
+    print(
+        f"passed: {runs} schedules, {total.steps:,} steps, {elapsed:.0f}s "
+        f"({total.steps / max(elapsed, 1e-9):.0f} steps/s); {vars(total)}"
+    )
     return 0
 
 

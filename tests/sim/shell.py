@@ -1,42 +1,60 @@
 """Seeded random schedules driving the real shell: ``GroupRunner`` with its ``Intake``,
-``UnaryPush``/``BatchPush``, ``Committer``, ``Parking`` and rebalance callbacks, on a
-virtual-time event loop (``tests.sim.vloop``) with simulated edges (``ports``):
+``UnaryPush``/``BatchPush``/``StreamPush``, ``Committer``, ``Parking``, ``Handover``,
+``GuardControl`` and rebalance callbacks, on a virtual-time event loop (``tests.sim.vloop``)
+with simulated edges (``ports``, in ``tests/sim/edges.py``):
 
 - ``SimSource`` (``ports.MessageSource``): the world's consumer (``world.Consumer``: pause
   flags survive revoke and re-assign, as librdkafka's) behind one serial "consumer thread",
   as ``fetcher.Fetcher``: every call waits its turn; ``consume`` waits in chunks of
   ``CONSUME_CHUNK_S`` that end early only for a queued call or a rebalance, serves the
   rebalance callbacks (revoke, then assign back: cooperative-sticky) and re-reads positions
-  every ``POSITIONS_INTERVAL_S``; a cancelled call still runs to its end;
+  every ``POSITIONS_INTERVAL_S`` (so a reading may predate a log cut); a cancelled call still
+  runs to its end;
 - ``SimPusher`` (``ports.Pusher``): the service (ok, poison, drop, flaky, timeouts; outages:
-  UNAVAILABLE, hung, UNIMPLEMENTED for batch calls; wrong-length batch answers). Under
+  UNAVAILABLE, hung, UNIMPLEMENTED for batch calls; bad deploys that reject every message;
+  wrong-length batch answers, always for a batch holding a "garbled" message). Under
   ``delivery.long_running`` (some unary schedules) each call is a ``HandleMessageStream``
   read by the dispatcher's own loop (``dispatcher.read_stream``: the core's ``CallWatch``
   and ``expiry_result``): heartbeats while the handler runs (long handlers, several heartbeat
   timeouts long), then the result; a hung handler (the timeouts) or a dead instance (the
   hung outage) heartbeats a while and goes silent; an endless one heartbeats until the cap;
-- ``SimSink`` (``ports.DeadLetterSink``): the DLQ, retried while it is down.
+- ``SimSink`` (``ports.DeadLetterSink``): the DLQ and the retry tiers' topics (a confirmed
+  tier write appends the record to the tier's log, which the member consumes), retried while
+  the DLQ is down.
 
 The schedule produces records, rebalances (a fifth of them lose their partitions: no final
-commit), restarts (graceful, or a crash: nothing is committed after it), takes the service,
-the DLQ and commits down. Checked at every step, on
-top of the core simulation's invariants (commits never pass a message not done nor go back,
-nothing acked is pushed again unless a crash or the metadata budget allowed it, no message
-dead-lettered by an outage, per-key order, window and concurrency bounds, liveness):
+commit; a third of the hand-overs cut the log inside the range the restored ack state
+describes, which the member is not told), restarts (graceful, or a crash: nothing is
+committed after it; each with another metadata budget, as pods of a config roll), cuts logs
+(told, or silent), takes the service, the DLQ and commits down, deploys a bad service and
+releases a held dead-letter guard as an operator. Half the seeds of ordering none have 1-3
+retry tiers (a third of them waiting a minute to an hour, far longer than the run) and some
+head-of-line unblocking. Checked at every step:
 
-- the byte count is exact: each partition's count is the sum of the messages held for it
-  wherever the shell has them (the ready queue, a worker between the queue and its push, a
-  call, a DLQ write, a retry timer, the key gate);
+- a commit never passes an offset whose message is not done, nor marks one done in its
+  metadata; commits never go back (but after a cut); nothing acked is pushed again unless a
+  crash, a loss, a cut or the metadata budget allowed it;
+- no message is dead-lettered or moved to a retry tier by an outage (only poison pills and
+  counted failures: its own, a deadline or silence charged while the service answered
+  others, head_block_ms), none while the dead-letter guard holds, and a guard probe's ack
+  releases the guard; a source offset is done only once its tier record is written;
+- per-key order (``delivery.ordering``), and the key gate holds every pending offset;
+- windows, bytes and concurrency within bounds, and the byte count exact: each partition's
+  count is the sum of the messages held for it wherever the shell has them (the ready queue,
+  a worker between the queue and its push, a call, a DLQ or tier write, a retry timer, a due
+  time, the guard, the key gate);
 - a due commit never waits behind an idle wait: no commit waits for the consumer thread
   longer than a normal poll (``FETCH_WAIT_S``), unless a rebalance ran on it meanwhile;
 - after ``stop()`` returns no task of the group is left running and no timer is scheduled;
 - a call the proxy cancelled (revoke, lost, shutdown) is never an attempt: its message goes
-  out again with the attempt it had; a silence is charged only under the outage rule (a dead
-  instance dead-letters nothing) and an endless handler is dead-lettered by the cap
-  (``MAX_PROCESSING_EXCEEDED``).
+  out again with the attempt it had; an endless handler is dead-lettered by the cap
+  (``MAX_PROCESSING_EXCEEDED``);
+- liveness: healed, the source partitions drain within ``DRAIN_LIMIT_S`` whatever the tiers
+  hold (no source commit stands still for ``STALL_S``), the tiers once their records are
+  due, and a guard holding a message the service now acks is released within 30 s.
 
 Same seed, same trace: ``ShellSim.digest`` hashes every push, commit, dead letter and
-rebalance with its virtual time. Replay with ``python -m tests.sim --shell --seed N``.
+rebalance with its virtual time. Replay with ``python -m tests.sim --seed N``.
 """
 
 from __future__ import annotations
@@ -44,13 +62,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
-from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from confluent_kafka import KafkaError, KafkaException, TopicPartition
+from confluent_kafka import KafkaError
 from prometheus_client import CollectorRegistry
 
 from consumer_proxy.config import (
@@ -61,32 +78,39 @@ from consumer_proxy.config import (
     DeliveryConfig,
     GroupConfig,
     LongRunningConfig,
+    RetryTopicConfig,
     ServiceConfig,
 )
 from consumer_proxy.core.batching import BatchOutcome
 from consumer_proxy.core.cadence import FETCH_WAIT_S
 from consumer_proxy.core.codec import decode
-from consumer_proxy.core.decision import Action, Decision
-from consumer_proxy.core.heartbeat import MAX_PROCESSING_STATUS, CallWatch
+from consumer_proxy.core.decision import HEAD_BLOCKED, Action, Decision
+from consumer_proxy.core.heartbeat import MAX_PROCESSING_STATUS
 from consumer_proxy.core.ordering import ORDERINGS, Ordering
 from consumer_proxy.core.outcomes import Classification, Classifier
-from consumer_proxy.core.partitions import Delivery, PartitionSet
-from consumer_proxy.dispatcher import read_stream
-from consumer_proxy.fetcher import CONSUME_CHUNK_S, POSITIONS_INTERVAL_S
+from consumer_proxy.core.partitions import ROOM_REASONS, Delivery, PartitionSet
 from consumer_proxy.group import GroupRunner
 from consumer_proxy.metrics import ProxyMetrics
-from consumer_proxy.ports import EdgeHooks, Edges, RebalanceListener
+from consumer_proxy.ports import EdgeHooks, Edges
 from consumer_proxy.proto.v1 import handler_pb2
 from consumer_proxy.readyq import ReadyDeque
-from tests.sim.runner import InvariantViolation, Truth
+from tests.sim.edges import (
+    BEAT,
+    GROUP,
+    TIER_PREFIX,
+    ErrorRecord,
+    SimPusher,
+    SimSink,
+    SimSource,
+    Stream,
+)
+from tests.sim.truth import InvariantViolation, Truth
 from tests.sim.vloop import run_virtual
 from tests.sim.world import (
     ACKED,
     TP,
-    Consumer,
     Log,
     Msg,
-    Record,
     service_answer,
     service_batch_call,
     service_unary_call,
@@ -95,9 +119,11 @@ from tests.sim.world import (
 TOPIC = "t"
 TIMEOUT_S = 1.0
 DRAIN_LIMIT_S = 600.0
+STALL_S = 120.0
+"""While draining, a source commit moves at least this often (a message's five attempts with
+backoff, an endless handler's five capped calls, the guard's operator: well within it)."""
 BYTE_BUDGET = 1024
 WALL_EPOCH_S = 1_700_000_000.0  # the core's wall clock (tier due times) is virtual too
-GROUP = "g"
 
 
 @dataclass
@@ -112,6 +138,7 @@ class ShellStats:
     rebalances: int = 0
     truncations: int = 0
     silent_truncations: int = 0  # cuts the member is not told of (librdkafka seeks back)
+    handover_truncations: int = 0  # ... while a restored ack state described the cut range
     paused_at_revoke: int = 0  # partitions revoked and assigned back while paused
     restarts: int = 0
     crashes: int = 0
@@ -131,407 +158,18 @@ class ShellStats:
     silences: int = 0  # streaming calls ended by no heartbeat in time
     capped: int = 0  # streaming calls ended by max_processing_ms
     calls_cancelled: int = 0  # calls the proxy cancelled (revoke, lost, shutdown)
+    tier_schedules: int = 0
+    long_tier_schedules: int = 0  # a tier waits far longer (a minute, an hour) than the run
+    tier_writes: int = 0
+    unblocks: int = 0  # messages head_block_ms moved aside
+    bad_deploys: int = 0  # spells of a service that rejects every message (INVALID_ARGUMENT)
+    guard_trips: int = 0
+    guard_held: int = 0  # dead-letter decisions the guard held
+    guard_releases: int = 0  # by an operator (GuardControl.release; a probe's ack too)
+    garbled: int = 0  # messages that make any batch answer have the wrong length
+    protocol_errors: int = 0  # batch answers of the wrong length
+    held_back: int = 0  # checks at which the ordering gate held messages back
     virtual_s: int = 0
-
-
-Call = tuple[str, Callable[[], Awaitable[Any]], "asyncio.Future[Any]", float]
-"""A call queued for the consumer thread: (what, the call, its caller's future, when queued)."""
-
-
-class _Thread:
-    """The consumer's one thread: calls run one at a time in the order they were queued; a
-    caller that goes away (cancelled) does not stop its call."""
-
-    def __init__(self, sim: ShellSim) -> None:
-        self._sim = sim
-        self._queue: deque[Call] = deque()
-        self._more = asyncio.Event()
-        self._stopped = False
-        self.task = asyncio.get_running_loop().create_task(self._serve(), name="sim:consumer")
-
-    def waiting(self) -> bool:
-        return bool(self._queue)
-
-    async def submit(self, what: str, fn: Callable[[], Awaitable[Any]]) -> Any:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
-        self._queue.append((what, fn, future, loop.time()))
-        self._more.set()
-        return await future
-
-    def stop(self) -> None:
-        self._stopped = True
-        self._more.set()
-
-    async def _serve(self) -> None:
-        while True:
-            while not self._queue:
-                if self._stopped:
-                    return
-                self._more.clear()
-                await self._more.wait()
-            what, fn, future, queued = self._queue.popleft()
-            self._sim.turn(what, queued)
-            try:
-                result = await fn()
-            except (KafkaException, InvariantViolation) as exc:
-                if not future.cancelled():
-                    future.set_exception(exc)
-                continue
-            if not future.cancelled():
-                future.set_result(result)
-
-
-class SimSource:
-    """``ports.MessageSource`` over the world's consumer, with ``Fetcher``'s timing."""
-
-    def __init__(self, sim: ShellSim, listener: RebalanceListener) -> None:
-        self.sim = sim
-        self.consumer = Consumer(sim.logs, sim.commits)  # a new process: no pause flags
-        self.listener = listener
-        self.positions: dict[TP, int] = {}
-        self.positions_read = 0
-        self._positions_due = 0.0
-        self._rebalanced = False
-        # (partitions, lost); None: join (assign everything)
-        self.pending: list[tuple[list[TP], bool] | None] = [None]
-        self.errors: list[_ErrorRecord] = []  # handed over by the next consume
-        self.rebalancing = False  # the consumer thread is serving a rebalance
-        self.arrived = asyncio.Event()
-        self.thread: _Thread | None = None
-        self.crashed = False
-        self.idle = False  # a consume is waiting longer than a normal poll
-        self.idle_while_due = False  # ... and it began while a commit was due
-
-    def _run(self, what: str, fn: Callable[[], Awaitable[Any]]) -> Awaitable[Any]:
-        assert self.thread is not None
-        return self.thread.submit(what, fn)
-
-    async def start(self) -> None:
-        self.thread = _Thread(self.sim)
-
-    async def consume(self, max_messages: int, timeout_s: float) -> list[Any]:
-        runner = self.sim.runner
-        due = runner is not None and runner.committer.due  # as the intake chose the wait
-        result: list[Any] = await self._run(
-            "consume", lambda: self._consume(max_messages, timeout_s, due)
-        )
-        return result
-
-    async def _consume(self, max_messages: int, timeout_s: float, due: bool) -> list[Any]:
-        loop = asyncio.get_running_loop()
-        self._rebalanced = False
-        deadline = loop.time() + timeout_s
-        self.idle = timeout_s > FETCH_WAIT_S
-        self.idle_while_due = self.idle and due
-        self.sim.stats.idle_polls += self.idle
-        try:
-            messages = await self._take(max_messages, min(timeout_s, CONSUME_CHUNK_S))
-            assert self.thread is not None
-            while not messages and not self._rebalanced and not self.thread.waiting():
-                left = deadline - loop.time()
-                if left < CONSUME_CHUNK_S / 2:
-                    break
-                messages = await self._take(max_messages, min(left, CONSUME_CHUNK_S))
-        finally:
-            self.idle = False
-        now = loop.time()
-        if now >= self._positions_due:
-            self._positions_due = now + POSITIONS_INTERVAL_S
-            self.positions = dict(self.consumer.position)
-            self.positions_read += 1
-        return messages
-
-    async def _take(self, max_messages: int, wait_s: float) -> list[Record]:
-        """librdkafka's consume: serves rebalances, else returns what is fetchable, waiting
-        up to ``wait_s`` for a first record."""
-        loop = asyncio.get_running_loop()
-        end = loop.time() + wait_s
-        while True:
-            if self.pending:
-                await self._rebalance()
-                return []
-            if self.errors:
-                errors, self.errors = self.errors, []
-                return errors  # type: ignore[return-value]
-            records = self.consumer.fetch(self.sim.rng, max_messages)
-            if records:
-                return records
-            left = end - loop.time()
-            if left <= 0:
-                return []
-            self.arrived.clear()
-            try:
-                async with asyncio.timeout(left):
-                    await self.arrived.wait()
-            except TimeoutError:
-                return []
-
-    async def _rebalance(self) -> None:
-        try:
-            await self._serve_rebalances()
-        finally:
-            self.sim.rebalanced_at = asyncio.get_running_loop().time()
-
-    async def _serve_rebalances(self) -> None:
-        self.rebalancing = True
-        try:
-            await self._serve_rebalances_now()
-        finally:
-            self.rebalancing = False
-
-    async def _serve_rebalances_now(self) -> None:
-        self._rebalanced = True
-        self._positions_due = 0.0
-        while self.pending:
-            pending = self.pending.pop(0)
-            if pending is None:
-                tps = list(self.sim.tps)
-            else:
-                tps = [tp for tp in pending[0] if tp in self.consumer.assigned]
-                await (self._lose(tps) if pending[1] else self._revoke(tps))
-            self.sim.trace(f"assign {tps}")
-            committed = self.consumer.assign(tps)
-            await self.listener.partitions_assigned(
-                [
-                    TopicPartition(t, p, -1001 if off is None else off, metadata=meta)
-                    for (t, p), off, meta in committed
-                ]
-            )
-
-    async def _revoke(self, tps: list[TP]) -> None:
-        sim = self.sim
-        sim.trace(f"revoke {tps}")
-        sim.stats.paused_at_revoke += sum(tp in self.consumer.paused for tp in tps)
-        runner = sim.runner
-        assert runner is not None
-        parts = runner.partitions.owned(tps)
-        offsets = await self.listener.partitions_revoked([TopicPartition(*tp) for tp in tps])
-        if not self.crashed:
-            for tp in offsets:
-                sim.committed((tp.topic, tp.partition), tp.offset, tp.metadata or "")
-                self.consumer.commit((tp.topic, tp.partition), tp.offset, tp.metadata or "")
-            for part in parts:
-                # Acked messages beyond what the ack state could encode are redelivered.
-                if part.tracker is not None and not part.tracker.metadata(sim.budget)[1]:
-                    sim.allow_dups(part.tp)
-        self.consumer.revoke(tps)
-
-    async def _lose(self, tps: list[TP]) -> None:
-        """The session expired: another member may own ``tps`` now; nothing is committed, so
-        what was acked since the last commit may be delivered again."""
-        sim = self.sim
-        sim.trace(f"lose {tps}")
-        for tp in tps:
-            sim.allow_dups(tp)
-        await self.listener.partitions_lost([TopicPartition(*tp) for tp in tps])
-        self.consumer.revoke(tps)
-
-    async def set_paused(self, pause: Sequence[TP], resume: Sequence[TP]) -> None:
-        async def apply() -> None:
-            self.consumer.set_paused(list(pause), list(resume))
-            self.sim.stats.pauses += len(pause)
-
-        await self._run("pause", apply)
-
-    async def commit(self, offsets: Callable[[], list[TopicPartition]]) -> list[TopicPartition]:
-        async def commit() -> list[TopicPartition]:
-            chosen = offsets()
-            if not chosen:
-                return []
-            await asyncio.sleep(self.sim.rng.uniform(0.001, 0.01))  # the broker's answer
-            if self.crashed or self.sim.commits_down:
-                raise KafkaException(KafkaError(KafkaError._TRANSPORT, "commits down"))
-            for tp in chosen:
-                self.sim.committed((tp.topic, tp.partition), tp.offset, tp.metadata or "")
-                self.consumer.commit((tp.topic, tp.partition), tp.offset, tp.metadata or "")
-            return chosen
-
-        result: list[TopicPartition] = await self._run("commit", commit)
-        return result
-
-    async def position(self, tp: TP) -> int | None:
-        async def read() -> int | None:
-            return self.consumer.position.get(tp)
-
-        result: int | None = await self._run("position", read)
-        return result
-
-    async def watermarks(self, partitions: Sequence[TP]) -> dict[TP, int]:
-        async def read() -> dict[TP, int]:
-            return {tp: self.sim.logs[tp].end for tp in partitions}
-
-        result: dict[TP, int] = await self._run("watermarks", read)
-        return result
-
-    async def close(self) -> None:
-        async def close() -> None:
-            owned = sorted(self.consumer.assigned)
-            if owned and not self.crashed:
-                await self._revoke(owned)  # leaving the group revokes everything
-
-        try:
-            await self._run("close", close)
-        finally:
-            assert self.thread is not None
-            self.thread.stop()
-            await self.thread.task
-
-
-class _ErrorRecord:
-    """A consumer error as ``consume`` hands it over (a log truncation)."""
-
-    def __init__(self, tp: TP, code: int) -> None:
-        self._tp = tp
-        self._error = KafkaError(code, "log truncation detected")
-
-    def error(self) -> KafkaError:
-        return self._error
-
-    def topic(self) -> str:
-        return self._tp[0]
-
-    def partition(self) -> int:
-        return self._tp[1]
-
-
-@dataclass
-class _Endpoint:
-    target: str = "sim"
-    ejected: bool = False
-
-
-class SimPusher:
-    """``ports.Pusher``: the service, answering on virtual time."""
-
-    def __init__(self, sim: ShellSim) -> None:
-        self.sim = sim
-        self._endpoint = _Endpoint()
-
-    def start(self) -> None:
-        pass
-
-    def pick(self) -> Any:
-        return self._endpoint
-
-    async def push(self, request: Any, endpoint: Any, metadata: Any = None) -> Classification:
-        sim = self.sim
-        ident = _ident(request.message.headers)
-        result, latency = sim.answer(ident)
-        await asyncio.sleep(latency)
-        return result
-
-    async def push_batch(
-        self, payload: bytes, count: int, endpoint: Any, metadata: Any = None
-    ) -> BatchOutcome:
-        sim = self.sim
-        request = handler_pb2.HandleMessageBatchRequest.FromString(payload)
-        idents = [_ident(m.headers) for m in request.messages]
-        outcome, latency = sim.answer_batch(idents)
-        sim.stats.batch_calls += 1
-        sim.stats.batched_messages += count
-        await asyncio.sleep(latency)
-        return outcome
-
-    def batches(self, endpoint: Any) -> bool:
-        return True  # the schedules configure batch mode always, or off
-
-    def batch_support(self) -> str:
-        return ""
-
-    def instances(self) -> list[dict[str, Any]]:
-        return []
-
-    async def push_stream(
-        self,
-        request: handler_pb2.HandleMessageStreamRequest,
-        endpoint: Any,
-        watch: CallWatch,
-        on_heartbeat: Callable[[float], None],
-        metadata: Any = None,
-    ) -> Classification:
-        sim = self.sim
-        ident = _ident(request.message.headers)
-        stream = sim.stream(ident, request.heartbeat_interval_ms / 1000.0)
-        try:
-            return await read_stream(stream.read, watch, on_heartbeat, sim.classifier)
-        except _Failed as failed:
-            return sim.classifier.from_status(failed.code, failed.code.name)
-
-    async def close(self) -> None:
-        pass
-
-
-class _Failed(Exception):
-    """A streaming call the service failed with a status (an ``AioRpcError`` in gRPC)."""
-
-    def __init__(self, code: grpc.StatusCode) -> None:
-        super().__init__(code.name)
-        self.code = code
-
-
-_BEAT = handler_pb2.HandleMessageStreamEvent(heartbeat=handler_pb2.Heartbeat(progress="sim"))
-
-
-class _Stream:
-    """One ``HandleMessageStream`` call as the service plays it: ``steps`` (wait, then an
-    event, or a status that fails the call), then silence, or heartbeats for ever."""
-
-    def __init__(
-        self, steps: list[tuple[float, Any]], interval_s: float, endless: bool = False
-    ) -> None:
-        self._steps = deque(steps)
-        self._interval_s = interval_s
-        self._endless = endless
-
-    async def read(self) -> Any:
-        if not self._steps:
-            if not self._endless:
-                await asyncio.Event().wait()  # silent: only the proxy's watch ends the call
-            self._steps.append((self._interval_s, _BEAT))
-        wait, event = self._steps.popleft()
-        await asyncio.sleep(wait)
-        if isinstance(event, grpc.StatusCode):
-            raise _Failed(event)
-        return event
-
-
-class SimSink:
-    """``ports.DeadLetterSink``: the DLQ; a write returns once it is confirmed."""
-
-    def __init__(self, sim: ShellSim) -> None:
-        self.sim = sim
-
-    async def write(
-        self,
-        topic: str,
-        key: bytes | None,
-        value: bytes | None,
-        headers: Any,
-        on_failure: Any = None,
-    ) -> int:
-        sim = self.sim
-        ident = int(dict(headers)["id"])
-        while sim.dlq_down:
-            if on_failure is not None:
-                on_failure(KafkaException(KafkaError(KafkaError._TRANSPORT, "dlq down")))
-            await asyncio.sleep(0.2)
-        await asyncio.sleep(sim.rng.uniform(0.001, 0.02))
-        sim.dead_lettered(ident, dict(headers)["cp-status"].decode())
-        return 0
-
-    async def close(self, timeout_s: float = 10.0) -> None:
-        pass
-
-    def refusal(self) -> str | None:
-        return None
-
-
-def _ident(headers: Any) -> int:
-    for header in headers:
-        if header.key == "id":
-            return int(header.value)
-    raise AssertionError("a message without its id header")
 
 
 class ShellSim:
@@ -567,8 +205,30 @@ class ShellSim:
                 max_processing_ms=choose.choice([2000, 4000]),
             )
         self.losses = random.Random(f"shell-lost:{seed}")  # which rebalances lose
+        self.handovers = random.Random(f"shell-handover:{seed}")  # cuts at hand-over
+        self.handover_cuts = 0.3  # ... at this share of hand-overs
+        # A restart may bring another metadata budget (pods of a config roll).
+        self.budgets = random.Random(f"shell-budget:{seed}")
         self.tps: list[TP] = [(TOPIC, p) for p in range(partitions)]
-        self.logs = {tp: Log() for tp in self.tps}
+        # Retry tiers (half the seeds of ordering none: config refuses them with ordering),
+        # from their own generator; a third of them wait far longer than the run.
+        tiers = random.Random(f"shell-tiers:{seed}")
+        self.tier_delays_ms: list[int] = []
+        self.in_memory_attempts = 1
+        self.head_block_ms: int | None = None
+        self.max_unblock = 10
+        if self.ordering == "none" and tiers.random() < 0.5:
+            self.tier_delays_ms = tiers.choice(
+                [[300], [100, 800], [50, 200, 1000], [60_000], [500, 3_600_000], [600_000]]
+            )
+            self.in_memory_attempts = tiers.choice([1, 2])
+            self.head_block_ms = tiers.choice([None, 300, 1500])
+            self.max_unblock = tiers.choice([1, 10])
+        self._topology()
+        self.root: dict[int, int] = {}  # a tier record's ident -> the produced message's
+        self.tiered: set[int] = set()  # produced messages moved to a tier
+        self.hung_pushes: set[int] = set()  # produced messages pushed during a hang
+        self.charged: set[int] = set()  # ... with a deadline or silence charged as an attempt
         self.commits: dict[TP, tuple[int, str]] = {}
         self.last_commit: dict[TP, int] = {}
         self.lanes: dict[tuple[TP, object], list[tuple[int, int]]] = {}
@@ -577,11 +237,14 @@ class ShellSim:
         self.stats = ShellStats(
             batch_schedules=int(self.batch is not None),
             long_schedules=int(self.long_running is not None),
+            tier_schedules=int(bool(self.tier_delays_ms)),
+            long_tier_schedules=int(max(self.tier_delays_ms, default=0) >= 60_000),
         )
         self.classifier = Classifier()
         self.next_ident = 0
         self.step_no = 0
         self.outage: str | None = None
+        self.bad_deploy = False  # the service rejects every message (it answers)
         self.dlq_down = False
         self.commits_down = False
         self.crashing = False
@@ -599,6 +262,31 @@ class ShellSim:
         self.given_back: dict[Delivery, tuple[int, int]] = {}
         self.cuts: dict[TP, int] = {}  # where a log was cut, until a commit comes back to it
         self.rebalanced_at = -1.0  # when the consumer thread last served a rebalance
+        self._operator_at = float("inf")  # the drain: when an operator releases the guard
+        self._recoverable_since: float | None = None
+
+    def _topology(self) -> None:
+        partitions = len(self.tps)
+        self.tier_tps: list[TP] = [
+            (f"{TIER_PREFIX}{n}", p)
+            for n in range(1, len(self.tier_delays_ms) + 1)
+            for p in range(partitions)
+        ]
+        self.all_tps = [*self.tps, *self.tier_tps]
+        self.logs = {tp: Log() for tp in self.all_tps}
+
+    def plain(self, ordering: Ordering = "none", batch: BatchConfig | None = None) -> ShellSim:
+        """This seed's schedule with a plain configuration (for scenario tests, before
+        anything ran): ``ordering``, ``batch``, no long-running calls, no retry tiers, no
+        cuts at hand-over."""
+        self.ordering = ordering
+        self.batch = batch
+        self.long_running = None
+        self.tier_delays_ms = []
+        self.head_block_ms = None
+        self.handover_cuts = 0.0
+        self._topology()
+        return self
 
     # -- the member ----------------------------------------------------------------------
 
@@ -616,6 +304,10 @@ class ShellSim:
             commit_interval_ms=self.commit_interval_ms,
             revoke_grace_ms=int((TIMEOUT_S + 0.5) * 1000),
             fetch_batch=5,
+            retry_topics=[RetryTopicConfig(delay_ms=d) for d in self.tier_delays_ms],
+            in_memory_attempts=self.in_memory_attempts,
+            head_block_ms=self.head_block_ms,
+            max_unblock_per_minute=self.max_unblock,
         )
         return GroupConfig(
             name=GROUP,
@@ -623,7 +315,9 @@ class ShellSim:
             service=ServiceConfig(endpoints=["127.0.0.1:1"], timeout_ms=int(TIMEOUT_S * 1000)),
             delivery=delivery,
             circuit_breaker=CircuitBreakerConfig(failure_threshold=5, reset_timeout_s=2.0),
-            dead_letter_guard=DeadLetterGuardConfig(enabled=False),
+            dead_letter_guard=DeadLetterGuardConfig(
+                min_messages=20, window_ms=10_000, probe_interval_ms=500
+            ),
         )
 
     async def _open_edges(self, group: GroupConfig, hooks: EdgeHooks) -> Edges | None:
@@ -700,7 +394,13 @@ class ShellSim:
         def unparked(_: Any, d: Delivery) -> None:
             self.parked.discard(d)
 
+        def unblocked(moved: list[tuple[Delivery, Decision]], *_: Any) -> None:
+            for d, decision in moved:
+                self.stats.unblocks += 1
+                self._decided(d, decision)
+
         wrap("drop_stale", dropped)
+        wrap("unblock", unblocked)
         wrap("begin", begun)
         wrap("finish", finished)
         wrap("finish_acked", finished_acked)
@@ -737,6 +437,8 @@ class ShellSim:
         runner.stop()
         await task
         self.crashing = False
+        guard = runner.partitions.guard
+        self.stats.guard_trips += guard.trips if guard is not None else 0
         self._count_long_calls()
         self.check_nothing_left()
         self.runner = self.source = self._run_task = None
@@ -770,7 +472,7 @@ class ShellSim:
         now = asyncio.get_running_loop().time()
         violation = InvariantViolation(
             f"shell seed {self.seed}, step {self.step_no}, t={now:.3f}s: {what} "
-            f"(replay: python -m tests.sim --shell --seed {self.seed})"
+            f"(replay: python -m tests.sim --seed {self.seed})"
         )
         if self.failure is None:
             self.failure = violation
@@ -849,7 +551,10 @@ class ShellSim:
         self.trace(f"push {ident} attempt {d.attempt}")
         if ident in truth.acked and ident not in truth.dup_ok:
             self.fail(f"message {ident} pushed again after it was acked")
-        truth.attempts[ident] = truth.attempts.get(ident, 0) + 1
+        root = self.root.get(ident, ident)
+        truth.attempts[root] = truth.attempts.get(root, 0) + 1
+        if self.outage == "hung":
+            self.hung_pushes.add(root)
         if self.ordering == "none":
             return
         tp = d.part.tp
@@ -878,22 +583,92 @@ class ShellSim:
         truth = self.truth
         action = decision.action
         self.trace(f"decided {ident} {action.value}")
+        guard = self.runner.partitions.guard if self.runner is not None else None
+        reason = decision.reason
+        if decision.counted and (reason == "deadline" or reason.startswith("no heartbeat")):
+            # a deadline or silence charged while the service answered others (guarantee 2:
+            # at the start of a hang too): the message's own attempt
+            self.charged.add(self._root(ident))
         if action is Action.ACK:
             truth.acked.add(ident)
             truth.done.add(ident)
             self.stats.acked += 1
             if self.crashing:
                 truth.dup_ok.add(ident)
+            if d.guard_probe and guard is not None and guard.held and not guard.by_operator:
+                self.fail(f"message {ident}, a probe of the guard, was acked: still held")
         elif action is Action.DROP:
             truth.done.add(ident)
+        elif action is Action.HOLD:
+            self.stats.guard_held += 1
         elif action is Action.DEAD_LETTER:
-            if not truth.behaviour[ident].startswith(("poison", "timeout:", "garbled", "endless")):
-                self.fail(f"message {ident} ({truth.behaviour[ident]}) dead-lettered")
+            if guard is not None and guard.held:
+                self.fail(f"message {ident} dead-lettered while the dead-letter guard holds")
+            behaviour = truth.behaviour[ident]
+            past_tiers = bool(self.tier_delays_ms) and (
+                "last retry tier" in decision.reason or "blocked the head" in decision.reason
+            )
+            # A garbled message's broken answer, once alone, is its own counted failure.
+            # Past the tiers: a flaky or long message, or one that went to a tier by a charge.
+            root = self._root(ident)
+            tiered = behaviour.startswith(("flaky:", "long:")) or root in self.tiered
+            # Its own failures and charged ones (a flaky message's last ones at hang starts).
+            charged = behaviour.startswith(("flaky:", "long:")) and root in self.charged
+            if not (
+                behaviour.startswith(("poison", "timeout:", "garbled", "endless"))
+                or (past_tiers and tiered)
+                or charged
+                or ident in truth.rejected  # by a bad deploy, before the guard tripped
+            ):
+                self.fail(f"message {ident} ({behaviour}) dead-lettered ({decision.reason})")
+        elif action is Action.TIER:
+            if not self.tier_delays_ms or not decision.counted:
+                self.fail(f"message {ident} moved to tier {decision.tier} ({decision})")
+            # A deadline or a silence charged while the service answered others is the
+            # message's attempt (guarantee 2), also at the start of a hang, and so is blocking
+            # the head for head_block_ms; nothing else moves a good message.
+            reason = decision.reason
+            charged = (
+                reason == "deadline"
+                or "blocked the head" in reason
+                or reason.startswith("no heartbeat")
+            )
+            behaviour = truth.behaviour[ident]
+            if not behaviour.startswith(("flaky:", "timeout:", "garbled", "endless")) and not (
+                charged
+            ):
+                self.fail(f"message {ident} ({behaviour}) moved to a retry tier ({decision})")
+            self.tiered.add(self._root(ident))
         elif action is not Action.RETRY:
             self.fail(f"message {ident}: unexpected decision {decision}")
 
+    def tier_written(self, ident: int, tp: TP, record: Msg) -> None:
+        """A tier write confirmed: the record is in the tier's log under a new ident (its
+        behaviour and attempts the produced message's), and only now is the source done."""
+        new = self.next_ident
+        self.next_ident += 1
+        self.root[new] = self.root.get(ident, ident)
+        behaviour = self.truth.behaviour[ident]
+        self.truth.behaviour[new] = behaviour
+        self.logs[tp].append(
+            Msg(new, behaviour, key=record.key, value=record.value, extra=record.extra)
+        )
+        self.truth.done.add(ident)
+        self.stats.tier_writes += 1
+        self.trace(f"tier {ident} -> {new} {tp}")
+        if self.source is not None:
+            self.source.arrived.set()
+
     def dead_lettered(self, ident: int, status: str) -> None:
-        if self.truth.behaviour[ident] == "endless" and status != MAX_PROCESSING_STATUS:
+        # (with retry tiers, head_block_ms may move it aside first: the same limit, sooner;
+        # pushed to a dead instance, its last attempt may be a silence charged at the start
+        # of the hang)
+        charged = ("DEADLINE_EXCEEDED",) if self._root(ident) in self.hung_pushes else ()
+        if self.truth.behaviour[ident] == "endless" and status not in (
+            MAX_PROCESSING_STATUS,
+            HEAD_BLOCKED,
+            *charged,
+        ):
             self.fail(f"endless message {ident} dead-lettered as {status}, not by the cap")
         self.truth.dlq.append(ident)
         self.truth.done.add(ident)
@@ -912,6 +687,25 @@ class ShellSim:
         for budget in core.budgets:
             if budget.held > BYTE_BUDGET + slack:
                 self.fail(f"{budget.held} bytes held over the {BYTE_BUDGET}-byte budget")
+        breaker_open = runner.breaker.is_open
+        for part in core.parts.values():
+            # pause_plan's short cut says what the reasons the console shows say
+            reasons = core._pause_reasons(part, breaker_open)
+            kind = 2 if not ROOM_REASONS.isdisjoint(reasons) else 1 if reasons else 0
+            if core._pause_kind(part, breaker_open) != kind:
+                self.fail(f"{part.tp}: pause_plan's kind disagrees with its reasons {reasons}")
+        held = 0
+        for part in core.parts.values():
+            gate, tracker = part.gate, part.tracker
+            if gate is None or tracker is None:
+                continue
+            held += gate.held
+            if gate.keys_out + gate.held != tracker.pending:
+                self.fail(
+                    f"{part.tp}: {tracker.pending} offsets pending but the gate holds "
+                    f"{gate.keys_out} out and {gate.held} waiting"
+                )
+        self.stats.held_back += held > 0
         calls = len(runner.push.pushing) if runner.push is not None else 0
         if calls > self.concurrency:
             self.fail(f"{calls} calls over concurrency {self.concurrency}")
@@ -958,8 +752,18 @@ class ShellSim:
 
     def _behave(self, ident: int) -> tuple[grpc.StatusCode, int]:
         """The service's answer for one message: (status, response action)."""
-        tries = self.truth.attempts.get(ident, 0)
-        return service_answer(self.truth.behaviour[ident], tries, self.outage)
+        if self.bad_deploy and self.outage not in ("unavailable", "hung"):
+            self.truth.rejected.add(ident)
+            return grpc.StatusCode.INVALID_ARGUMENT, 0
+        return service_answer(self.truth.behaviour[ident], self._tries(ident), self.outage)
+
+    def _tries(self, ident: int) -> int:
+        """Attempts of the produced message (across its tier records)."""
+        return self.truth.attempts.get(self._root(ident), 0)
+
+    def _root(self, ident: int) -> int:
+        """The produced message a tier record stands for (itself if produced)."""
+        return self.root.get(ident, ident)
 
     def answer(self, ident: int) -> tuple[Classification, float]:
         """One unary call's result and how long it takes."""
@@ -967,7 +771,7 @@ class ShellSim:
             self.classifier, self.rng, self.outage, self._behave(ident), TIMEOUT_S
         )
 
-    def stream(self, ident: int, interval_s: float) -> _Stream:
+    def stream(self, ident: int, interval_s: float) -> Stream:
         """One streaming call as the service plays it (``delivery.long_running``)."""
         rng = self.rng
         behaviour = self.truth.behaviour[ident]
@@ -975,26 +779,33 @@ class ShellSim:
         beat = interval_s * rng.uniform(0.5, 1.05)  # the SDK's pace, give or take
         if self.outage == "hung" or code == grpc.StatusCode.DEADLINE_EXCEEDED:
             # a dead instance, or a hung handler: heartbeats a while, then nothing
-            return _Stream([(beat, _BEAT)] * rng.randint(0, 4), interval_s)
+            return Stream([(beat, BEAT)] * rng.randint(0, 4), interval_s)
         if self.outage == "unavailable":
-            return _Stream([(0.001, grpc.StatusCode.UNAVAILABLE)], interval_s)
+            return Stream([(0.001, grpc.StatusCode.UNAVAILABLE)], interval_s)
         if behaviour == "endless":
-            return _Stream([], beat, endless=True)
+            return Stream([], beat, endless=True)
         took = float(behaviour[5:]) if behaviour.startswith("long:") else rng.uniform(0.001, 0.05)
-        steps: list[tuple[float, Any]] = [(beat, _BEAT)] * int(took / beat)
+        steps: list[tuple[float, Any]] = [(beat, BEAT)] * int(took / beat)
         last = took - beat * len(steps)
         if code != grpc.StatusCode.OK:
             steps.append((last, code))
         else:
             response = handler_pb2.HandleMessageResponse(action=action)  # type: ignore[arg-type]
             steps.append((last, handler_pb2.HandleMessageStreamEvent(result=response)))
-        return _Stream(steps, interval_s)
+        return Stream(steps, interval_s)
 
     def answer_batch(self, idents: list[int]) -> tuple[BatchOutcome, float]:
         """One batch call's outcome (per-message statuses, a failed call, a glitch)."""
-        outcome, latency, _ = service_batch_call(
-            self.classifier, self.rng, self.outage, idents, self._behave, TIMEOUT_S
+        outcome, latency, wrong = service_batch_call(
+            self.classifier,
+            self.rng,
+            self.outage,
+            idents,
+            self._behave,
+            TIMEOUT_S,
+            garbled=lambda ident: self.truth.behaviour[ident] == "garbled",
         )
+        self.stats.protocol_errors += wrong
         return outcome, latency
 
     # -- the schedule --------------------------------------------------------------------
@@ -1015,6 +826,9 @@ class ShellSim:
                 if x < 0.12
                 else "ok"
             )
+            if self.batch is not None and behaviour == "ok" and rng.random() < 0.01:
+                behaviour = "garbled"  # any batch answer with it has one result too few
+                self.stats.garbled += 1
             long_running = self.long_running
             if long_running is not None and behaviour == "ok":
                 y = rng.random()
@@ -1040,7 +854,8 @@ class ShellSim:
         source = self.source
         if source is None:
             return
-        tps = self.rng.sample(self.tps, self.rng.randint(1, len(self.tps)))
+        owned = self.all_tps
+        tps = self.rng.sample(owned, self.rng.randint(1, len(owned)))
         lost = self.losses.random() < 0.2
         source.pending.append((sorted(tps), lost))
         source.arrived.set()
@@ -1060,7 +875,13 @@ class ShellSim:
             # leader-epoch check of a committed offset (KIP-320) is what catches that on the
             # next assignment; the simulated consumer does not model it.
             return
-        cut = rng.randint(floor, log.end - 1)
+        self.cut_log(tp, rng.randint(floor, log.end - 1))
+
+    def cut_log(self, tp: TP, cut: int) -> None:
+        """Cut ``tp``'s log at ``cut``; the member is told (a _LOG_TRUNCATION error from
+        consume) only when it owns ``tp`` and received records at or past the cut:
+        otherwise librdkafka seeks back silently."""
+        log = self.logs[tp]
         for msg in log.truncate(cut):
             self.truth.done.discard(msg.ident)  # gone: no longer owed to anyone
         for lane, entries in self.lanes.items():
@@ -1077,10 +898,25 @@ class ShellSim:
         source.consumer.truncated(tp, cut)
         part = runner.partitions.parts.get(tp)
         if part is not None and cut < part.received_end:
-            source.errors.append(_ErrorRecord(tp, KafkaError._LOG_TRUNCATION))
+            source.errors.append(ErrorRecord(tp, KafkaError._LOG_TRUNCATION))
             source.arrived.set()
         else:
             self.stats.silent_truncations += 1
+
+    def cut_at_handover(self, tps: Sequence[TP]) -> None:
+        """An unclean election while partitions change hands (served between the revoke's
+        final commit and the assignment): the new owner restores an ack state that may
+        describe records that are gone, and is not told."""
+        rng = self.handovers
+        sources = [tp for tp in tps if tp in self.tps]
+        if not sources or rng.random() >= self.handover_cuts:
+            return
+        tp = rng.choice(sources)
+        committed, meta = self.commits.get(tp, (0, ""))
+        top = min(decode(meta).end, self.logs[tp].end) - 1 if meta else committed
+        if top > committed:  # inside the range the restored state describes
+            self.cut_log(tp, rng.randint(committed + 1, top))
+            self.stats.handover_truncations += 1
 
     async def step(self) -> None:
         self.step_no += 1
@@ -1095,6 +931,7 @@ class ShellSim:
             await self.stop_member(crash)
             self.stats.crashes += crash
             self.stats.restarts += not crash
+            self.budget = self.budgets.choice([64, 4000])
             self.start_member()
         elif x < 0.40:
             outages = ["unavailable", "hung"] + (["unimplemented"] if self.batch else [])
@@ -1108,6 +945,11 @@ class ShellSim:
             self.stats.commit_outages += self.commits_down
         elif x < 0.425:
             self.truncate()
+        elif x < 0.43:
+            self.bad_deploy = not self.bad_deploy
+            self.stats.bad_deploys += self.bad_deploy
+        elif x < 0.4305:
+            self.operator_release()
         wait = rng.uniform(0.0, 0.25) if rng.random() < 0.95 else rng.uniform(1.0, 8.0)
         await asyncio.sleep(wait)
         self._raise_failure()
@@ -1121,25 +963,114 @@ class ShellSim:
             task.result()  # the group failed: its exception is the finding
             self.fail("the group stopped by itself")
 
-    def _drained(self) -> bool:
-        return all(self.commits.get(tp, (0, ""))[0] >= self.logs[tp].end for tp in self.tps)
+    def operator_release(self) -> None:
+        """An operator releases a held guard (``GuardControl.release``, as the admin
+        endpoint): the held messages go to the DLQ."""
+        runner = self.runner
+        if runner is None:
+            return
+        held = [h.delivery for p in runner.partitions.parts.values() for h in p.held.values()]
+        released = runner.guard.release()
+        self.stats.guard_releases += bool(released)
+        self.truth.released.update(int(dict(d.headers)["id"]) for d in held)
+        self.trace(f"release {released}")
+
+    def _only_real_poison_held(self) -> bool:
+        """Every message the guard holds fails on its own next time too: no probe can
+        release it (an operator must)."""
+        assert self.runner is not None
+        for part in self.runner.partitions.parts.values():
+            for held in part.held.values():
+                ident = int(dict(held.delivery.headers)["id"])
+                behaviour = self.truth.behaviour[ident]
+                if behaviour.startswith(("poison", "garbled", "endless")):
+                    continue
+                if behaviour.startswith(("flaky:", "timeout:")) and self._tries(ident) < int(
+                    behaviour.split(":")[1]
+                ):
+                    continue
+                return False
+        return True
+
+    def _watch_guard(self, now: float) -> None:
+        """While draining: a guard holding a message the service now acks is released by a
+        probe (every 0.5 s) within seconds; one holding only real poison by an operator."""
+        guard = self.runner.partitions.guard if self.runner is not None else None
+        if guard is not None and guard.held and not self._only_real_poison_held():
+            self._recoverable_since = self._recoverable_since or now
+            if now - self._recoverable_since >= 30.0:
+                self.fail("the dead-letter guard still holds 30 s after the service recovered")
+        else:
+            self._recoverable_since = None
+            if now >= self._operator_at:
+                self.operator_release()
+
+    def _serial_work_s(self) -> float:
+        """What the long-running handlers left to do take one after another (ordering
+        partition pushes them so): each long one its time, each endless one every attempt
+        up to the cap."""
+        if self.long_running is None:
+            return 0.0
+        cap_s = self.long_running.max_processing_ms / 1000
+        work = 0.0
+        for tp in self.tps:
+            committed = self.commits.get(tp, (0, ""))[0]
+            for offset, msg in self.logs[tp].records.items():
+                if offset < committed:
+                    continue
+                if msg.behaviour.startswith("long:"):
+                    work += float(msg.behaviour[5:])
+                elif msg.behaviour == "endless":
+                    work += 5 * (cap_s + 0.5)  # max_attempts, each with its backoff
+        return work
+
+    def _source_commits(self) -> list[int]:
+        return [self.commits.get(tp, (0, ""))[0] for tp in self.tps]
+
+    def _drained(self, tps: Sequence[TP]) -> bool:
+        return all(self.commits.get(tp, (0, ""))[0] >= self.logs[tp].end for tp in tps)
+
+    def _lag(self) -> str:
+        lag = {tp: (self.commits.get(tp, (0, ""))[0], self.logs[tp].end) for tp in self.all_tps}
+        paused = sorted(self.source.consumer.paused) if self.source else []
+        views = self.runner.partitions.views() if self.runner is not None else []
+        why = {(v.topic, v.partition): v.reasons for v in views if v.reasons}
+        return f"(committed, end) {lag}; paused in the consumer: {paused}, by the core: {why}"
 
     async def drain(self) -> None:
-        """Heal everything; every partition must drain within DRAIN_LIMIT_S of virtual time."""
+        """Heal everything; the source partitions must drain within DRAIN_LIMIT_S of virtual
+        time whatever the retry tiers hold (records waiting an hour for their due time must
+        not hold the source back), the tiers once their records are due too."""
         self.outage = None
         self.dlq_down = False
         self.commits_down = False
+        self.bad_deploy = False  # rolled back: a probe's ack releases a held guard
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + DRAIN_LIMIT_S
-        while not self._drained():
-            if loop.time() >= deadline:
-                lag = {tp: (self.commits.get(tp, (0, ""))[0], self.logs[tp].end) for tp in self.tps}
-                paused = sorted(self.source.consumer.paused) if self.source else []
-                self.fail(
-                    f"partitions did not drain in {DRAIN_LIMIT_S:.0f}s: (committed, end) {lag}; "
-                    f"paused in the consumer: {paused}"
-                )
-            await asyncio.sleep(0.5)
+        self._operator_at = loop.time() + 60.0  # ... unless every held one is real poison
+        self._recoverable_since = None
+        source_deadline = loop.time() + DRAIN_LIMIT_S + self._serial_work_s()
+        # (a message may go through every tier after the source drained)
+        deadline = source_deadline + sum(self.tier_delays_ms) / 1000.0 + DRAIN_LIMIT_S
+        sources_drained = False
+        progress, progress_at = self._source_commits(), loop.time()
+        while not self._drained(self.all_tps):
+            now = loop.time()
+            if not sources_drained:
+                sources_drained = self._drained(self.tps)
+                if not sources_drained and now >= source_deadline:
+                    self.fail(
+                        f"source partitions did not drain in {DRAIN_LIMIT_S:.0f}s: {self._lag()}"
+                    )
+                # A stall shows long before the limit: no source commit moves for a while.
+                if self._source_commits() != progress:
+                    progress, progress_at = self._source_commits(), now
+                elif not sources_drained and now - progress_at >= STALL_S:
+                    self.fail(f"no source commit moved for {STALL_S:.0f}s: {self._lag()}")
+            if now >= deadline:
+                self.fail(f"partitions did not drain in time: {self._lag()}")
+            self._watch_guard(now)
+            # Once the source drained, only tier records waiting for their due time are left.
+            await asyncio.sleep(0.5 if not sources_drained else 5.0)
             self._raise_failure()
             self.check()
         for tp, log in self.logs.items():

@@ -1,4 +1,4 @@
-"""A deterministic world for the pure core: virtual clock, Kafka, service and DLQ.
+"""A deterministic world for the simulation: Kafka, the service and the DLQ.
 
 The simulated consumer keeps librdkafka's behaviour where it matters to the core:
 - a pause flag survives revoke and re-assign of the same partition (librdkafka issue 1849);
@@ -171,9 +171,9 @@ ACKED = Decision(Action.ACK)
 """What ``finish`` decides for each message ``PartitionSet.finish_acked`` finished at once."""
 
 # -- the service -------------------------------------------------------------------------
-# Both drivers (``runner`` and ``shell``) answer with the same model: a message's behaviour
-# ("ok", "poison", "drop", "flaky:N", "timeout:N", and the drivers' own kinds) and the
-# service's outage ("unavailable", "hung", "unimplemented" for batch calls).
+# The shell simulation answers with this model: a message's behaviour ("ok", "poison",
+# "drop", "flaky:N", "timeout:N", and its own kinds) and the service's outage
+# ("unavailable", "hung", "unimplemented" for batch calls).
 
 
 def service_answer(behaviour: str, tries: int, outage: str | None) -> tuple[grpc.StatusCode, int]:

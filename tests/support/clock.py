@@ -12,8 +12,8 @@ class Clock:
     """Virtual time that moves only when told, plus a timer heap: ``call_later`` returns a
     cancellable handle; ``advance`` and ``run_until`` move the time, firing what falls due.
 
-    The one clock of the tests that drive pure code (the simulation, the core, the flow
-    objects, the log gates); ``tests/sim/vloop.py`` is the same idea as an asyncio loop."""
+    The one clock of the tests that drive pure code (the core, the flow objects, the log
+    gates); the simulation's ``tests/sim/vloop.py`` is the same idea as an asyncio loop."""
 
     def __init__(self, now: float = 0.0) -> None:
         self.now = now
