@@ -23,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any, Protocol
 
 from ..config import DeadLetterGuardConfig, DeliveryConfig
@@ -506,11 +507,11 @@ class PartitionSet:
     def intake_batch(self, records: Sequence[Record]) -> None:
         """Fetched records in fetch order (errors already handled by the shell), as
         ``intake`` of each would take them. A run of one partition's records with nothing
-        special about it (increasing offsets above what was received, no backlog, no restored
-        ack state, not a retry tier or the redrive topic, commits succeeding) is taken in at
-        once: one window reading, one tracker call, one byte budget update, one ``emit``;
-        what the window or the byte budget has no room for, and anything else, goes record by
-        record through ``intake``."""
+        special about it (increasing offsets above what was received; not a retry tier or
+        the redrive topic, no restored ack state, commits succeeding) is taken in at once:
+        one window reading, one tracker call, one byte budget update, one ``emit``; what the
+        window or the byte budget has no room for joins the backlog at once; anything else
+        goes record by record through ``intake``."""
         parts = self.parts
         count = len(records)
         start = 0
@@ -527,39 +528,47 @@ class PartitionSet:
                 end += 1
             part = parts.get((topic or "", partition or 0))
             if part is not None:
-                taken = self._intake_run(part, records, start, end)
-                for index in range(start + taken, end):
-                    self.intake(records[index])
+                index = start
+                if self._plain(part) and (records[start].offset() or 0) >= part.received_end:
+                    if not part.backlog:
+                        index += self._take_run(part, records, index, end)[0]
+                    index += self._backlog_run(part, records, index, end)
+                for rest in range(index, end):
+                    self.intake(records[rest])
             start = end
 
-    def _intake_run(
-        self, part: PartitionState, records: Sequence[Record], start: int, end: int
-    ) -> int:
-        """Take in records[start:end] (one partition's) at once, as far as the window and
-        the byte budget have room; returns how many were taken (the rest go through
-        ``intake``: a backlog, a reset, a duplicate)."""
+    def _plain(self, part: PartitionState) -> bool:
+        """Nothing about ``part`` asks for its records one at a time (``_take_run`` may)."""
         tracker = part.tracker
-        if (
-            tracker is None
-            or part.backlog
-            or part.tier
-            or part.topic == self._redrive
-            or self.commits_failing
-            or not tracker.takes_run_from(records[start].offset() or 0)
-            or (records[start].offset() or 0) < part.received_end
-        ):
-            return 0
+        return (
+            tracker is not None
+            and not tracker.restoring
+            and not part.tier
+            and part.topic != self._redrive
+            and not self.commits_failing
+        )
+
+    def _take_run(
+        self, part: PartitionState, records: Sequence[Record], start: int, end: int
+    ) -> tuple[int, int]:
+        """Track and admit records[start:end] of a ``_plain`` partition at once, as
+        ``_accept`` of each would, as far as the window and the byte budget have room and
+        the offsets increase above the last tracked one. Returns how many were taken and
+        their key and value bytes (what a backlog counts of them)."""
+        tracker = part.tracker
+        assert tracker is not None
+        if start >= end or not tracker.takes_run_from(records[start].offset() or 0):
+            return 0, 0
         room = min(end - start, self._max_in_flight - tracker.in_flight)
         budget = part.budget
         spare = budget.limit - budget.held  # bytes before the budget is spent
         topic = part.topic
         partition = part.partition
         epoch = part.epoch
-        previous = part.received_end - 1
+        previous = (records[start].offset() or 0) - 1
         deliveries: list[Delivery] = []
         offsets: list[int] = []
-        total = 0
-        taken = 0
+        total = stored = taken = 0
         while taken < room and total < spare:
             record = records[start + taken]
             offset = record.offset() or 0
@@ -573,6 +582,7 @@ class PartitionSet:
             key = record.key()
             value = record.value()
             size = len(key or b"") + len(value or b"")
+            stored += size
             if user:
                 size += sum(len(k) + len(v) for k, v in user)
             _, ts = record.timestamp()
@@ -586,10 +596,35 @@ class PartitionSet:
             taken += 1
         if taken:
             tracker.track_run(offsets)
-            part.received_end = previous + 1
+            part.received_end = max(part.received_end, previous + 1)
             part.bytes += total
             budget.held += total
             self._admit_run(deliveries)
+        return taken, stored
+
+    def _backlog_run(
+        self, part: PartitionState, records: Sequence[Record], start: int, end: int
+    ) -> int:
+        """Append records[start:end] to the backlog of ``part`` at once while it has one or
+        its window or byte budget is full (as ``intake`` of each would) and the offsets
+        increase; returns how many."""
+        if start >= end or not (part.backlog or self._full(part) or part.budget.spent):
+            return 0
+        previous = part.received_end - 1
+        backlog = part.backlog
+        size = taken = 0
+        for index in range(start, end):
+            record = records[index]
+            offset = record.offset() or 0
+            if offset <= previous:
+                break
+            backlog.append(record)
+            size += len(record.key() or b"") + len(record.value() or b"")  # _record_size
+            previous = offset
+            taken += 1
+        part.received_end = previous + 1
+        part.backlog_bytes += size
+        part.budget.waiting += size
         return taken
 
     def _admit_each(self, deliveries: list[Delivery]) -> None:
@@ -769,6 +804,14 @@ class PartitionSet:
             room = self._max_in_flight - tracker.in_flight
         backlog = part.backlog
         budget = part.budget
+        if room > 0 and backlog and self._plain(part):
+            run = list(islice(backlog, min(room, len(backlog))))
+            taken, size = self._take_run(part, run, 0, len(run))
+            for _ in range(taken):
+                backlog.popleft()
+            part.backlog_bytes -= size
+            budget.waiting -= size
+            room -= taken
         while room > 0 and backlog and not budget.spent:
             record = backlog.popleft()
             size = len(record.key() or b"") + len(record.value() or b"")  # _record_size
