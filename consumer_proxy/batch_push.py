@@ -95,7 +95,7 @@ class BatchPush(Push):
                 batch = take(ready.items, limits if whole else self._one, partitions.drop_stale)
                 if ready.items:
                     ready.wake()  # more is ready than this call takes: another slot goes
-                began = [d for d in batch if partitions.begin(d)]
+                began = partitions.begin_batch(batch)
                 tracer = self._tracer
                 for d in began:
                     if d.tier:

@@ -60,7 +60,7 @@ class Rig:
 
     def take(self, n: int) -> list[Delivery]:
         taken = [self.ready.popleft() for _ in range(n)]
-        assert all(self.core.begin(d) for d in taken)
+        assert self.core.begin_batch(taken) == taken
         return taken
 
     def state(self) -> list[object]:
@@ -231,3 +231,19 @@ def test_an_answer_that_is_not_all_plain_acks_changes_nothing() -> None:
     batch[0].guard_probe = True
     assert not rig.core.finish_acked(batch[:2], [ACK] * 2)
     assert rig.state() == after_cut
+
+
+def test_a_calls_messages_begin_together_but_for_the_stale_and_the_leaving() -> None:
+    # Given 3 messages of partition 0 and 2 of partition 1 ready
+    rig = Rig()
+    records = [Rec("t", o) for o in range(3)] + [Rec("t", o, partition=1) for o in range(2)]
+    rig.core.intake_batch(records)
+    batch = list(rig.ready)
+    # When partition 0 is cut at offset 2 and partition 1 is being revoked
+    rig.core.truncated(("t", 0), 2)
+    rig.core.leave(rig.core.owned([("t", 1)]))
+    # Then the call begins with offsets 0 and 1 only: each counted as a call under way
+    began = rig.core.begin_batch(batch)
+    assert [(d.part.partition, d.offset) for d in began] == [(0, 0), (0, 1)]
+    assert [p.calls for p in rig.core.parts.values()] == [2, 0]
+    assert all(d.successes_mark == 0 for d in began)

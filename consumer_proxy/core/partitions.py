@@ -849,6 +849,28 @@ class PartitionSet:
             delivery.successes_mark = breaker.successes
         return True
 
+    def begin_batch(self, batch: Sequence[Delivery]) -> list[Delivery]:
+        """``begin`` of each message of one call: those that may be pushed, in order (the
+        common case, a message of a partition neither cut nor leaving, without the call to
+        ``begin``)."""
+        breaker = self._breaker
+        openings = breaker.openings
+        successes = breaker.successes
+        slow = self._watch
+        began: list[Delivery] = []
+        for delivery in batch:
+            part = delivery.part
+            if slow or part.revoked or part.leaving or part.epoch != delivery.epoch:
+                if self.begin(delivery):
+                    began.append(delivery)
+                continue
+            part.calls += 1
+            delivery.openings_mark = openings
+            if delivery.successes_mark < 0:
+                delivery.successes_mark = successes
+            began.append(delivery)
+        return began
+
     def finish(self, delivery: Delivery, result: Classification, probe: bool) -> Decision | None:
         """The push of ``delivery`` ended with ``result``; returns the decision taken, or None
         when the result is stale (the partition was revoked or reset meanwhile)."""

@@ -382,6 +382,15 @@ class ShellSim:
             self.began_with.pop(d, None)
             self._decided(d, decision)
 
+        def begun_batch(began: list[Delivery], batch: list[Delivery]) -> None:
+            # Those ``begin_batch`` passed to ``begin`` were seen there already.
+            out = set(began)
+            for d in batch:
+                if d not in out:
+                    begun(False, d)
+                elif d not in self.calls:
+                    begun(True, d)
+
         def finished_acked(all_acked: bool, batch: list[Delivery], *_: Any) -> None:
             if all_acked:
                 for d in batch:
@@ -404,6 +413,7 @@ class ShellSim:
         wrap("begin", begun)
         wrap("finish", finished)
         wrap("finish_acked", finished_acked)
+        wrap("begin_batch", begun_batch)
         wrap("abandon", ended)
         for name in ("dead_lettered", "dead_letter_abandoned", "tier_written", "tier_abandoned"):
             wrap(name, unparked)
