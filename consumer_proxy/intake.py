@@ -1,10 +1,11 @@
 """A group's intake: the ``Intake`` loop from the consumer into the core.
 
 It owns the polls: each ``consume()`` of the ``ports.MessageSource`` hands its records to the
-core (``PartitionSet.intake``), a log truncation to ``PartitionSet.truncated``, the
-consumer's positions to ``skip_unfetchable``, moves aside the messages that block their
-partition's commit (``PartitionSet.unblock``, with ``head_block_ms``), and executes the
-core's pause plan (``pause_plan`` -> ``set_paused``). How long the next poll may wait is
+core (``PartitionSet.intake_batch``, up to each error), a log truncation to
+``PartitionSet.truncated``, the consumer's positions to ``skip_unfetchable``, moves aside the
+messages that block their partition's commit (``PartitionSet.unblock``, with
+``head_block_ms``), and executes the core's pause plan (``pause_plan`` -> ``set_paused``). How
+long the next poll may wait is
 ``core.cadence.poll_wait``'s choice, from the workers' supply and the ``Committer``'s
 schedule. The first poll says the consumer is up (``on_started``).
 """

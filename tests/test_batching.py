@@ -22,7 +22,7 @@ from consumer_proxy.core.batching import (
     take,
 )
 from consumer_proxy.core.decision import Action, Evidence, Policy, decide
-from consumer_proxy.core.outcomes import Classifier, Outcome
+from consumer_proxy.core.outcomes import Classification, Classifier, Outcome
 from consumer_proxy.proto.v1 import handler_pb2
 
 Response = handler_pb2.HandleMessageResponse
@@ -240,3 +240,25 @@ def test_bad_batch_settings_are_rejected_with_their_field_path() -> None:
         with pytest.raises(ValidationError) as caught:
             DeliveryConfig.model_validate({"batch": bad})
         assert caught.value.errors()[0]["loc"][0] == "batch"
+
+
+def test_an_answer_of_plain_acks_is_read_once_not_result_by_result() -> None:
+    class Counting(Classifier):
+        calls = 0
+
+        def from_response(self, response: Response) -> Classification:
+            Counting.calls += 1
+            return super().from_response(response)
+
+    classifier = Counting()
+    # Given an answer of 500 empty results (plain acks)
+    answer = handler_pb2.HandleMessageBatchResponse(results=[Response() for _ in range(500)])
+    # When it is classified / Then every message is acked, the call a success, read once
+    outcome = classify_batch(classifier, answer, 500)
+    assert outcome.results == [classifier.from_response(Response())] * 500
+    assert (outcome.call.outcome, outcome.breaker) == (Outcome.ACK, False)
+    assert Counting.calls == 2  # (one of them the assertion's)
+    # When one result says anything (a drop) / Then each result is read on its own
+    answer.results[7].action = Response.DROP
+    outcome = classify_batch(classifier, answer, 500)
+    assert [r.outcome for r in outcome.results[6:9]] == [Outcome.ACK, Outcome.DROP, Outcome.ACK]

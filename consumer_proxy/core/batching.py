@@ -114,6 +114,7 @@ class BatchOutcome:
 
 
 _OK_CALL = Classification(Outcome.ACK, "OK")
+_EMPTY = handler_pb2.HandleMessageResponse()  # read only
 
 
 def classify_failed_call(
@@ -155,6 +156,10 @@ def classify_batch(
             alone=count > 1,
         )
         return BatchOutcome([retry] * count, retry, None, protocol_error=reason)
+    if count and response.ByteSize() == 2 * count:
+        # Every result is empty (a plain ack): each encodes as its tag and a zero length, two
+        # bytes, and any field set in one makes the answer longer. Read in C, not per result.
+        return BatchOutcome([classifier.from_response(_EMPTY)] * count, _OK_CALL, False)
     from_response = classifier.from_response
     return summarize([from_response(answer) for answer in answers])
 
