@@ -56,11 +56,11 @@ bench: install
 	$(PY) -m bench.run_all
 
 # The long soak of the deterministic simulation: GroupRunner and the real core on a virtual-time
-# loop, 100k steps by default (about 300-600 steps a second on these 2-core machines: 3-5
-# minutes; SIM_STEPS=1000000 for the 1M-step soak). A failure prints its seed, replayed with:
-# .venv/bin/python -m tests.sim --seed N
+# loop, 1M steps by default in one process per CPU (about 600 steps a second each: some 13
+# minutes on these 2-core machines; SIM_STEPS=100000 for a short one). A failure prints its
+# seed, replayed with: .venv/bin/python -m tests.sim --seed N
 simulate: install
-	$(PY) -m tests.sim --steps 2000 --total-steps $(or $(SIM_STEPS),100000)
+	$(PY) -m tests.sim --steps 2000 --total-steps $(or $(SIM_STEPS),1000000)
 
 protos: install
 	$(PY) scripts/gen_protos.py

@@ -465,12 +465,19 @@ class _Chunks(SpanExporter):
         return None
 
 
-def test_encoded_batches_keep_bytes_not_spans_and_bound_the_queue() -> None:
-    # Given the gRPC path's processor with room for 5 spans and a long export interval
+def _encoding(max_queue: int, batch: int) -> tuple[_Chunks, EncodedBatches, TracerProvider]:
+    """A provider whose spans go through ``EncodedBatches`` (a long export interval) to
+    ``_Chunks``."""
     exporter = _Chunks()
-    processor = EncodedBatches(exporter, max_queue=5, batch=100, interval_s=3600)
+    processor = EncodedBatches(exporter, max_queue=max_queue, batch=batch, interval_s=3600)
     provider = TracerProvider()
     provider.add_span_processor(processor)
+    return exporter, processor, provider
+
+
+def test_encoded_batches_keep_bytes_not_spans_and_bound_the_queue() -> None:
+    # Given the gRPC path's processor with room for 5 spans
+    exporter, processor, provider = _encoding(max_queue=5, batch=100)
     tracer = provider.get_tracer("t")
     # When a span ends
     span = tracer.start_span("one", attributes={"a": "b" * 100})
@@ -494,10 +501,7 @@ def test_encoded_batches_keep_bytes_not_spans_and_bound_the_queue() -> None:
 
 
 def test_encoded_batches_export_what_is_left_at_shutdown_in_batches() -> None:
-    exporter = _Chunks()
-    processor = EncodedBatches(exporter, max_queue=100, batch=4, interval_s=3600)
-    provider = TracerProvider()
-    provider.add_span_processor(processor)
+    exporter, processor, provider = _encoding(max_queue=100, batch=4)
     tracer = provider.get_tracer("t")
     exporter.gate.clear()  # the first full batch's export waits
     for i in range(10):

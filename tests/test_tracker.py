@@ -470,14 +470,15 @@ def test_a_commit_carries_the_leader_epoch_of_the_record_before_it() -> None:
     for offset in range(10, 25):
         tracker.saw_epoch(offset, 3 if offset < 20 else 5)
         tracker.track(offset)
-    # Nothing done: a commit at 10 covers no fetched record, and none was committed before
-    assert tracker.commit_epoch(tracker.committable()) is None
+    # Nothing done: a commit at 10 covers no fetched record; the first one known above it
+    # bounds its epoch from above (epochs only grow along a log)
+    assert tracker.commit_epoch(tracker.committable()) == 3
     # When 10..21 are done, the commit at 22 covers record 21, written in epoch 5
     for offset in range(10, 22):
         tracker.done(offset)
     assert tracker.committable() == 22
     assert tracker.commit_epoch(22) == 5
-    # and a commit that stops at 20 covers record 19, of epoch 3
+    # and a commit that stops at 20 covers record 19, of epoch 3 (with nothing known: none)
     assert PartitionTracker(10, 100).commit_epoch(20) is None
     again = PartitionTracker(10, 100)
     for offset in range(10, 25):
@@ -496,6 +497,25 @@ def test_the_committed_epoch_goes_with_a_commit_that_has_not_moved() -> None:
     # An unknown committed epoch (-1 from the client) or offset 0 gives none
     assert PartitionTracker(40, 100, committed_epoch=-1).commit_epoch(40) is None
     assert PartitionTracker(0, 100, committed_epoch=7).commit_epoch(0) is None
+
+
+def test_a_commit_below_a_cut_keeps_an_epoch_for_the_next_owner_to_check() -> None:
+    # Given a partition assigned at 40 with epoch 0, its log then cut at 33 (the client seeks
+    # back: the core truncates) and rewritten in epoch 1
+    tracker = PartitionTracker(40, 100, committed_epoch=0)
+    tracker.truncate(33)
+    for offset in range(33, 36):
+        tracker.saw_epoch(offset, 1)
+        tracker.track(offset)
+    # Then a commit at 33 (nothing done yet) still carries an epoch for record 32: the first
+    # known above it, 1, an upper bound (its own was 0). Were the log cut again below 33, a
+    # leader asked where epoch 1 ends answers for epoch 0 (epoch 1 began above the cut and
+    # is gone), so the next owner's client still finds the cut (found by the simulation: a
+    # commit with no epoch made the next owner skip a record written at 32 after a second cut)
+    assert tracker.committable() == 33
+    assert tracker.commit_epoch(33) == 1
+    tracker.done(33)
+    assert tracker.commit_epoch(tracker.committable()) == 1
 
 
 def test_records_fetched_again_from_below_replace_the_epochs_of_a_cut_log() -> None:
@@ -523,9 +543,10 @@ def test_the_epochs_remembered_are_bounded() -> None:
         tracker.saw_epoch(epoch, epoch)
         tracker.track(epoch)
     assert len(tracker._epochs) <= 64
-    # the newest ones are kept; for the oldest offsets the epoch is unknown, never wrong
+    # the newest ones are kept; for the oldest offsets an upper bound (the oldest kept), never
+    # an epoch lower than the record's (which would find a cut that is not there)
+    assert tracker.commit_epoch(1) == 1000 - 64
     assert tracker.commit_epoch(1000) == 999
-    assert tracker.commit_epoch(1) is None
 
 
 @relaxed

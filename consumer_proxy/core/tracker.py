@@ -83,9 +83,10 @@ class PartitionTracker:
         """The highest leader epoch seen (fetched records and a restored state): the epoch
         the metadata records."""
         # Where the leader epoch changes in the log, as (first offset, epoch), offsets and
-        # epochs increasing: the epoch of the record before C goes with a commit at C
-        # (KIP-320), so that the next owner's client finds a log cut below C and seeks back
-        # to it instead of skipping what was written there after the cut.
+        # epochs increasing (and the committed one's, when known): the epoch of the record
+        # before C goes with a commit at C (KIP-320), so that the next owner's client finds a
+        # log cut below C and seeks back to it instead of skipping what was written there
+        # after the cut. A cut leaves the entries above it: upper bounds, see commit_epoch.
         self._epochs: list[tuple[int, int]] = []
         if committed_epoch is not None and committed_epoch >= 0 and committed > 0:
             self._epochs.append((committed - 1, committed_epoch))
@@ -157,14 +158,18 @@ class PartitionTracker:
 
     def commit_epoch(self, offset: int) -> int | None:
         """The leader epoch of the record before ``offset`` (:meth:`committable`: the last
-        record a commit there covers), or None when it is not known."""
+        record a commit there covers), or None when nothing is known of it.
+
+        When no epoch change is known at or below that record, the epoch of the first known
+        record above it (a later record's, or the committed one's: epochs only grow along a
+        log) is given instead. That errs on the safe side: a leader asked where that epoch
+        ends answers for the latest epoch it still has at or below it, which a cut below the
+        commit never leaves past the cut (KIP-320 finds the cut all the same)."""
         before = offset - 1
         epochs = self._epochs
         while len(epochs) > 1 and epochs[1][0] <= before:
             del epochs[0]
-        if epochs and epochs[0][0] <= before:
-            return epochs[0][1]
-        return None
+        return epochs[0][1] if epochs else None
 
     def skip_to(self, offset: int) -> None:
         """The consumer moved on to ``offset``: untracked offsets below it will never be fetched.

@@ -121,7 +121,9 @@ class SimSource:
 
     def __init__(self, sim: ShellSim, listener: RebalanceListener) -> None:
         self.sim = sim
-        self.consumer = Consumer(sim.logs, sim.commits)  # a new process: no pause flags
+        self.consumer = Consumer(
+            sim.logs, sim.commits, sim.commit_epochs
+        )  # a new process: no pause flags
         self.listener = listener
         self.positions: dict[TP, int] = {}
         self.positions_read = 0
@@ -240,8 +242,9 @@ class SimSource:
         offsets = await self.listener.partitions_revoked([TopicPartition(*tp) for tp in tps])
         if not self.crashed:
             for tp in offsets:
-                sim.committed((tp.topic, tp.partition), tp.offset, tp.metadata or "")
-                self.consumer.commit((tp.topic, tp.partition), tp.offset, tp.metadata or "")
+                commit = ((tp.topic, tp.partition), tp.offset, tp.metadata or "", tp.leader_epoch)
+                sim.committed(*commit)
+                self.consumer.commit(*commit)
             for part in parts:
                 # Acked messages beyond what the ack state could encode are redelivered.
                 if part.tracker is not None and not part.tracker.metadata(sim.budget)[1]:
@@ -274,8 +277,9 @@ class SimSource:
             if self.crashed or self.sim.commits_down:
                 raise KafkaException(KafkaError(KafkaError._TRANSPORT, "commits down"))
             for tp in chosen:
-                self.sim.committed((tp.topic, tp.partition), tp.offset, tp.metadata or "")
-                self.consumer.commit((tp.topic, tp.partition), tp.offset, tp.metadata or "")
+                commit = ((tp.topic, tp.partition), tp.offset, tp.metadata or "", tp.leader_epoch)
+                self.sim.committed(*commit)
+                self.consumer.commit(*commit)
             return chosen
 
         result: list[TopicPartition] = await self._run("commit", commit)

@@ -24,12 +24,13 @@ with simulated edges (``ports``, in ``tests/sim/edges.py``):
 
 The schedule produces records, rebalances (a fifth of them lose their partitions: no final
 commit; a third of the hand-overs cut the log inside the range the restored ack state
-describes, which the member is not told), restarts (graceful, or a crash: nothing is
-committed after it; each with another metadata budget, as pods of a config roll), cuts logs
-(told, or silent), takes the service, the DLQ and commits down, deploys a bad service and
-releases a held dead-letter guard as an operator. Half the seeds of ordering none have 1-3
-retry tiers (a third of them waiting a minute to an hour, far longer than the run) and some
-head-of-line unblocking. Checked at every step:
+describes, which the member is not told, some of them below the commit: the simulated consumer
+validates a committed leader epoch as librdkafka does, KIP-320), restarts (graceful, or a
+crash: nothing is committed after it; each with another metadata budget, as pods of a config
+roll), cuts logs (told, or silent), takes the service, the DLQ and commits down, deploys a bad
+service and releases a held dead-letter guard as an operator. Half the seeds of ordering none
+have 1-3 retry tiers (a third of them waiting a minute to an hour, far longer than the run) and
+some head-of-line unblocking. Checked at every step:
 
 - a commit never passes an offset whose message is not done, nor marks one done in its
   metadata; commits never go back (but after a cut); nothing acked is pushed again unless a
@@ -139,6 +140,7 @@ class ShellStats:
     truncations: int = 0
     silent_truncations: int = 0  # cuts the member is not told of (librdkafka seeks back)
     handover_truncations: int = 0  # ... while a restored ack state described the cut range
+    cuts_below_commit: int = 0  # at hand-over: the next owner must seek back (KIP-320)
     paused_at_revoke: int = 0  # partitions revoked and assigned back while paused
     restarts: int = 0
     crashes: int = 0
@@ -207,6 +209,8 @@ class ShellSim:
         self.losses = random.Random(f"shell-lost:{seed}")  # which rebalances lose
         self.handovers = random.Random(f"shell-handover:{seed}")  # cuts at hand-over
         self.handover_cuts = 0.3  # ... at this share of hand-overs
+        self.below = random.Random(f"shell-below:{seed}")  # ... some below the commit
+        self.below_share = 0.15
         # A restart may bring another metadata budget (pods of a config roll).
         self.budgets = random.Random(f"shell-budget:{seed}")
         self.tps: list[TP] = [(TOPIC, p) for p in range(partitions)]
@@ -230,6 +234,7 @@ class ShellSim:
         self.hung_pushes: set[int] = set()  # produced messages pushed during a hang
         self.charged: set[int] = set()  # ... with a deadline or silence charged as an attempt
         self.commits: dict[TP, tuple[int, str]] = {}
+        self.commit_epochs: dict[TP, int] = {}  # the leader epochs committed with them
         self.last_commit: dict[TP, int] = {}
         self.lanes: dict[tuple[TP, object], list[tuple[int, int]]] = {}
         self.lane_head: dict[tuple[TP, object], int] = {}
@@ -515,11 +520,14 @@ class ShellSim:
         runner = self.runner
         return runner is None or runner._stopping.is_set()
 
-    def committed(self, tp: TP, offset: int, metadata: str) -> None:
+    def committed(self, tp: TP, offset: int, metadata: str, epoch: int | None = None) -> None:
         log = self.logs[tp]
         done = self.truth.done
+        # A commit with a leader epoch is read back from where that epoch ends when the log
+        # was cut below it since (KIP-320): it passes only what lies below that.
+        passes = offset if epoch is None else min(offset, log.epoch_end(epoch))
         for o, msg in log.records.items():
-            if o < offset and msg.ident not in done:
+            if o < passes and msg.ident not in done:
                 self.fail(f"commit {tp}@{offset} passes offset {o} (message {msg.ident} not done)")
         if metadata:
             state = decode(metadata)
@@ -880,10 +888,10 @@ class ShellSim:
         log = self.logs[tp]
         floor = self.commits.get(tp, (0, ""))[0]
         if log.end <= floor or (self.source is not None and self.source.rebalancing):
-            # Not while a revoke waits for its calls: the member hears of the cut only after
-            # it, and its final commit could pass records written after the cut. Kafka's
-            # leader-epoch check of a committed offset (KIP-320) is what catches that on the
-            # next assignment; the simulated consumer does not model it.
+            # Not while a revoke waits for its calls (the member hears of the cut only after
+            # it, and its final commit may pass records written after the cut; the leader
+            # epoch it carries makes the next owner seek back: ``cut_at_handover`` cuts
+            # below commits to check that).
             return
         self.cut_log(tp, rng.randint(floor, log.end - 1))
 
@@ -923,6 +931,13 @@ class ShellSim:
             return
         tp = rng.choice(sources)
         committed, meta = self.commits.get(tp, (0, ""))
+        if committed > 0 and self.below.random() < self.below_share:
+            # Below the commit: records written there after the cut come only if the new
+            # owner's client validates the commit's leader epoch and seeks back (KIP-320).
+            self.cut_log(tp, self.below.randint(max(0, committed - 8), committed - 1))
+            self.stats.handover_truncations += 1
+            self.stats.cuts_below_commit += 1
+            return
         top = min(decode(meta).end, self.logs[tp].end) - 1 if meta else committed
         if top > committed:  # inside the range the restored state describes
             self.cut_log(tp, rng.randint(committed + 1, top))

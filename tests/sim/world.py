@@ -109,13 +109,25 @@ class Log:
         self.epoch += 1
         return gone
 
+    def epoch_end(self, epoch: int) -> int:
+        """Where leader ``epoch`` ends in this log (the first record of a later epoch, or the
+        end): what a leader answers a KIP-320 OffsetsForLeaderEpoch request with."""
+        later = [o for o, e in self.epochs.items() if e > epoch]
+        return min(later) if later else self.end
+
 
 class Consumer:
     """One member's consumer of a simulated cluster (one topic, several partitions)."""
 
-    def __init__(self, logs: dict[TP, Log], commits: dict[TP, tuple[int, str]]) -> None:
+    def __init__(
+        self,
+        logs: dict[TP, Log],
+        commits: dict[TP, tuple[int, str]],
+        epochs: dict[TP, int] | None = None,
+    ) -> None:
         self.logs = logs
         self.commits = commits  # shared: the group coordinator's committed offsets
+        self.epochs = {} if epochs is None else epochs  # ... and their leader epochs
         self.assigned: set[TP] = set()
         self.paused: set[TP] = set()  # survives revoke and re-assign, like librdkafka's flag
         self.position: dict[TP, int] = {}
@@ -125,7 +137,13 @@ class Consumer:
         for tp in tps:
             self.assigned.add(tp)
             committed = self.commits.get(tp)
-            self.position[tp] = committed[0] if committed else 0
+            position = committed[0] if committed else 0
+            epoch = self.epochs.get(tp)
+            if committed and epoch is not None:
+                # librdkafka validates a committed offset that has a leader epoch (KIP-320):
+                # when the log was cut below it, it seeks back to the cut, silently.
+                position = min(position, self.logs[tp].epoch_end(epoch))
+            self.position[tp] = position
             out.append((tp, committed[0] if committed else None, committed[1] if committed else ""))
         return out
 
@@ -162,9 +180,13 @@ class Consumer:
             self.position[tp] = pos
         return out
 
-    def commit(self, tp: TP, offset: int, metadata: str) -> None:
+    def commit(self, tp: TP, offset: int, metadata: str, epoch: int | None = None) -> None:
         if tp in self.assigned:
             self.commits[tp] = (offset, metadata)
+            if epoch is None:
+                self.epochs.pop(tp, None)
+            else:
+                self.epochs[tp] = epoch
 
 
 ACKED = Decision(Action.ACK)
