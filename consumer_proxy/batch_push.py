@@ -160,7 +160,8 @@ class BatchPush(Push):
             return await self._deliver_unary(batch, probe, endpoint)
         self._m_batch_size.observe(count)
         self._answered(outcome, endpoint.target)
-        return self._finished(batch, outcome, probe, endpoint)
+        # (no span: no message of the call is sampled, and the others' traces need no end)
+        return self._finished(batch, outcome, probe, endpoint, traced=span is not None)
 
     async def _deliver_unary(
         self, batch: list[Delivery], probe: bool, endpoint: Any
@@ -180,7 +181,7 @@ class BatchPush(Push):
         if outcome.breaker:
             call = outcome.call
             self.last_failure = f"{call.status} from {endpoint.target}: {call.reason}"
-        return self._finished(batch, outcome, probe, endpoint)
+        return self._finished(batch, outcome, probe, endpoint, traced=self._tracer is not None)
 
     def _unary_call(self, delivery: Delivery, endpoint: Any) -> Awaitable[Classification]:
         """One message of batch mode in a unary call (with its attempt span when traced)."""
@@ -200,14 +201,20 @@ class BatchPush(Push):
         return result
 
     def _finished(
-        self, batch: list[Delivery], outcome: BatchOutcome, probe: bool, endpoint: Any
+        self,
+        batch: list[Delivery],
+        outcome: BatchOutcome,
+        probe: bool,
+        endpoint: Any,
+        traced: bool,
     ) -> BatchOutcome:
         """The breaker hears the call once, then the core decides each message (an answer
-        of plain acks, untraced: all at once, ``PartitionSet.finish_acked``)."""
+        of plain acks to a call with no sampled message, ``traced`` False: all at once,
+        ``PartitionSet.finish_acked``)."""
         # A protocol error (breaker None) says nothing about the service's health.
         self._tell_breaker(outcome.breaker, endpoint, probe)
         results = outcome.results
-        if self._tracer is None and self.partitions.finish_acked(batch, results):
+        if not traced and self.partitions.finish_acked(batch, results):
             self.tally.acked(len(batch))
             return outcome
         finish = self.partitions.finish
