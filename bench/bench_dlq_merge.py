@@ -33,6 +33,7 @@ from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
 from bench.measure import Result, rate
 from bench.options import BenchOptions, broker
+from bench.producing import produce_bulk
 from consumer_proxy.cli import main as cli_main
 from consumer_proxy.core import records as dlq_records
 from consumer_proxy.tools import spark
@@ -48,21 +49,11 @@ STATUSES = ["INVALID_ARGUMENT", "FAILED_PRECONDITION", "DEADLINE_EXCEEDED", "DAT
 
 def produce_dlq(bootstrap: str, topic: str, n: int) -> float:
     """Produce ``n`` dead letters round-robin over the partitions; returns the seconds taken."""
-    producer = Producer(
-        {
-            "bootstrap.servers": bootstrap,
-            "acks": "all",
-            "enable.idempotence": True,
-            "linger.ms": 50,
-            "compression.type": "lz4",
-            "queue.buffering.max.messages": 500_000,
-        }
-    )
     now = int(time.time() * 1000)
-    started = time.monotonic()
-    for i in range(n):
+
+    def headers(i: int) -> list[tuple[str, str | bytes | None]]:
         origin = dlq_records.Origin("orders", i % 12, i, now - 60_000, 1)
-        headers = dlq_records.dlq_headers(
+        return dlq_records.dlq_headers(
             [("trace-id", b"%016d" % i)],
             origin,
             attempt=1,
@@ -72,20 +63,23 @@ def produce_dlq(bootstrap: str, topic: str, n: int) -> float:
             group="bench",
             now_ms=now,
         )
-        while True:
-            try:
-                producer.produce(
-                    topic, VALUE, b"k%06d" % (i % 50_000), partition=i % PARTITIONS,
-                    headers=headers,
-                )  # fmt: skip
-                break
-            except BufferError:
-                producer.poll(0.05)
-        if i % 5000 == 0:
-            producer.poll(0)
-    left = producer.flush(120)
-    if left:
-        raise RuntimeError(f"{left} records not delivered to {topic}")
+
+    started = time.monotonic()
+    produce_bulk(
+        bootstrap,
+        topic,
+        n,
+        partitions=PARTITIONS,
+        value=lambda i: VALUE,
+        key=lambda i: b"k%06d" % (i % 50_000),
+        headers=headers,
+        settings={
+            "enable.idempotence": True,
+            "linger.ms": 50,
+            "compression.type": "lz4",
+            "queue.buffering.max.messages": 500_000,
+        },
+    )
     return time.monotonic() - started
 
 

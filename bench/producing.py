@@ -18,9 +18,11 @@ def produce_bulk(
     partitions: int = 1,
     value: Callable[[int], bytes] = lambda i: b"m%015d" % i,
     key: Callable[[int], bytes] | None = None,
+    headers: Callable[[int], list[tuple[str, str | bytes | None]]] | None = None,
+    settings: dict[str, Any] | None = None,
 ) -> None:
     """Produce ``n`` records round-robin over ``partitions`` (acks=all) and flush; ``key``
-    gives record i's key (none by default)."""
+    and ``headers`` give record i's (none by default); ``settings`` override the producer's."""
     producer = Producer(
         {
             "bootstrap.servers": bootstrap,
@@ -28,6 +30,7 @@ def produce_bulk(
             "linger.ms": 20,
             "batch.num.messages": 10000,
             "queue.buffering.max.messages": 200000,
+            **(settings or {}),
         }
     )
     failures: list[str] = []
@@ -45,6 +48,7 @@ def produce_bulk(
                     key(i) if key is not None else None,
                     partition=i % partitions,
                     on_delivery=delivered,
+                    headers=headers(i) if headers is not None else None,
                 )
                 break
             except BufferError:

@@ -189,6 +189,19 @@ def settled(spans: list[dict[str, Any]], calls: int, writes: int) -> bool:
 Spans = list[dict[str, Any]]
 
 
+async def run_until_caught_up(
+    config: ProxyConfig, bootstrap: str, group: str, topic: str, timeout: float
+) -> None:
+    """Run the proxy until ``group`` has committed all of ``topic``, then shut it down (which
+    exports its spans)."""
+    proxy, task = start_proxy(config)
+    try:
+        await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=timeout)
+    finally:
+        await proxy.shutdown()
+        await task
+
+
 async def read_trace(
     collector: Collector, trace_id: str, complete: Callable[[Spans], bool], what: str
 ) -> Spans:
@@ -234,12 +247,7 @@ async def test_each_message_is_one_trace_from_the_producer_through_the_proxy_int
     # Go example (two instances of one service)
     endpoints = [server.address, go_service.address]
     config = traced_config(bootstrap, group, [topic], endpoints, collector)
-    proxy, task = start_proxy(config)
-    try:
-        await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=90)
-    finally:
-        await proxy.shutdown()  # exports the proxy's spans
-        await task
+    await run_until_caught_up(config, bootstrap, group, topic, 90)
     service_tracing.force_flush()
     go_service.stop()  # flushes its spans
 
@@ -319,12 +327,7 @@ async def test_each_message_is_one_trace_from_the_producer_through_the_proxy_int
     )
     assert code == 0
     config = traced_config(bootstrap, group, [topic], [server.address], collector)
-    proxy, task = start_proxy(config)
-    try:
-        await async_wait_until(lambda: caught_up(bootstrap, group, f"{group}.redrive"), timeout=90)
-    finally:
-        await proxy.shutdown()
-        await task
+    await run_until_caught_up(config, bootstrap, group, f"{group}.redrive", 90)
     service_tracing.force_flush()
 
     # Then each merged message's delivery continues its trace: a second process span, the
@@ -364,12 +367,7 @@ async def test_in_batch_mode_each_handler_span_is_its_messages_child_and_the_cal
     endpoints = [server.address, go_service.address]
     delivery = {"batch": {"mode": "always", "max_messages": 10, "linger_ms": 20}}
     config = traced_config(bootstrap, group, [topic], endpoints, collector, delivery=delivery)
-    proxy, task = start_proxy(config)
-    try:
-        await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=90)
-    finally:
-        await proxy.shutdown()
-        await task
+    await run_until_caught_up(config, bootstrap, group, topic, 90)
     service_tracing.force_flush()
     go_service.stop()
 
@@ -442,12 +440,7 @@ async def test_a_long_running_call_is_an_attempt_whose_stream_the_service_contin
         delivery={"long_running": long_running},
     )
     # When the proxy pushes them through HandleMessageStream to the Python SDK service
-    proxy, task = start_proxy(config)
-    try:
-        await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=60)
-    finally:
-        await proxy.shutdown()
-        await task
+    await run_until_caught_up(config, bootstrap, group, topic, 60)
     service_tracing.force_flush()
     # Then each trace is producer -> process -> the streaming attempt -> the SDK's server span
     # -> the handler's own span, and the heartbeat an event of its attempt
