@@ -50,12 +50,12 @@ from .core.decision import Action, Decision
 from .core.outcomes import Classification
 from .core.partitions import Delivery
 from .core.tracecontext import (
-    MAX_TRACESTATE_BYTES,
     TRACEPARENT,
     TRACESTATE,
     Metadata,
     format_traceparent,
     parse_traceparent,
+    parse_tracestate,
     trace_headers,
 )
 from .otlp import Encoded, encode_span, request_of
@@ -92,12 +92,9 @@ def _remote_context(headers: Sequence[tuple[str, bytes]]) -> SpanContext | None:
     if parsed is None:
         return None
     trace_id, span_id, flags = parsed
-    trace_state = None
-    if state is not None and len(state) <= MAX_TRACESTATE_BYTES:
-        try:
-            trace_state = TraceState.from_header([state.decode("ascii")])
-        except (UnicodeDecodeError, ValueError):
-            trace_state = None
+    # Checked here, not by TraceState.from_header, which logs a malformed member verbatim.
+    members = parse_tracestate(state) if state is not None else None
+    trace_state = TraceState(members) if members else None
     return SpanContext(trace_id, span_id, True, TraceFlags(flags & 0x01), trace_state)
 
 

@@ -8,6 +8,7 @@ exporter for what it makes of those headers and of the core's decisions.
 from __future__ import annotations
 
 import gc
+import logging
 import random
 import subprocess
 import sys
@@ -40,8 +41,10 @@ from consumer_proxy.core.partitions import Delivery, PartitionSet, PartitionStat
 from consumer_proxy.core.records import Origin
 from consumer_proxy.core.tracecontext import (
     MAX_TRACEPARENT_BYTES,
+    MAX_TRACESTATE_BYTES,
     format_traceparent,
     parse_traceparent,
+    parse_tracestate,
 )
 from consumer_proxy.flow import Breaker
 from consumer_proxy.otel import EncodedBatches, OtelTracer, _exporter
@@ -222,6 +225,47 @@ def test_a_producer_that_did_not_sample_is_followed_without_a_span(
     assert not trace.sampled
     assert exporter.get_finished_spans() == ()
     assert metadata == (("traceparent", unsampled.decode()), ("tracestate", "vendor=abc"))
+
+
+@pytest.mark.parametrize(
+    ("header", "members"),
+    [
+        (b"vendor=abc, other@t=x y ,,", [("vendor", "abc"), ("other@t", "x y")]),
+        (b"a=b,\nFAKE LOG LINE level=ERROR x", None),  # a forged log line
+        (b"a=b,a=c", None),  # a key twice
+        (b",".join(b"k%d=v" % i for i in range(33)), None),  # 33 members
+        (b"k=" + b"v" * (MAX_TRACESTATE_BYTES - 1), None),  # over 512 bytes
+        (b"k=\xff", None),
+        (b"K=v", None),
+        (b"k=v ", [("k", "v")]),  # optional white space around a member
+    ],
+)
+def test_a_tracestate_breaking_the_w3c_grammar_is_ignored_whole(
+    header: bytes, members: list[tuple[str, str]] | None
+) -> None:
+    assert parse_tracestate(header) == members
+
+
+def test_a_producers_malformed_tracestate_reaches_neither_the_log_nor_the_service(
+    exported: tuple[TracerProvider, InMemorySpanExporter], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given records whose producer wrote a malformed tracestate (a forged log line, too many
+    # members), sampled or not by their producer
+    provider, _ = exported
+    tracer = OtelTracer(provider.get_tracer("t"), "billing", link_producer=False, ratio=1.0)
+    forged = b"a=b,\nFAKE LOG LINE level=ERROR x"
+    many = b",".join(b"k%d=v" % i for i in range(40))
+    with caplog.at_level(logging.DEBUG):
+        for state in (forged, many):
+            for parent in (VALID, VALID[:-2] + b"00"):
+                trace = tracer.begin(delivery([("traceparent", parent), ("tracestate", state)]), 0)
+                _, metadata = trace.attempt("HandleMessage", "127.0.0.1:1", 1)
+                # Then the call carries the producer's traceparent and no tracestate
+                assert metadata is not None and [k for k, _ in metadata] == ["traceparent"]
+                trace.end("acked")
+    # and nothing was logged of it (OpenTelemetry's parser logs a bad member verbatim)
+    assert not [r for r in caplog.records if "FAKE" in r.getMessage() or "k39" in r.getMessage()]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 @pytest.mark.parametrize(("ratio", "recorded"), [(0.0, 0), (1.0, 50)])

@@ -3,6 +3,7 @@ without OpenTelemetry, bounded in cost, never raising on what a producer wrote."
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 TRACEPARENT = "traceparent"
@@ -16,6 +17,12 @@ Metadata = Sequence[tuple[str, str]]
 """gRPC call metadata: the W3C traceparent (and tracestate) of the span the service continues."""
 
 _HEX = frozenset("0123456789abcdef")
+MAX_TRACESTATE_ENTRIES = 32
+"""The W3C limit of list members in a tracestate; more makes the header invalid."""
+_MEMBER = re.compile(
+    r"([a-z][_0-9a-z\-*/]{0,255}|[a-z0-9][_0-9a-z\-*/]{0,240}@[a-z][_0-9a-z\-*/]{0,13})"
+    r"=([\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e])"
+)
 
 
 def parse_traceparent(value: bytes) -> tuple[int, int, int] | None:
@@ -64,3 +71,23 @@ def trace_headers(headers: Sequence[tuple[str, bytes]]) -> tuple[bytes | None, b
         elif key == TRACESTATE and state is None:
             state = value
     return parent, state
+
+
+def parse_tracestate(value: bytes) -> list[tuple[str, str]] | None:
+    """A ``tracestate`` header's (key, value) members, or None when it breaks the W3C grammar
+    (over 512 bytes, not ASCII, a malformed member, a key twice, over 32 members): the header
+    is then ignored as a whole, and nothing of it reaches a log line or a span."""
+    if len(value) > MAX_TRACESTATE_BYTES or not value.isascii():
+        return None
+    members: list[tuple[str, str]] = []
+    seen: set[str] = set()
+    for member in value.decode("ascii").split(","):
+        member = member.strip(" \t")
+        if not member:
+            continue
+        found = _MEMBER.fullmatch(member)
+        if found is None or found[1] in seen or len(members) == MAX_TRACESTATE_ENTRIES:
+            return None
+        seen.add(found[1])
+        members.append((found[1], found[2]))
+    return members
