@@ -67,6 +67,8 @@ MAX_KEY_CHARS = 256
 MAX_TEXT_CHARS = 256
 """Untrusted text (a service's reason) put on a span is cut to this many characters."""
 DEFAULT_SERVICE_NAME = "consumer-proxy"
+SHUTDOWN_TIMEOUT_S = 10.0
+"""At shutdown, spans still queued after this long are dropped (the collector is down)."""
 DROP_LOG_INTERVAL_S = 60.0
 """Dropped spans are logged at most this often (with the count since the last line)."""
 
@@ -457,7 +459,8 @@ class EncodedBatches(SpanProcessor):
     garbage collector's oldest generation, and its full passes over them were the largest
     part of what 1 % sampling cost in batch mode. Here a span is garbage as it ends; the
     bytes are not tracked by the collector. Bounded: at most ``max_queue`` spans wait; more
-    are dropped, counted and logged at most once a minute, never waited for.
+    are dropped, counted and logged at most once a minute, never waited for; shutdown waits
+    at most ``SHUTDOWN_TIMEOUT_S`` for the export of what is queued.
     """
 
     def __init__(
@@ -472,6 +475,7 @@ class EncodedBatches(SpanProcessor):
         self._flush_asked = 0
         self._flush_done = 0
         self._stopping = False
+        self._deadline = float("inf")  # shutdown's: queued spans left after it are dropped
         self.dropped = 0
         self._dropped_logged = 0
         self._drop_logged_at = -DROP_LOG_INTERVAL_S
@@ -484,6 +488,9 @@ class EncodedBatches(SpanProcessor):
     def on_end(self, span: ReadableSpan) -> None:
         context = span.context
         if context is None or not context.trace_flags.sampled:
+            return
+        if len(self._queue) >= self._max_queue:  # (read without the lock: the GIL's)
+            self.dropped += 1  # not encoded only to be thrown away
             return
         entry = encode_span(span)
         with self._cond:
@@ -508,8 +515,13 @@ class EncodedBatches(SpanProcessor):
                 self._queue.clear()
                 dropped = self.dropped
             for start in range(0, len(taken), self._batch):
+                if stopping and time.monotonic() > self._deadline:
+                    with self._cond:
+                        self.dropped += len(taken) - start  # shutdown's time is up
+                    dropped = self.dropped
+                    break
                 self._export(taken[start : start + self._batch])
-            self._log_drops(dropped)
+            self._log_drops(dropped, force=stopping)
             with self._cond:
                 self._flush_done = asked
                 self._cond.notify_all()
@@ -522,13 +534,17 @@ class EncodedBatches(SpanProcessor):
         except Exception:  # the exporter logs its own failures; never let the thread die
             log.debug("span export failed", exc_info=True)
 
-    def _log_drops(self, dropped: int) -> None:
+    def _log_drops(self, dropped: int, force: bool = False) -> None:
         now = time.monotonic()
-        if dropped > self._dropped_logged and now - self._drop_logged_at >= DROP_LOG_INTERVAL_S:
+        if dropped > self._dropped_logged and (
+            force or now - self._drop_logged_at >= DROP_LOG_INTERVAL_S
+        ):
             log.warning(
-                "tracing: dropped %d finished spans (the export queue of %d was full)",
+                "tracing: dropped %d finished spans (the export queue of %d was full, or "
+                "the shutdown's %g s were up)",
                 dropped - self._dropped_logged,
                 self._max_queue,
+                SHUTDOWN_TIMEOUT_S,
             )
             self._dropped_logged, self._drop_logged_at = dropped, now
 
@@ -545,14 +561,18 @@ class EncodedBatches(SpanProcessor):
                 and self._flush_done >= asked
             )
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+        """Export what is queued within ``timeout_s`` (the rest is dropped and counted), then
+        shut the exporter down, which cuts short an export still retrying."""
         with self._cond:
             if self._stopping:
                 return
+            self._deadline = time.monotonic() + timeout_s
             self._stopping = True
             self._cond.notify_all()
-        self._thread.join()
+        self._thread.join(timeout_s)
         self._exporter.shutdown()
+        self._thread.join(1.0)
 
 
 def _ratio(config: TracingConfig) -> float | None:

@@ -91,6 +91,11 @@ def _key_value(key: str, value: Any) -> bytes:
 
 
 _PAIRS: dict[tuple[bytes, str, Any, type], bytes] = {}
+_UNCACHED = frozenset(
+    ("messaging.kafka.message.key", "consumer_proxy.reason", "consumer_proxy.progress")
+)
+"""Attributes whose values come from producers or services: a value each message, never kept
+(they would fill the cache for good and crowd the proxy's own values out)."""
 
 
 def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> bytes:
@@ -101,7 +106,7 @@ def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> bytes:
     out = []
     for key, value in attributes.items():
         kind = type(value)
-        if kind is str or kind is bool:
+        if (kind is str or kind is bool) and key not in _UNCACHED:
             pair = (tag, key, value, kind)
             encoded = _PAIRS.get(pair)
             if encoded is None:

@@ -13,6 +13,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -26,9 +27,11 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+from opentelemetry.sdk.trace.sampling import Decision as Decision_
+from opentelemetry.sdk.trace.sampling import Sampler, SamplingResult
 from opentelemetry.trace import SpanKind
 
+from consumer_proxy import otlp
 from consumer_proxy.config import (
     BackoffConfig,
     CircuitBreakerConfig,
@@ -268,13 +271,15 @@ def test_a_producers_malformed_tracestate_reaches_neither_the_log_nor_the_servic
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
-@pytest.mark.parametrize(("ratio", "recorded"), [(0.0, 0), (1.0, 50)])
+@pytest.mark.parametrize(("ratio", "recorded"), [(0.0, 0), (0.1, 5), (0.5, 25), (1.0, 50)])
 def test_new_traces_are_sampled_at_the_ratio(
     exported: tuple[TracerProvider, InMemorySpanExporter], ratio: float, recorded: int
 ) -> None:
     # Given 50 messages without trace context
     provider, exporter = exported
     tracer = OtelTracer(provider.get_tracer("t"), "billing", link_producer=False, ratio=ratio)
+    draws = iter([i / 50 for i in range(50)])  # 0.00, 0.02, ... 0.98: a fixed random draw
+    tracer._draw = lambda: next(draws)
     for _ in range(50):
         # When each is traced and acked
         trace = tracer.begin(delivery([]), 0.0)
@@ -544,14 +549,24 @@ def test_encoded_batches_keep_bytes_not_spans_and_bound_the_queue() -> None:
     provider.shutdown()
 
 
+class _RecordOnly(Sampler):
+    """Records every span without sampling it (the SDK then still ends it in processors)."""
+
+    def should_sample(self, *args: Any, **kwargs: Any) -> SamplingResult:
+        return SamplingResult(Decision_.RECORD_ONLY)
+
+    def get_description(self) -> str:
+        return "record only"
+
+
 def test_encoded_batches_export_what_is_left_at_shutdown_in_batches() -> None:
     exporter, processor, provider = _encoding(max_queue=100, batch=4)
     tracer = provider.get_tracer("t")
     exporter.gate.clear()  # the first full batch's export waits
     for i in range(10):
         tracer.start_span(f"s{i}").end()
-    # an unsampled span is never queued
-    unsampled = TracerProvider(sampler=ALWAYS_OFF, shutdown_on_exit=False)
+    # a span recorded but not sampled (a record-only sampler's) is never queued
+    unsampled = TracerProvider(sampler=_RecordOnly(), shutdown_on_exit=False)
     unsampled.add_span_processor(processor)
     unsampled.get_tracer("t").start_span("off").end()
     exporter.gate.set()
@@ -559,3 +574,47 @@ def test_encoded_batches_export_what_is_left_at_shutdown_in_batches() -> None:
     assert [len(c) for c in exporter.chunks if c] and all(len(c) <= 4 for c in exporter.chunks)
     sent = [entry for chunk in exporter.chunks for entry in chunk]
     assert len(sent) == 10
+
+
+def test_shutdown_waits_a_bounded_time_for_a_collector_that_does_not_answer() -> None:
+    # Given 10 spans queued (batches of 4) and an export that hangs (the collector is down)
+    exporter, processor, provider = _encoding(max_queue=100, batch=4)
+    tracer = provider.get_tracer("t")
+    exporter.gate.clear()
+    for i in range(10):
+        tracer.start_span(f"s{i}").end()
+    # When the processor shuts down with 0.2 s for it
+    started = time.monotonic()
+    processor.shutdown(timeout_s=0.2)
+    # Then it returns although the export still hangs (about 1.2 s; the hang lasts 10)
+    assert time.monotonic() - started < 5.0
+    # and once the hung export ends, the spans left are dropped and counted, not exported
+    exporter.gate.set()
+    processor._thread.join(10)
+    assert not processor._thread.is_alive()
+    assert sum(len(c) for c in exporter.chunks) == 4 and processor.dropped == 6
+
+
+def test_producers_keys_and_services_reasons_are_encoded_but_never_cached(
+    exported: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    # Given spans of many messages, each with a key of its own and a service's reason
+    provider, exporter = exported
+    tracer = OtelTracer(provider.get_tracer("t"), "g", link_producer=False, ratio=1.0)
+    for i in range(50):
+        trace = tracer.begin(delivery([], key=b"key-%d" % i), 0.0)
+        trace.decided(Decision(Action.DEAD_LETTER, reason=f"bad {i}"), "INVALID_ARGUMENT")
+        trace.end("dead_letter")
+    before = len(otlp._PAIRS)
+    encoded = [encode_span(span) for span in exporter.get_finished_spans()]
+    # Then they are in the request, and the encoder's cache kept none of their values
+    request = ExportTraceServiceRequest.FromString(request_of(encoded))
+    values = {
+        a.value.string_value
+        for s in request.resource_spans[0].scope_spans[0].spans
+        for a in s.attributes
+    }
+    assert {"key-0", "key-49"} <= values
+    cached = {pair[2] for pair in otlp._PAIRS}
+    assert not any(str(v).startswith(("key-", "bad ")) for v in cached)
+    assert len(otlp._PAIRS) - before < 10
