@@ -96,6 +96,23 @@ def test_the_backlog_counts_in_the_byte_budget_and_gives_its_bytes_back() -> Non
     assert core.pause_plan().resume == [TP]
 
 
+def test_one_stuck_partitions_backlog_does_not_pause_the_others() -> None:
+    # Given two partitions sharing a 4,000-byte budget, and t[0]'s head never answered: its
+    # window of 4 is full and 36 records of 100 bytes wait in its backlog (the budget full)
+    core, ready = _core(window=4, budget=4000)
+    core.assign("t", 1, 0, "")
+    core.pause_plan()
+    for offset in range(40):
+        core.intake(Rec("t", offset, value=b"x" * 100))
+    plan = core.pause_plan()
+    # Then t[0] pauses for the budget, but t[1], which holds nothing, keeps fetching
+    assert plan.pause == [TP] and core.parts[TP].budget.full
+    # and what it fetches is taken in while the messages taken in leave room (4 x 100 held)
+    core.intake(Rec("t", 0, partition=1, value=b"y" * 100))
+    assert ("t", 1) not in core.pause_plan().pause
+    assert [d.part.partition for d in ready][-1] == 1
+
+
 def _six_in_the_backlog() -> tuple[PartitionSet, PartitionState]:
     """A full window of 4 and six 10-byte records in the backlog (offsets 4..9)."""
     core, _ready = _core(window=4)
@@ -172,3 +189,23 @@ async def test_a_burst_beyond_a_full_window_waits_in_the_backlog_and_nothing_pau
         finally:
             await proxy.shutdown()
             await task
+
+
+def test_records_fetched_again_across_an_epoch_change_record_the_change_again() -> None:
+    # Given offsets 0-19 written in epoch 5 and 20-29 in epoch 6, all fetched
+    core, _ready = _core(window=100)
+    for offset in range(30):
+        core.intake(Rec("t", offset, epoch=5 if offset < 20 else 6))
+    # When the consumer goes back to 10 (an offset reset) and fetches 10-29 again, one at a
+    # time and as a batch
+    for offset in range(10, 20):
+        core.intake(Rec("t", offset, epoch=5))
+    core.intake_batch([Rec("t", offset, epoch=6) for offset in range(20, 30)])
+    # Then a commit past them carries epoch 6, the epoch of record 29 (before the fix the
+    # intake compared with the highest epoch ever seen, 6, skipped the change at 20 and the
+    # commit carried 5: the next owner's client would report a cut at 20 that is not there)
+    tracker = core.parts[TP].tracker
+    assert tracker is not None
+    for offset in range(30):
+        tracker.done(offset)
+    assert tracker.commit_epoch(tracker.committable()) == 6

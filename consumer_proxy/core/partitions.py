@@ -575,7 +575,7 @@ class PartitionSet:
             if offset <= previous:
                 break  # not increasing (a reset within the batch): record by record
             leader = record.leader_epoch()
-            if leader is not None and leader != tracker.epoch:
+            if leader is not None and leader != tracker.last_epoch:
                 tracker.saw_epoch(offset, leader)
             headers = record.headers()
             user = split_headers(headers)[0] if headers else []
@@ -730,7 +730,7 @@ class PartitionSet:
         assert tracker is not None
         offset = record.offset() or 0
         epoch = record.leader_epoch()
-        if epoch is not None and (epoch != tracker.epoch or tracker.restoring):
+        if epoch is not None and (epoch != tracker.last_epoch or tracker.restoring):
             tracker.saw_epoch(offset, epoch)  # (once per epoch unless restoring: per record)
         if not tracker.track(offset):
             return  # done before a restart or rebalance: the commit metadata says so
@@ -1315,7 +1315,8 @@ class PartitionSet:
         for another reason."""
         tracker = part.tracker
         if (
-            part.budget.full
+            part.budget.spent
+            or (part.budget.full and part.backlog)
             or len(part.backlog) > (self._backlog_resume if part.paused else self._backlog_max - 1)
             or (part.meta_over_budget and tracker is not None and not tracker.restoring)
         ):
@@ -1336,7 +1337,9 @@ class PartitionSet:
         backlog = len(part.backlog)
         checks = (
             breaker_open and holding,
-            part.budget.full,
+            # (the backlogs' bytes pause only partitions with a backlog: one stuck partition's
+            # must not stop the others)
+            part.budget.spent or (part.budget.full and backlog > 0),
             backlog > (self._backlog_resume if part.paused else self._backlog_max - 1),
             part.meta_over_budget and tracker is not None and not tracker.restoring,
             bool(part.due),

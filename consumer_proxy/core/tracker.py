@@ -90,6 +90,8 @@ class PartitionTracker:
         self._epochs: list[tuple[int, int]] = []
         if committed_epoch is not None and committed_epoch >= 0 and committed > 0:
             self._epochs.append((committed - 1, committed_epoch))
+            if self.epoch is None or committed_epoch > self.epoch:
+                self.epoch = committed_epoch  # (records of it skip saw_epoch: last_epoch)
 
     def track(self, offset: int) -> bool:
         """Record a fetched offset; return True if its message must be delivered.
@@ -154,7 +156,7 @@ class PartitionTracker:
         if not epochs or epoch > epochs[-1][1]:
             epochs.append((offset, epoch))
             if len(epochs) > MAX_EPOCH_CHANGES:
-                del epochs[0]  # an epoch not known for the oldest offsets: commit without one
+                del epochs[0]  # the oldest offsets then get the first kept: an upper bound
 
     def commit_epoch(self, offset: int) -> int | None:
         """The leader epoch of the record before ``offset`` (:meth:`committable`: the last
@@ -234,6 +236,13 @@ class PartitionTracker:
         """Number of tracked offsets at or above C, done or not: the window's size."""
         self.committable()
         return len(self._offsets)
+
+    @property
+    def last_epoch(self) -> int | None:
+        """The epoch of the last change :meth:`saw_epoch` recorded: a record of this epoch
+        above it changes nothing (the intake skips the call), one of another epoch does."""
+        epochs = self._epochs
+        return epochs[-1][1] if epochs else None
 
     @property
     def restoring(self) -> bool:

@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import sys
 import time
+import traceback
 from dataclasses import fields
 from typing import Any
 
@@ -29,6 +30,9 @@ def _job(first: int, stride: int, steps: int, budget: int, out: Any) -> None:
             stats = run_shell(seed, steps)[0]
         except InvariantViolation as exc:
             out.put(("failed", str(exc)))
+            return
+        except BaseException:  # a crash of the group: the parent must not wait for ever
+            out.put(("failed", f"seed {seed}: {traceback.format_exc()}"))
             return
         done += stats.steps
         out.put(("passed", vars(stats)))

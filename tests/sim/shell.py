@@ -765,6 +765,15 @@ class ShellSim:
                 )
         if any(budget.held != budgets[id(budget)] for budget in core.budgets):
             self.fail(f"the budgets ({core.bytes} bytes) are not the sum of their partitions'")
+        # ... and the backlogs' bytes (records fetched, not taken in) are exactly theirs too
+        waiting = {id(budget): 0 for budget in core.budgets}
+        for part in core.parts.values():
+            size = sum(len(r.key() or b"") + len(r.value() or b"") for r in part.backlog)
+            if part.backlog_bytes != size:
+                self.fail(f"{part.tp}'s backlog counts {part.backlog_bytes} bytes, holds {size}")
+            waiting[id(part.budget)] += size
+        if any(budget.waiting != waiting[id(budget)] for budget in core.budgets):
+            self.fail("the budgets' waiting bytes are not the sum of the backlogs'")
 
     # -- the service ---------------------------------------------------------------------
 
