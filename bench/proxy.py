@@ -314,10 +314,12 @@ def proxy_backlog_run(
         )
     finally:
         reader.__exit__()
-        code = proxy.stop()
-        assignments = proxy.assignments()
-        tail = proxy.log_tail()
-        proxy.cleanup()
+        try:
+            code = proxy.stop()
+            assignments = proxy.assignments()
+            tail = proxy.log_tail()
+        finally:
+            proxy.cleanup()  # (its temporary directory, even when the stop timed out)
     if code not in (0, None):
         raise RuntimeError(f"the proxy exited with {code}:\n{tail}")
     return {

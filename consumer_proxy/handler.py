@@ -486,6 +486,8 @@ class _ServerSpans:
         self._current = trace.get_current_span
         self._error = trace.Status(trace.StatusCode.ERROR)
         self._tracer = trace.get_tracer(__name__, tracer_provider=provider)
+        # The last call's metadata and its (context, links): a batch's messages share them.
+        self._call: tuple[Any, Any, tuple[Any, ...]] = (object(), None, ())
 
     def span(
         self,
@@ -515,14 +517,18 @@ class _ServerSpans:
         self, method: str, message: handler_pb2.Message, metadata: Any, in_batch: bool
     ) -> Iterator[None]:
         tracer = self._tracer
-        call = self._extract({k: v for k, v in metadata or () if isinstance(v, str)})
+        seen, call, call_links = self._call
+        if metadata is not seen:  # (each message of a batch passes its call's metadata)
+            call = self._extract({k: v for k, v in metadata or () if isinstance(v, str)})
+            call_span = self._current(call).get_span_context()
+            call_links = (self._link(call_span),) if call_span.is_valid else ()
+            self._call = (metadata, call, call_links)
         links: tuple[Any, ...] = ()
         context = call
         if in_batch:
             own = {"traceparent": message.traceparent, "tracestate": message.tracestate}
             context = self._extract(own)
-            call_span = self._current(call).get_span_context()
-            links = (self._link(call_span),) if call_span.is_valid else ()
+            links = call_links
         attributes = {
             "rpc.system": "grpc",
             "rpc.service": SERVICE_NAME,
