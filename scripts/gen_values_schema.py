@@ -110,6 +110,8 @@ def _inline(node: Any, defs: dict[str, Any]) -> Any:
             node.pop("anyOf")
             inner = others[0]
             node = {**inner, **node, "type": [inner["type"], "null"]}
+            if "enum" in inner:  # an enum's own list must name null too, or null is refused
+                node["enum"] = [*inner["enum"], None]
     return {key: _inline(value, defs) for key, value in node.items()}
 
 

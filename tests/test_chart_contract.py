@@ -25,8 +25,15 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
+from pydantic import BaseModel
 
-from consumer_proxy.config import GroupConfig, KafkaConfig, check_endpoint, load_config
+from consumer_proxy.config import (
+    GroupConfig,
+    KafkaConfig,
+    TracingConfig,
+    check_endpoint,
+    load_config,
+)
 from consumer_proxy.errors import ConfigError
 from tests.support.kube_api import discovery_only_api
 
@@ -380,6 +387,45 @@ def test_topic_and_group_name_rules_match_the_proxy() -> None:
         as_name = _validator_accepts(lambda s: GroupConfig(name=s, **base), sample)
         assert _schema_accepts(name, sample) == as_name, sample
     assert _schema_accepts(dlq_topic, None)
+
+
+def _nullable_fields(model: dict[str, Any], defs: dict[str, Any], at: str) -> Iterator[str]:
+    """The dotted paths of a model's fields that accept None (Optional), nested models too."""
+    if "$ref" in model:
+        model = defs[model["$ref"].rsplit("/", 1)[1]]
+    for name, sub in model.get("properties", {}).items():
+        branches = sub.get("anyOf", [])
+        if {"type": "null"} in branches:
+            yield f"{at}.{name}"
+        for inner in [sub, *branches]:
+            if "$ref" in inner:
+                yield from _nullable_fields(inner, defs, f"{at}.{name}")
+
+
+def _chart_node(schema: dict[str, Any], path: str) -> dict[str, Any]:
+    node = schema
+    for name in path.split(".")[1:]:
+        node = node["properties"][name]
+    return node
+
+
+@pytest.mark.parametrize(
+    ("root", "model"), [("groups", GroupConfig), ("tracing", TracingConfig)], ids=str
+)
+def test_a_field_the_proxy_lets_be_null_may_be_null_in_the_values(
+    root: str, model: type[BaseModel]
+) -> None:
+    # Given each field of the proxy's model that accepts None (an explicit `field: null` in
+    # a values file, as a user writes to unset a chart default)
+    schema = _chart_schema()["properties"][root]
+    schema = schema["items"] if root == "groups" else schema
+    model_schema = model.model_json_schema()
+    paths = list(_nullable_fields(model_schema, model_schema.get("$defs", {}), root))
+    assert len(paths) >= 2, paths
+
+    # Then the chart's schema accepts null there too (an enum of choices lists null as one)
+    refused = [p for p in paths if not _schema_accepts(_chart_node(schema, p), None)]
+    assert not refused, f"the chart refuses null where the proxy accepts it: {refused}"
 
 
 def _random_group(rng: random.Random, name: str) -> dict[str, Any]:
