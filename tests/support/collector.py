@@ -17,6 +17,7 @@ Without Go it skips locally and fails under CI=true, like every integration test
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -35,6 +36,7 @@ from .waiting import wait_until
 ROOT = Path(__file__).resolve().parents[2]
 MODULE = ROOT / "tests" / "support" / "otelcol"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "consumer-proxy"
+PORT_ATTEMPTS = 3  # starts on fresh ports after a port was taken by another process
 BUILD_TIMEOUT_S = 1200  # cold: downloads and compiles the collector's core and two components
 
 CONFIG = """\
@@ -93,9 +95,29 @@ def _free_ports(count: int) -> list[int]:
             sock.close()
 
 
-def _listening(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
+def _listening(pid: int, port: int) -> bool:
+    """Whether process ``pid`` itself listens on 127.0.0.1:``port`` (not another process that
+    took the free port first: a connect alone would not tell them apart)."""
+    wanted = f"0100007F:{port:04X}"
+    inodes = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[1] == wanted and fields[3] == "0A":  # local address, state LISTEN
+            inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
+        return False
+    try:
+        links = {os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()}
+    except OSError:  # the process is gone, or a descriptor closed while read
+        return False
+    return bool(inodes & links)
+
+
+def _up_or_gone(process: subprocess.Popen[bytes], grpc: int, http: int) -> bool:
+    """The collector listens on both its ports, or it exited."""
+    if process.poll() is not None:
+        return True
+    return _listening(process.pid, grpc) and _listening(process.pid, http)
 
 
 class Collector:
@@ -113,26 +135,33 @@ class Collector:
     @contextmanager
     def start(cls, directory: Path) -> Iterator[Collector]:
         binary = build()
-        grpc, http = _free_ports(2)
         traces = directory / "traces.jsonl"
-        config = directory / "otelcol.yaml"
-        config.write_text(CONFIG.format(grpc=grpc, http=http, path=traces))
         log = directory / "otelcol.log"
-        with open(log, "wb") as out:
-            process = subprocess.Popen(
-                [str(binary), "--config", str(config)],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        collector = cls(process, grpc, http, traces)
-        try:
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            grpc, http = _free_ports(2)
+            config = directory / "otelcol.yaml"
+            config.write_text(CONFIG.format(grpc=grpc, http=http, path=traces))
+            with open(log, "wb") as out:
+                process = subprocess.Popen(
+                    [str(binary), "--config", str(config)],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
             wait_until(
-                lambda: process.poll() is not None or (_listening(grpc) and _listening(http)),
+                functools.partial(_up_or_gone, process, grpc, http),
                 timeout=60,
                 message="the collector's OTLP ports",
             )
-            assert process.poll() is None, f"the collector exited:\n{log.read_text()[-4000:]}"
+            if process.poll() is None:
+                break
+            output = log.read_text()
+            # Another process took a free port between our probe and the collector's bind.
+            assert "address already in use" in output and attempt < PORT_ATTEMPTS, (
+                f"the collector exited:\n{output[-4000:]}"
+            )
+        collector = cls(process, grpc, http, traces)
+        try:
             yield collector
         finally:
             if process.poll() is None:
