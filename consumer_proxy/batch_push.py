@@ -209,13 +209,18 @@ class BatchPush(Push):
         traced: bool,
     ) -> BatchOutcome:
         """The breaker hears the call once, then the core decides each message (an answer
-        of plain acks to a call with no sampled message, ``traced`` False: all at once,
-        ``PartitionSet.finish_acked``)."""
+        of plain acks: all at once, ``PartitionSet.finish_acked``; ``traced``: then the
+        sampled messages' process spans end, as ``decided`` would end them)."""
         # A protocol error (breaker None) says nothing about the service's health.
         self._tell_breaker(outcome.breaker, endpoint, probe)
         results = outcome.results
-        if not traced and self.partitions.finish_acked(batch, results):
+        if self.partitions.finish_acked(batch, results):
             self.tally.acked(len(batch))
+            if traced:
+                for delivery in batch:
+                    trace = delivery.trace
+                    if trace is not None and trace.sampled:
+                        trace.end(Action.ACK.value)
             return outcome
         finish = self.partitions.finish
         settled = self.tally.settled

@@ -24,14 +24,15 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import (
     Link,
     NonRecordingSpan,
@@ -59,6 +60,7 @@ from .core.tracecontext import (
     trace_headers,
 )
 from .otlp import Encoded, encode_span, request_of
+from .spans import ProxyTracer
 
 SCOPE = "consumer_proxy"
 RPC_SERVICE = "consumerproxy.v1.MessageHandler"
@@ -489,10 +491,14 @@ class EncodedBatches(SpanProcessor):
         context = span.context
         if context is None or not context.trace_flags.sampled:
             return
+        self.add(span, encode_span)
+
+    def add(self, span: Any, encode: Callable[[Any], Encoded]) -> None:
+        """Queue ``encode(span)``, a finished sampled span (``spans.ProxyTracer``'s too)."""
         if len(self._queue) >= self._max_queue:  # (read without the lock: the GIL's)
             self.dropped += 1  # not encoded only to be thrown away
             return
-        entry = encode_span(span)
+        entry = encode(span)
         with self._cond:
             if len(self._queue) >= self._max_queue:
                 self.dropped += 1
@@ -624,7 +630,13 @@ class OtelTracing:
                 exporter, config.max_queue_size, batch, config.export_interval_ms / 1000
             )
         self.provider.add_span_processor(self._processor)
-        self._tracer = self.provider.get_tracer(SCOPE)
+        self._tracer: Any = self.provider.get_tracer(SCOPE)
+        if self.ratio is not None and isinstance(self._processor, EncodedBatches):
+            # Sampling is decided before any span, and the spans go out as OTLP bytes: the
+            # proxy's own spans, a fraction of the SDK's cost (``spans``).
+            self._tracer = ProxyTracer(
+                resource, InstrumentationScope(SCOPE), self._processor.add, SpanLimits()
+            )
 
     def describe(self) -> str:
         """One line for the log: where spans go and how they are sampled."""

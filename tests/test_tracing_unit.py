@@ -24,11 +24,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import Decision as Decision_
 from opentelemetry.sdk.trace.sampling import Sampler, SamplingResult
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanKind
 
 from consumer_proxy import otlp
@@ -50,9 +51,10 @@ from consumer_proxy.core.tracecontext import (
     parse_tracestate,
 )
 from consumer_proxy.flow import Breaker
-from consumer_proxy.otel import EncodedBatches, OtelTracer, _exporter
+from consumer_proxy.otel import EncodedBatches, OtelTracer, OtelTracing, _exporter
 from consumer_proxy.otlp import Encoded, encode_span, request_of
 from consumer_proxy.proto.v1 import handler_pb2
+from consumer_proxy.spans import ProxyTracer
 from consumer_proxy.tracing import end_trace, start_tracing
 from consumer_proxy.wire import batch_request
 from tests.support.clock import Clock
@@ -411,6 +413,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from consumer_proxy.handler import _NO_SPAN, _ServerSpans
 from consumer_proxy.proto.v1 import handler_pb2
+from consumer_proxy.spans import ProxyTracer
 
 message = handler_pb2.Message(topic="t", traceparent="{traceparent}")
 spans = _ServerSpans(recheck_s=0.0)
@@ -460,15 +463,13 @@ def test_a_long_running_calls_heartbeats_are_events_of_its_attempt_span(
     ]
 
 
-def test_the_exporters_request_is_what_the_otlp_encoder_builds_for_every_kind_of_span(
-    exported: tuple[TracerProvider, InMemorySpanExporter],
-) -> None:
-    # Given spans of every kind the proxy makes: process spans (a producer's child with a
-    # tracestate, a linked root, a root; breaker, retry and DLQ events; error statuses),
-    # attempts with heartbeats, cancelled or failed, a DLQ write, a batch call with links
-    provider, exporter = exported
+def every_kind_of_span(spans: Any, heartbeats: int = 1) -> None:
+    """Spans of every kind the proxy makes, through ``spans`` (a tracer's ``start_span``):
+    process spans (a producer's child with a tracestate, a linked root, a root; breaker,
+    retry and DLQ events; error statuses), attempts with heartbeats, cancelled or failed, a
+    DLQ write, a batch call with links; 32 spans."""
     for link_producer in (False, True):
-        tracer = OtelTracer(provider.get_tracer("t", "1.0"), "g", link_producer, ratio=1.0)
+        tracer = OtelTracer(spans, "g", link_producer, ratio=1.0)
         batch = []
         for i in range(6):
             headers = [("traceparent", VALID), ("tracestate", b"v=1")] if i % 2 else []
@@ -476,7 +477,8 @@ def test_the_exporters_request_is_what_the_otlp_encoder_builds_for_every_kind_of
             batch.append(d)
             trace = tracer.begin(d, 0.25 * (i % 2))
             handle, _ = trace.attempt("HandleMessageStream", "127.0.0.1:1", 1)
-            trace.heartbeat(1.0, "40%" if i % 2 else "")
+            for beat in range(heartbeats):
+                trace.heartbeat(1.0 + beat, "40%" if i % 2 else "")
             failed = FAILED if i % 3 == 0 else None
             trace.attempt_done(handle, failed)
             trace.decided(Decision(Action.RETRY, delay_s=0.1, counted=True), "INTERNAL")
@@ -487,6 +489,14 @@ def test_the_exporters_request_is_what_the_otlp_encoder_builds_for_every_kind_of
                 trace.decided(Decision(Action.ACK), "OK")
         span, _ = tracer.batch_call(batch, "HandleMessageBatch", "127.0.0.1:1")
         tracer.batch_done(span, "UNAVAILABLE", len(batch))
+
+
+def test_the_exporters_request_is_what_the_otlp_encoder_builds_for_every_kind_of_span(
+    exported: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    # Given spans of every kind the proxy makes
+    provider, exporter = exported
+    every_kind_of_span(provider.get_tracer("t", "1.0"))
     spans = exporter.get_finished_spans()
     # When the proxy's exporter builds its request
     config = TracingConfig(enabled=True, endpoint="http://127.0.0.1:4317")
@@ -495,6 +505,82 @@ def test_the_exporters_request_is_what_the_otlp_encoder_builds_for_every_kind_of
     # Then it is field for field what the OTLP exporter's own encoder builds
     assert request == encode_spans(spans)
     assert len(request.resource_spans[0].scope_spans[0].spans) == len(spans) == 32
+
+
+def _numbered(request: ExportTraceServiceRequest) -> ExportTraceServiceRequest:
+    """``request`` with its ids numbered in order of appearance and its times zero (two runs
+    of the same work differ only in those)."""
+    ids: dict[bytes, bytes] = {}
+
+    def number(value: bytes) -> bytes:
+        return ids.setdefault(value, len(ids).to_bytes(len(value), "big")) if value else value
+
+    for span in request.resource_spans[0].scope_spans[0].spans:
+        span.trace_id, span.span_id = number(span.trace_id), number(span.span_id)
+        span.parent_span_id = number(span.parent_span_id)
+        span.start_time_unix_nano = span.end_time_unix_nano = 0
+        for event in span.events:
+            event.time_unix_nano = 0
+        for link in span.links:
+            link.trace_id, link.span_id = number(link.trace_id), number(link.span_id)
+    return request
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [SpanLimits(), SpanLimits(max_span_attributes=9, max_events=2, max_links=4)],
+    ids=["default-limits", "low-limits"],
+)
+def test_the_proxys_own_spans_are_exported_as_the_sdks_spans_of_the_same_work(
+    limits: SpanLimits,
+) -> None:
+    # Given the same work traced once through the SDK and once through the proxy's own spans
+    # (OTLP/gRPC with sampling decided first), under the same span limits
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(span_limits=limits)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    every_kind_of_span(provider.get_tracer("t", "1.0"), heartbeats=3)
+    sdk = [encode_span(span) for span in exporter.get_finished_spans()]
+    ours: list[Encoded] = []
+    scope = InstrumentationScope("t", "1.0")
+    own = ProxyTracer(
+        provider.resource, scope, lambda span, encode: ours.append(encode(span)), limits
+    )
+    every_kind_of_span(own, heartbeats=3)
+    # When each is encoded for export
+    expected = _numbered(ExportTraceServiceRequest.FromString(request_of(sdk)))
+    request = _numbered(ExportTraceServiceRequest.FromString(request_of(ours)))
+    # Then the requests are the same but for ids and times: parents, links, tracestates,
+    # attributes, events, statuses, and what the limits dropped
+    assert request == expected
+    spans = request.resource_spans[0].scope_spans[0].spans
+    assert len(spans) == 32
+    if limits.max_events == 2:
+        assert any(span.dropped_events_count for span in spans)
+        assert any(span.dropped_links_count for span in spans)
+        assert any(span.dropped_attributes_count for span in spans)
+    provider.shutdown()
+
+
+def test_over_grpc_with_sampling_decided_first_the_proxy_makes_its_own_spans() -> None:
+    # Given tracing on over OTLP/gRPC at 1 %, over OTLP/HTTP, and with a sampler of the SDK's
+    # that is not parent-based (it decides each span)
+    endpoint = "http://127.0.0.1:4317"
+    grpc = OtelTracing(TracingConfig(enabled=True, endpoint=endpoint, sample_ratio=0.01))
+    http = OtelTracing(
+        TracingConfig(enabled=True, endpoint=endpoint, sample_ratio=0.01, protocol="http/protobuf")
+    )
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
+        own_sampler = OtelTracing(TracingConfig(enabled=True, endpoint=endpoint))
+    try:
+        # Then only the first makes the proxy's own spans; the others the SDK's
+        assert isinstance(grpc.tracer("g")._tracer, ProxyTracer)
+        assert not isinstance(http.tracer("g")._tracer, ProxyTracer)
+        assert not isinstance(own_sampler.tracer("g")._tracer, ProxyTracer)
+    finally:
+        for tracing in (grpc, http, own_sampler):
+            tracing.shutdown()
 
 
 class _Chunks(SpanExporter):
