@@ -58,6 +58,7 @@ from .core.tracecontext import (
     parse_traceparent,
     parse_tracestate,
     trace_headers,
+    tracestate_header,
 )
 from .otlp import Encoded, encode_span, request_of
 from .spans import ProxyTracer
@@ -87,17 +88,26 @@ def _text_key(key: bytes | None) -> str | None:
     return text if text.isprintable() else None
 
 
-def _remote_context(headers: Sequence[tuple[str, bytes]]) -> SpanContext | None:
-    """The record's W3C trace context, None when it has none or a malformed one."""
+Remote = tuple[int, int, int, list[tuple[str, str]] | None, bytes]
+"""A record's W3C trace context: trace id, span id, flags, tracestate members (checked), and
+the traceparent header as it came."""
+
+
+def _remote(headers: Sequence[tuple[str, bytes]]) -> Remote | None:
+    """The record's W3C trace context, None when it has none or a malformed one; read
+    without OpenTelemetry objects (a producer's context not sampled needs none)."""
     parent, state = trace_headers(headers)
     if parent is None:
         return None
     parsed = parse_traceparent(parent)
     if parsed is None:
         return None
-    trace_id, span_id, flags = parsed
     # Checked here, not by TraceState.from_header, which logs a malformed member verbatim.
-    members = parse_tracestate(state) if state is not None else None
+    return (*parsed, parse_tracestate(state) if state is not None else None, parent)
+
+
+def _span_context(remote: Remote) -> SpanContext:
+    trace_id, span_id, flags, members, _ = remote
     trace_state = TraceState(members) if members else None
     return SpanContext(trace_id, span_id, True, TraceFlags(flags & 0x01), trace_state)
 
@@ -113,20 +123,20 @@ class _Unsampled:
     carry the record's own context, if it had one, so that the service does not sample
     either."""
 
-    __slots__ = ("_metadata", "traceparent", "tracestate")
+    __slots__ = ("traceparent", "tracestate")
     sampled = False
 
     def __init__(self, traceparent: str = "", tracestate: str = "") -> None:
         self.traceparent = traceparent
         self.tracestate = tracestate
-        self._metadata: Metadata | None = None
-        if traceparent:
-            self._metadata = ((TRACEPARENT, traceparent),)
-            if tracestate:
-                self._metadata += ((TRACESTATE, tracestate),)
 
     def attempt(self, method: str, target: str, attempt: int) -> tuple[object, Metadata | None]:
-        return None, self._metadata
+        parent = self.traceparent
+        if not parent:
+            return None, None
+        if self.tracestate:
+            return None, ((TRACEPARENT, parent), (TRACESTATE, self.tracestate))
+        return None, ((TRACEPARENT, parent),)
 
     def attempt_done(self, handle: object, result: Classification | None) -> None:
         pass
@@ -321,14 +331,18 @@ class OtelTracer:
         trace = delivery.trace
         if trace is not None:
             return trace  # type: ignore[no-any-return]
-        remote = _remote_context(delivery.headers) if delivery.headers else None
+        remote = _remote(delivery.headers) if delivery.headers else None
         ratio = self._ratio
         if ratio is not None:
             if remote is not None and not self._link_producer:
-                if not remote.trace_flags.sampled:  # the producer did not sample it
-                    state = remote.trace_state.to_header() if remote.trace_state else ""
-                    parent = format_traceparent(remote.trace_id, remote.span_id, 0)
-                    unsampled = delivery.trace = _Unsampled(parent, state)
+                if not remote[2] & 0x01:  # the producer did not sample it
+                    header = remote[4]
+                    parent = (
+                        header.decode("ascii")  # (checked: version 00, flags 00, as written)
+                        if len(header) == 55 and header.startswith(b"00-") and header[53:] == b"00"
+                        else format_traceparent(remote[0], remote[1], 0)
+                    )
+                    unsampled = delivery.trace = _Unsampled(parent, tracestate_header(remote[3]))
                     return unsampled
             elif ratio < 1.0 and self._draw() >= ratio:
                 delivery.trace = NOT_SAMPLED
@@ -337,10 +351,10 @@ class OtelTracer:
         links: Sequence[Link] = ()
         if remote is not None:
             if self._link_producer:
-                links = (Link(remote),)
+                links = (Link(_span_context(remote)),)
                 context = Context()  # a new root, whatever the caller's context
             else:
-                context = set_span_in_context(NonRecordingSpan(remote))
+                context = set_span_in_context(NonRecordingSpan(_span_context(remote)))
         else:
             context = Context()
         part = delivery.part

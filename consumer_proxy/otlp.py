@@ -140,8 +140,13 @@ def _span(span: ReadableSpan) -> bytes:
         [(e.timestamp, e.name, e.attributes, e.dropped_attributes) for e in span.events],
         span.dropped_events,
         [
-            (link.context.trace_id, link.context.span_id, link.context.is_remote)
-            + (link.attributes, link.dropped_attributes)
+            (
+                link.context.trace_id,
+                link.context.span_id,
+                link.context.is_remote,
+                link.attributes,
+                link.dropped_attributes,
+            )
             for link in span.links
         ],
         span.dropped_links,

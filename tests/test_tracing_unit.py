@@ -214,22 +214,40 @@ def test_the_process_span_is_the_records_child_or_a_linked_root(
     assert process.attributes["consumer_proxy.outcome"] == "dead_letter"
 
 
-def test_a_producer_that_did_not_sample_is_followed_without_a_span(
+@pytest.mark.parametrize(
+    ("flags", "state", "passed_on"),
+    [
+        (b"00", b"vendor=abc", ("00", "vendor=abc")),
+        (b"02", b" vendor=abc ,x=1", ("00", "vendor=abc,x=1")),  # sampled bit only; OWS gone
+        (b"00", b"K=bad", ("00", "")),  # a malformed tracestate is not passed on
+    ],
+)
+def test_a_producer_that_did_not_sample_is_followed_without_a_span_or_opentelemetry_objects(
     exported: tuple[TracerProvider, InMemorySpanExporter],
+    monkeypatch: pytest.MonkeyPatch,
+    flags: bytes,
+    state: bytes,
+    passed_on: tuple[str, str],
 ) -> None:
-    # Given a record whose producer did not sample its trace (flags 00), parent-based sampling
+    # Given a record whose producer did not sample its trace, parent-based sampling, and no
+    # OpenTelemetry context object to be had (the 99 % pass without any)
     provider, exporter = exported
     tracer = OtelTracer(provider.get_tracer("t"), "billing", link_producer=False, ratio=1.0)
-    unsampled = VALID[:-2] + b"00"
-    d = delivery([("traceparent", unsampled), ("tracestate", b"vendor=abc")])
+    unsampled = VALID[:-2] + flags
+    d = delivery([("traceparent", unsampled), ("tracestate", state)])
+    for name in ("SpanContext", "TraceState", "Link", "NonRecordingSpan"):
+        monkeypatch.setattr(f"consumer_proxy.otel.{name}", None)
     # When it is traced through an attempt and acked
     trace = tracer.begin(d, 0.0)
     _, metadata = trace.attempt("HandleMessage", "127.0.0.1:1", 1)
     trace.decided(Decision(Action.ACK), "OK")
-    # Then no span is recorded, and the call passes the producer's context on as it was
+    # Then no span is recorded, and the call passes the producer's context on, not sampled
     assert not trace.sampled
     assert exporter.get_finished_spans() == ()
-    assert metadata == (("traceparent", unsampled.decode()), ("tracestate", "vendor=abc"))
+    parent = (VALID[:-2] + passed_on[0].encode()).decode()
+    state_on = (("tracestate", passed_on[1]),) if passed_on[1] else ()
+    assert metadata == (("traceparent", parent), *state_on)
+    assert (trace.traceparent, trace.tracestate) == (parent, passed_on[1])
 
 
 @pytest.mark.parametrize(
