@@ -7,6 +7,7 @@ exporter for what it makes of those headers and of the core's decisions.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import random
@@ -17,6 +18,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -33,12 +35,14 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanKind
 
 from consumer_proxy import otlp
+from consumer_proxy.batch_push import BatchPush
 from consumer_proxy.config import (
     BackoffConfig,
     CircuitBreakerConfig,
     DeliveryConfig,
     TracingConfig,
 )
+from consumer_proxy.core.batching import BatchLimits, BatchOutcome
 from consumer_proxy.core.decision import Action, Decision
 from consumer_proxy.core.outcomes import Classification, Outcome
 from consumer_proxy.core.partitions import Delivery, PartitionSet, PartitionState
@@ -50,10 +54,15 @@ from consumer_proxy.core.tracecontext import (
     parse_traceparent,
     parse_tracestate,
 )
-from consumer_proxy.flow import Breaker
+from consumer_proxy.flow import Breaker, StaticLimiter
+from consumer_proxy.metrics import ProxyMetrics
 from consumer_proxy.otel import EncodedBatches, OtelTracer, OtelTracing, _exporter
 from consumer_proxy.otlp import Encoded, encode_span, request_of
+from consumer_proxy.parking import Tally
+from consumer_proxy.ports import Edges
 from consumer_proxy.proto.v1 import handler_pb2
+from consumer_proxy.push import PushParts
+from consumer_proxy.readyq import ReadyDeque
 from consumer_proxy.spans import ProxyTracer
 from consumer_proxy.tracing import end_trace, start_tracing
 from consumer_proxy.wire import batch_request
@@ -722,3 +731,35 @@ def test_producers_keys_and_services_reasons_are_encoded_but_never_cached(
     cached = {pair[2] for pair in otlp._PAIRS}
     assert not any(str(v).startswith(("key-", "bad ")) for v in cached)
     assert len(otlp._PAIRS) - before < 10
+
+
+async def test_a_batch_of_plain_acks_with_a_sampled_message_finishes_together(
+    exported: tuple[TracerProvider, InMemorySpanExporter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a batch call of 3 traced messages, the second one sampled, in batch mode
+    provider, exporter = exported
+    rig = TracedCore(provider)
+    rig.tracer = OtelTracer(provider.get_tracer("t"), "g", link_producer=False, ratio=0.5)
+    draws = iter([0.9, 0.1, 0.9])
+    rig.tracer._draw = lambda: next(draws)
+    for offset in range(3):
+        rig.core.intake(Rec("t", offset))
+    batch = rig.core.begin_batch([rig.ready.popleft() for _ in range(3)])
+    for d in batch:
+        rig.tracer.begin(d, 0.0)
+    assert [d.trace.sampled for d in batch] == [False, True, False]
+    edges = Edges(None, None, None, rig.clock, rig.tracer)  # type: ignore[arg-type]
+    metrics = ProxyMetrics()
+    tally = Tally("g", metrics, lambda *_: None)
+    parts = PushParts(
+        "g", rig.core, edges, rig.breaker, StaticLimiter(4), None, tally, metrics, asyncio.Event()
+    )
+    push = BatchPush(parts, ReadyDeque(), 1, BatchLimits(100, 1 << 20), 0, lambda: None)
+    monkeypatch.setattr(rig.core, "finish", None)  # one message at a time: not taken
+    # When the service acks all three
+    acks = [Classification(Outcome.ACK, "OK")] * 3
+    endpoint = SimpleNamespace(target="127.0.0.1:1", ejected=False)
+    push._finished(batch, BatchOutcome(acks, acks[0], False), False, endpoint, traced=True)
+    # Then they are finished together, and the sampled one's process span ends as acked
+    assert rig.part.tracker is not None and rig.part.tracker.pending == 0
+    assert outcome_of_process_span(exporter) == "ack"
