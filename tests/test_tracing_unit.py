@@ -300,18 +300,24 @@ def test_a_producers_malformed_tracestate_reaches_neither_the_log_nor_the_servic
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["one-by-one", "batch"])
 @pytest.mark.parametrize(("ratio", "recorded"), [(0.0, 0), (0.1, 5), (0.5, 25), (1.0, 50)])
 def test_new_traces_are_sampled_at_the_ratio(
-    exported: tuple[TracerProvider, InMemorySpanExporter], ratio: float, recorded: int
+    exported: tuple[TracerProvider, InMemorySpanExporter],
+    ratio: float,
+    recorded: int,
+    batched: bool,
 ) -> None:
     # Given 50 messages without trace context
     provider, exporter = exported
     tracer = OtelTracer(provider.get_tracer("t"), "billing", link_producer=False, ratio=ratio)
     draws = iter([i / 50 for i in range(50)])  # 0.00, 0.02, ... 0.98: a fixed random draw
     tracer._draw = lambda: next(draws)
-    for _ in range(50):
-        # When each is traced and acked
-        trace = tracer.begin(delivery([]), 0.0)
+    deliveries = [delivery([]) for _ in range(50)]
+    # When each is traced (one by one, or as a batch call's) and acked
+    carried = tracer.begin_batch(deliveries) if batched else None
+    for d in deliveries:
+        trace = tracer.begin(d, 0.0)
         handle, metadata = trace.attempt("HandleMessage", "127.0.0.1:1", 1)
         trace.attempt_done(handle, None)
         trace.decided(Decision(Action.ACK), "OK")
@@ -319,6 +325,8 @@ def test_new_traces_are_sampled_at_the_ratio(
         assert trace.sampled or metadata is None
     # and the ratio decides how many are recorded (a process and an attempt span each)
     assert len(exporter.get_finished_spans()) == 2 * recorded
+    if batched:  # the batch call carries the context of those sampled
+        assert carried == [i for i, d in enumerate(deliveries) if d.trace.sampled]
 
 
 def test_a_batch_request_carries_each_messages_traceparent_and_tracestate(
@@ -329,11 +337,9 @@ def test_a_batch_request_carries_each_messages_traceparent_and_tracestate(
     tracer = OtelTracer(provider.get_tracer("t"), "billing", link_producer=False, ratio=1.0)
     sampled = delivery([("traceparent", VALID), ("tracestate", b"vendor=abc")])
     unsampled = delivery([("traceparent", VALID[:-2] + b"00"), ("tracestate", b"other=1")])
-    for d in (sampled, unsampled):
-        tracer.begin(d, 0.0)
     # When they go in one batch request
     request = handler_pb2.HandleMessageBatchRequest.FromString(
-        batch_request([sampled, unsampled], "billing", traced=True)
+        batch_request([sampled, unsampled], "billing", tracer.begin_batch([sampled, unsampled]))
     )
     # Then each message carries its own context: the process span's (with the producer's
     # tracestate, which the span keeps), or the producer's own when it did not sample
@@ -514,7 +520,7 @@ def every_kind_of_span(spans: Any, heartbeats: int = 1) -> None:
                 trace.written(trace.write("g.dlq", "dead_letter"), True)
             else:
                 trace.decided(Decision(Action.ACK), "OK")
-        span, _ = tracer.batch_call(batch, "HandleMessageBatch", "127.0.0.1:1")
+        span, _ = tracer.batch_call(batch, range(6), "HandleMessageBatch", "127.0.0.1:1")
         tracer.batch_done(span, "UNAVAILABLE", len(batch))
 
 
@@ -745,9 +751,8 @@ async def test_a_batch_of_plain_acks_with_a_sampled_message_finishes_together(
     for offset in range(3):
         rig.core.intake(Rec("t", offset))
     batch = rig.core.begin_batch([rig.ready.popleft() for _ in range(3)])
-    for d in batch:
-        rig.tracer.begin(d, 0.0)
-    assert [d.trace.sampled for d in batch] == [False, True, False]
+    carried = rig.tracer.begin_batch(batch)
+    assert [d.trace.sampled for d in batch] == [False, True, False] and carried == [1]
     edges = Edges(None, None, None, rig.clock, rig.tracer)  # type: ignore[arg-type]
     metrics = ProxyMetrics()
     tally = Tally("g", metrics, lambda *_: None)
@@ -759,7 +764,7 @@ async def test_a_batch_of_plain_acks_with_a_sampled_message_finishes_together(
     # When the service acks all three
     acks = [Classification(Outcome.ACK, "OK")] * 3
     endpoint = SimpleNamespace(target="127.0.0.1:1", ejected=False)
-    push._finished(batch, BatchOutcome(acks, acks[0], False), False, endpoint, traced=True)
+    push._finished(batch, BatchOutcome(acks, acks[0], False), False, endpoint, carried)
     # Then they are finished together, and the sampled one's process span ends as acked
     assert rig.part.tracker is not None and rig.part.tracker.pending == 0
     assert outcome_of_process_span(exporter) == "ack"
