@@ -82,16 +82,22 @@ def _any_value(value: Any) -> bytes:
 _KEYS: dict[str, bytes] = {}
 
 
-def _key_value(key: str, value: Any) -> bytes:
+def _key(key: str) -> bytes:
+    """A ``KeyValue``'s key field."""
     encoded = _KEYS.get(key)
     if encoded is None:
         encoded = _text(b"\x0a", key)
         if len(_KEYS) < MAX_CACHED:
             _KEYS[key] = encoded
-    return encoded + _field(b"\x12", _any_value(value))
+    return encoded
+
+
+def _key_value(key: str, value: Any) -> bytes:
+    return _key(key) + _field(b"\x12", _any_value(value))
 
 
 _PAIRS: dict[tuple[bytes, str, Any, type], bytes] = {}
+_NAMES: dict[str, bytes] = {}
 _UNCACHED = frozenset(
     ("messaging.kafka.message.key", "consumer_proxy.reason", "consumer_proxy.progress")
 )
@@ -115,6 +121,10 @@ def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> bytes:
                 if len(_PAIRS) < MAX_CACHED:
                     _PAIRS[pair] = encoded
             out.append(encoded)
+        elif kind is int:  # (offsets, sizes, attempts: the rest of the proxy's) written inline
+            number = _varint(value)
+            field = _key(key) + b"\x12" + _BYTES[len(number) + 1] + b"\x18" + number
+            out.append(tag + _varint(len(field)) + field)
         else:
             out.append(_field(tag, _key_value(key, value)))
     return b"".join(out)
@@ -186,8 +196,13 @@ def span_bytes(
         parts.append(_text(b"\x1a", ",".join(f"{k}={v}" for k, v in state.items())))
     if parent_id is not None:
         parts += (b"\x22\x08", parent_id.to_bytes(8, "big"))
+    encoded_name = _NAMES.get(name)
+    if encoded_name is None:
+        encoded_name = _text(b"\x2a", name)
+        if len(_NAMES) < MAX_CACHED:
+            _NAMES[name] = encoded_name  # (the proxy's: a topic's, a method's)
     parts += (
-        _text(b"\x2a", name),
+        encoded_name,
         b"\x30",
         _BYTES[kind + 1],  # OTLP's SPAN_KIND_INTERNAL..CONSUMER are 1..5
         b"\x39",
