@@ -9,7 +9,9 @@ encoded once; ``tests/test_tracing_unit.py`` checks that it decodes to exactly w
 exporter's encoder builds, for spans of every kind the proxy makes. (One difference: spans
 are grouped by their resource and scope *objects*, the proxy's one tracer's; equal but
 distinct ones would make two groups, which OTLP receivers read the same.) Only the gRPC
-exporter uses it; OTLP over HTTP keeps the exporter's own encoder.
+exporter uses it; OTLP over HTTP keeps the exporter's own encoder. ``span_bytes`` writes
+one span from its fields: an SDK span's (``encode_span``) or the proxy's own
+(``spans.ProxySpan``).
 """
 
 from __future__ import annotations
