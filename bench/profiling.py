@@ -59,11 +59,13 @@ def staged_proxy_main(out: str, argv: list[str]) -> int:
         stamps["push"].append((message.offset, time.time() * 1000.0 - message.timestamp_ms))
         return await unary(self, request, endpoint, metadata)
 
-    async def staged_batch(self: Any, deliveries: Any, probe: bool, endpoint: Any) -> Any:
+    async def staged_batch(
+        self: Any, deliveries: Any, probe: bool, endpoint: Any, *rest: Any
+    ) -> Any:
         now_ms = time.time() * 1000.0
         for d in deliveries:
             stamps["push"].append((d.offset, now_ms - d.origin.timestamp_ms))
-        return await batch(self, deliveries, probe, endpoint)
+        return await batch(self, deliveries, probe, endpoint, *rest)
 
     fetcher.Fetcher._run = staged_run  # type: ignore[method-assign]
     fetcher.Fetcher.consume = staged_consume  # type: ignore[method-assign]

@@ -96,12 +96,11 @@ class BatchPush(Push):
                 if ready.items:
                     ready.wake()  # more is ready than this call takes: another slot goes
                 began = partitions.begin_batch(batch)
-                tracer = self._tracer
                 for d in began:
                     if d.tier:
                         self._tier_delivered(d)
-                    if tracer is not None:
-                        tracer.begin(d, 0.0)
+                tracer = self._tracer
+                carried = tracer.begin_batch(began) if tracer is not None and began else []
                 if began:
                     self.pushing.add(me)
                     # Open under each of its messages, for ``cancel_calls``.
@@ -113,9 +112,9 @@ class BatchPush(Push):
                             await self.rate.acquire(len(began))
                         started = clock()
                         outcome = await (
-                            self._deliver(began, probe, endpoint)
+                            self._deliver(began, probe, endpoint, carried)
                             if whole
-                            else self._deliver_unary(began, probe, endpoint)
+                            else self._deliver_unary(began, probe, endpoint, carried)
                         )
                         rtt = clock() - started
                         self._m_push.observe(rtt)
@@ -135,14 +134,18 @@ class BatchPush(Push):
                         partitions.abandon(delivery)
                 self.limiter.release(rtt, outcome.call if outcome is not None else None)
 
-    async def _deliver(self, batch: list[Delivery], probe: bool, endpoint: Any) -> BatchOutcome:
+    async def _deliver(
+        self, batch: list[Delivery], probe: bool, endpoint: Any, carried: list[int] | None = None
+    ) -> BatchOutcome:
+        """``carried``: the messages that carry a trace context (``Tracer.begin_batch``)."""
+        carried = carried or []
         tracer = self._tracer
-        payload = batch_request(batch, self.name, tracer is not None)
+        payload = batch_request(batch, self.name, carried)
         count = len(batch)
         span, metadata = (
             (None, None)
-            if tracer is None
-            else tracer.batch_call(batch, "HandleMessageBatch", endpoint.target)
+            if tracer is None or not carried
+            else tracer.batch_call(batch, carried, "HandleMessageBatch", endpoint.target)
         )
         status = "CANCELLED"
         self._m_in_flight.inc()  # calls, as in unary mode
@@ -157,14 +160,13 @@ class BatchPush(Push):
         if outcome.unimplemented and self.auto:
             # The instance serves HandleMessage only (the pusher now knows): the same
             # messages go again at once, unary; the batch call counted for nothing.
-            return await self._deliver_unary(batch, probe, endpoint)
+            return await self._deliver_unary(batch, probe, endpoint, carried)
         self._m_batch_size.observe(count)
         self._answered(outcome, endpoint.target)
-        # (no span: no message of the call is sampled, and the others' traces need no end)
-        return self._finished(batch, outcome, probe, endpoint, traced=span is not None)
+        return self._finished(batch, outcome, probe, endpoint, carried)
 
     async def _deliver_unary(
-        self, batch: list[Delivery], probe: bool, endpoint: Any
+        self, batch: list[Delivery], probe: bool, endpoint: Any, carried: list[int] | None = None
     ) -> BatchOutcome:
         """``batch`` as unary calls to ``endpoint``, all at once; one breaker record."""
         one = self._unary_call
@@ -181,7 +183,7 @@ class BatchPush(Push):
         if outcome.breaker:
             call = outcome.call
             self.last_failure = f"{call.status} from {endpoint.target}: {call.reason}"
-        return self._finished(batch, outcome, probe, endpoint, traced=self._tracer is not None)
+        return self._finished(batch, outcome, probe, endpoint, carried or [])
 
     def _unary_call(self, delivery: Delivery, endpoint: Any) -> Awaitable[Classification]:
         """One message of batch mode in a unary call (with its attempt span when traced)."""
@@ -206,16 +208,20 @@ class BatchPush(Push):
         outcome: BatchOutcome,
         probe: bool,
         endpoint: Any,
-        traced: bool,
+        carried: list[int],
     ) -> BatchOutcome:
         """The breaker hears the call once, then the core decides each message (an answer
-        of plain acks to a call with no sampled message, ``traced`` False: all at once,
-        ``PartitionSet.finish_acked``)."""
+        of plain acks: all at once, ``PartitionSet.finish_acked``, then the process spans of
+        the sampled messages among ``carried`` end, as ``decided`` would end them)."""
         # A protocol error (breaker None) says nothing about the service's health.
         self._tell_breaker(outcome.breaker, endpoint, probe)
         results = outcome.results
-        if not traced and self.partitions.finish_acked(batch, results):
+        if self.partitions.finish_acked(batch, results):
             self.tally.acked(len(batch))
+            for i in carried:  # (a message not sampled has no span to end)
+                trace = batch[i].trace
+                if trace.sampled:
+                    trace.end(Action.ACK.value)
             return outcome
         finish = self.partitions.finish
         settled = self.tally.settled

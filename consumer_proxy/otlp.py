@@ -9,7 +9,9 @@ encoded once; ``tests/test_tracing_unit.py`` checks that it decodes to exactly w
 exporter's encoder builds, for spans of every kind the proxy makes. (One difference: spans
 are grouped by their resource and scope *objects*, the proxy's one tracer's; equal but
 distinct ones would make two groups, which OTLP receivers read the same.) Only the gRPC
-exporter uses it; OTLP over HTTP keeps the exporter's own encoder.
+exporter uses it; OTLP over HTTP keeps the exporter's own encoder. ``span_bytes`` writes
+one span from its fields: an SDK span's (``encode_span``) or the proxy's own
+(``spans.ProxySpan``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace.span import TraceState
 
 _BYTES = [bytes((n,)) for n in range(128)]
 _DOUBLE = struct.Struct("<d").pack
@@ -81,16 +84,22 @@ def _any_value(value: Any) -> bytes:
 _KEYS: dict[str, bytes] = {}
 
 
-def _key_value(key: str, value: Any) -> bytes:
+def _key(key: str) -> bytes:
+    """A ``KeyValue``'s key field."""
     encoded = _KEYS.get(key)
     if encoded is None:
         encoded = _text(b"\x0a", key)
         if len(_KEYS) < MAX_CACHED:
             _KEYS[key] = encoded
-    return encoded + _field(b"\x12", _any_value(value))
+    return encoded
+
+
+def _key_value(key: str, value: Any) -> bytes:
+    return _key(key) + _field(b"\x12", _any_value(value))
 
 
 _PAIRS: dict[tuple[bytes, str, Any, type], bytes] = {}
+_NAMES: dict[str, bytes] = {}
 _UNCACHED = frozenset(
     ("messaging.kafka.message.key", "consumer_proxy.reason", "consumer_proxy.progress")
 )
@@ -114,6 +123,10 @@ def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> bytes:
                 if len(_PAIRS) < MAX_CACHED:
                     _PAIRS[pair] = encoded
             out.append(encoded)
+        elif kind is int:  # (offsets, sizes, attempts: the rest of the proxy's) written inline
+            number = _varint(value)
+            field = _key(key) + b"\x12" + _BYTES[len(number) + 1] + b"\x18" + number
+            out.append(tag + _varint(len(field)) + field)
         else:
             out.append(_field(tag, _key_value(key, value)))
     return b"".join(out)
@@ -123,61 +136,112 @@ def _span(span: ReadableSpan) -> bytes:
     context = span.context
     assert context is not None  # a finished SDK span has one
     parent = span.parent
-    parts = [
-        b"\x0a\x10",
-        context.trace_id.to_bytes(16, "big"),
-        b"\x12\x08",
-        context.span_id.to_bytes(8, "big"),
-    ]
-    state = context.trace_state
+    status = span.status
+    return span_bytes(
+        context.trace_id,
+        context.span_id,
+        context.trace_state,
+        None if parent is None else parent.span_id,
+        parent is not None and parent.is_remote,
+        span.name,
+        span.kind.value,
+        span.start_time or 0,
+        span.end_time or 0,
+        span.attributes,
+        span.dropped_attributes,
+        [(e.timestamp, e.name, e.attributes, e.dropped_attributes) for e in span.events],
+        span.dropped_events,
+        [
+            (
+                link.context.trace_id,
+                link.context.span_id,
+                link.context.is_remote,
+                link.attributes,
+                link.dropped_attributes,
+            )
+            for link in span.links
+        ],
+        span.dropped_links,
+        status.status_code.value,
+        status.description,
+    )
+
+
+Event = tuple[int, str, Mapping[str, Any] | None, int]
+"""A span event: its time (ns since the epoch), name, attributes, attributes dropped."""
+LinkTo = tuple[int, int, bool, Mapping[str, Any] | None, int]
+"""A span link: trace id, span id, whether the linked context is remote, attributes, dropped."""
+
+
+def span_bytes(
+    trace_id: int,
+    span_id: int,
+    state: TraceState | None,
+    parent_id: int | None,
+    remote_parent: bool,
+    name: str,
+    kind: int,
+    start: int,
+    end: int,
+    attributes: Mapping[str, Any] | None,
+    dropped_attributes: int,
+    events: Sequence[Event],
+    dropped_events: int,
+    links: Sequence[LinkTo],
+    dropped_links: int,
+    status_code: int,
+    status_text: str | None,
+) -> bytes:
+    """An OTLP ``Span`` message's fields (``kind`` the SDK's: INTERNAL..CONSUMER 0..4)."""
+    parts = [b"\x0a\x10", trace_id.to_bytes(16, "big"), b"\x12\x08", span_id.to_bytes(8, "big")]
     if state:
         parts.append(_text(b"\x1a", ",".join(f"{k}={v}" for k, v in state.items())))
-    if parent is not None:
-        parts += (b"\x22\x08", parent.span_id.to_bytes(8, "big"))
+    if parent_id is not None:
+        parts += (b"\x22\x08", parent_id.to_bytes(8, "big"))
+    encoded_name = _NAMES.get(name)
+    if encoded_name is None:
+        encoded_name = _text(b"\x2a", name)
+        if len(_NAMES) < MAX_CACHED:
+            _NAMES[name] = encoded_name  # (the proxy's: a topic's, a method's)
     parts += (
-        _text(b"\x2a", span.name),
+        encoded_name,
         b"\x30",
-        _BYTES[span.kind.value + 1],  # SDK INTERNAL..CONSUMER 0..4, OTLP 1..5
+        _BYTES[kind + 1],  # OTLP's SPAN_KIND_INTERNAL..CONSUMER are 1..5
         b"\x39",
-        _FIXED64(span.start_time or 0),
+        _FIXED64(start),
         b"\x41",
-        _FIXED64(span.end_time or 0),
-        _attributes(b"\x4a", span.attributes),
+        _FIXED64(end),
+        _attributes(b"\x4a", attributes),
     )
-    if span.dropped_attributes:
-        parts += (b"\x50", _varint(span.dropped_attributes))
-    for event in span.events:
-        body = b"\x09" + _FIXED64(event.timestamp) + _text(b"\x12", event.name)
-        body += _attributes(b"\x1a", event.attributes)
-        if event.dropped_attributes:
-            body += b"\x20" + _varint(event.dropped_attributes)
+    if dropped_attributes:
+        parts += (b"\x50", _varint(dropped_attributes))
+    for timestamp, event_name, event_attributes, event_dropped in events:
+        body = b"\x09" + _FIXED64(timestamp) + _text(b"\x12", event_name)
+        body += _attributes(b"\x1a", event_attributes)
+        if event_dropped:
+            body += b"\x20" + _varint(event_dropped)
         parts.append(_field(b"\x5a", body))
-    if span.dropped_events:
-        parts += (b"\x60", _varint(span.dropped_events))
-    for link in span.links:
-        linked = link.context
+    if dropped_events:
+        parts += (b"\x60", _varint(dropped_events))
+    for linked_trace, linked_span, linked_remote, link_attributes, link_dropped in links:
         body = (
             b"\x0a\x10"
-            + linked.trace_id.to_bytes(16, "big")
+            + linked_trace.to_bytes(16, "big")
             + b"\x12\x08"
-            + linked.span_id.to_bytes(8, "big")
-            + _attributes(b"\x22", link.attributes)
+            + linked_span.to_bytes(8, "big")
+            + _attributes(b"\x22", link_attributes)
         )
-        if link.dropped_attributes:
-            body += b"\x28" + _varint(link.dropped_attributes)
-        body += b"\x35" + (_FLAGS_REMOTE if linked.is_remote else _FLAGS_LOCAL)
+        if link_dropped:
+            body += b"\x28" + _varint(link_dropped)
+        body += b"\x35" + (_FLAGS_REMOTE if linked_remote else _FLAGS_LOCAL)
         parts.append(_field(b"\x6a", body))
-    if span.dropped_links:
-        parts += (b"\x70", _varint(span.dropped_links))
-    status = span.status
-    body = b""
-    if status.description:
-        body = _text(b"\x12", status.description)
-    if status.status_code.value:
-        body += b"\x18" + _varint(status.status_code.value)
+    if dropped_links:
+        parts += (b"\x70", _varint(dropped_links))
+    body = _text(b"\x12", status_text) if status_text else b""
+    if status_code:
+        body += b"\x18" + _varint(status_code)
     parts.append(_field(b"\x7a", body))
-    remote = parent is not None and parent.is_remote
-    parts += (b"\x85\x01", _FLAGS_REMOTE if remote else _FLAGS_LOCAL)
+    parts += (b"\x85\x01", _FLAGS_REMOTE if remote_parent else _FLAGS_LOCAL)
     return b"".join(parts)
 
 

@@ -87,10 +87,15 @@ class Tracer(Protocol):
         """``delivery``'s trace, its process span started on its first push (``held_s``:
         seconds its worker waited on the breaker first)."""
 
+    def begin_batch(self, batch: Sequence[Delivery]) -> list[int]:
+        """``begin`` of each message of a batch call (no breaker hold); the positions of those
+        whose trace carries a context (sampled, or a producer's passed on), usually none."""
+
     def batch_call(
-        self, batch: Sequence[Delivery], method: str, target: str
+        self, batch: Sequence[Delivery], carried: Sequence[int], method: str, target: str
     ) -> tuple[object, Metadata | None]:
-        """Start a batch call's CLIENT span, linked to each message's process span."""
+        """Start a batch call's CLIENT span, linked to the process span of each sampled
+        message (among ``carried``, ``begin_batch``'s); (None, None) when there is none."""
 
     def batch_done(self, handle: object, status: str, count: int) -> None:
         """The batch call ended with the call's ``status``."""

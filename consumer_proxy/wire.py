@@ -5,6 +5,8 @@ Built from the core's ``Delivery`` with the generated protobuf classes; no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from .core.partitions import Delivery
 from .proto.v1 import handler_pb2
 
@@ -40,11 +42,11 @@ def unary_request(delivery: Delivery, group: str) -> handler_pb2.HandleMessageRe
     return request  # type: ignore[no-any-return]
 
 
-def batch_request(batch: list[Delivery], group: str, traced: bool = False) -> bytes:
+def batch_request(batch: list[Delivery], group: str, carried: Sequence[int] = ()) -> bytes:
     """The encoded HandleMessageBatchRequest. Built in place for each push (measured:
-    cheaper than caching each encoded message and concatenating them). ``traced``: each
-    message carries its process span's trace context (``Message.traceparent``, and
-    ``Message.tracestate`` when there is one)."""
+    cheaper than caching each encoded message and concatenating them). ``carried``: the
+    positions of the messages that carry their trace context (``Message.traceparent``, and
+    ``Message.tracestate`` when there is one; ``Tracer.begin_batch``)."""
     request = handler_pb2.HandleMessageBatchRequest()
     add = request.messages.add
     for d in batch:
@@ -67,10 +69,11 @@ def batch_request(batch: list[Delivery], group: str, traced: bool = False) -> by
         m.consumer_group = group
         m.attempt = d.attempt
         m.source = d.source  # type: ignore[assignment]
-        if traced:
-            trace = d.trace
-            if trace is not None and trace.traceparent:
-                m.traceparent = trace.traceparent
-                if trace.tracestate:
-                    m.tracestate = trace.tracestate
+    messages = request.messages
+    for i in carried:
+        trace = batch[i].trace
+        m = messages[i]
+        m.traceparent = trace.traceparent
+        if trace.tracestate:
+            m.tracestate = trace.tracestate
     return request.SerializeToString()

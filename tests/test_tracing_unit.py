@@ -7,6 +7,7 @@ exporter for what it makes of those headers and of the core's decisions.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import random
@@ -17,6 +18,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -24,20 +26,23 @@ from hypothesis import given
 from hypothesis import strategies as st
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import Decision as Decision_
 from opentelemetry.sdk.trace.sampling import Sampler, SamplingResult
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanKind
 
 from consumer_proxy import otlp
+from consumer_proxy.batch_push import BatchPush
 from consumer_proxy.config import (
     BackoffConfig,
     CircuitBreakerConfig,
     DeliveryConfig,
     TracingConfig,
 )
+from consumer_proxy.core.batching import BatchLimits, BatchOutcome
 from consumer_proxy.core.decision import Action, Decision
 from consumer_proxy.core.outcomes import Classification, Outcome
 from consumer_proxy.core.partitions import Delivery, PartitionSet, PartitionState
@@ -49,10 +54,16 @@ from consumer_proxy.core.tracecontext import (
     parse_traceparent,
     parse_tracestate,
 )
-from consumer_proxy.flow import Breaker
-from consumer_proxy.otel import EncodedBatches, OtelTracer, _exporter
+from consumer_proxy.flow import Breaker, StaticLimiter
+from consumer_proxy.metrics import ProxyMetrics
+from consumer_proxy.otel import EncodedBatches, OtelTracer, OtelTracing, _exporter
 from consumer_proxy.otlp import Encoded, encode_span, request_of
+from consumer_proxy.parking import Tally
+from consumer_proxy.ports import Edges
 from consumer_proxy.proto.v1 import handler_pb2
+from consumer_proxy.push import PushParts
+from consumer_proxy.readyq import ReadyDeque
+from consumer_proxy.spans import ProxyTracer
 from consumer_proxy.tracing import end_trace, start_tracing
 from consumer_proxy.wire import batch_request
 from tests.support.clock import Clock
@@ -212,22 +223,40 @@ def test_the_process_span_is_the_records_child_or_a_linked_root(
     assert process.attributes["consumer_proxy.outcome"] == "dead_letter"
 
 
-def test_a_producer_that_did_not_sample_is_followed_without_a_span(
+@pytest.mark.parametrize(
+    ("flags", "state", "passed_on"),
+    [
+        (b"00", b"vendor=abc", ("00", "vendor=abc")),
+        (b"02", b" vendor=abc ,x=1", ("00", "vendor=abc,x=1")),  # sampled bit only; OWS gone
+        (b"00", b"K=bad", ("00", "")),  # a malformed tracestate is not passed on
+    ],
+)
+def test_a_producer_that_did_not_sample_is_followed_without_a_span_or_opentelemetry_objects(
     exported: tuple[TracerProvider, InMemorySpanExporter],
+    monkeypatch: pytest.MonkeyPatch,
+    flags: bytes,
+    state: bytes,
+    passed_on: tuple[str, str],
 ) -> None:
-    # Given a record whose producer did not sample its trace (flags 00), parent-based sampling
+    # Given a record whose producer did not sample its trace, parent-based sampling, and no
+    # OpenTelemetry context object to be had (the 99 % pass without any)
     provider, exporter = exported
     tracer = OtelTracer(provider.get_tracer("t"), "billing", link_producer=False, ratio=1.0)
-    unsampled = VALID[:-2] + b"00"
-    d = delivery([("traceparent", unsampled), ("tracestate", b"vendor=abc")])
+    unsampled = VALID[:-2] + flags
+    d = delivery([("traceparent", unsampled), ("tracestate", state)])
+    for name in ("SpanContext", "TraceState", "Link", "NonRecordingSpan"):
+        monkeypatch.setattr(f"consumer_proxy.otel.{name}", None)
     # When it is traced through an attempt and acked
     trace = tracer.begin(d, 0.0)
     _, metadata = trace.attempt("HandleMessage", "127.0.0.1:1", 1)
     trace.decided(Decision(Action.ACK), "OK")
-    # Then no span is recorded, and the call passes the producer's context on as it was
+    # Then no span is recorded, and the call passes the producer's context on, not sampled
     assert not trace.sampled
     assert exporter.get_finished_spans() == ()
-    assert metadata == (("traceparent", unsampled.decode()), ("tracestate", "vendor=abc"))
+    parent = (VALID[:-2] + passed_on[0].encode()).decode()
+    state_on = (("tracestate", passed_on[1]),) if passed_on[1] else ()
+    assert metadata == (("traceparent", parent), *state_on)
+    assert (trace.traceparent, trace.tracestate) == (parent, passed_on[1])
 
 
 @pytest.mark.parametrize(
@@ -271,18 +300,24 @@ def test_a_producers_malformed_tracestate_reaches_neither_the_log_nor_the_servic
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["one-by-one", "batch"])
 @pytest.mark.parametrize(("ratio", "recorded"), [(0.0, 0), (0.1, 5), (0.5, 25), (1.0, 50)])
 def test_new_traces_are_sampled_at_the_ratio(
-    exported: tuple[TracerProvider, InMemorySpanExporter], ratio: float, recorded: int
+    exported: tuple[TracerProvider, InMemorySpanExporter],
+    ratio: float,
+    recorded: int,
+    batched: bool,
 ) -> None:
     # Given 50 messages without trace context
     provider, exporter = exported
     tracer = OtelTracer(provider.get_tracer("t"), "billing", link_producer=False, ratio=ratio)
     draws = iter([i / 50 for i in range(50)])  # 0.00, 0.02, ... 0.98: a fixed random draw
     tracer._draw = lambda: next(draws)
-    for _ in range(50):
-        # When each is traced and acked
-        trace = tracer.begin(delivery([]), 0.0)
+    deliveries = [delivery([]) for _ in range(50)]
+    # When each is traced (one by one, or as a batch call's) and acked
+    carried = tracer.begin_batch(deliveries) if batched else None
+    for d in deliveries:
+        trace = tracer.begin(d, 0.0)
         handle, metadata = trace.attempt("HandleMessage", "127.0.0.1:1", 1)
         trace.attempt_done(handle, None)
         trace.decided(Decision(Action.ACK), "OK")
@@ -290,6 +325,8 @@ def test_new_traces_are_sampled_at_the_ratio(
         assert trace.sampled or metadata is None
     # and the ratio decides how many are recorded (a process and an attempt span each)
     assert len(exporter.get_finished_spans()) == 2 * recorded
+    if batched:  # the batch call carries the context of those sampled
+        assert carried == [i for i, d in enumerate(deliveries) if d.trace.sampled]
 
 
 def test_a_batch_request_carries_each_messages_traceparent_and_tracestate(
@@ -300,11 +337,9 @@ def test_a_batch_request_carries_each_messages_traceparent_and_tracestate(
     tracer = OtelTracer(provider.get_tracer("t"), "billing", link_producer=False, ratio=1.0)
     sampled = delivery([("traceparent", VALID), ("tracestate", b"vendor=abc")])
     unsampled = delivery([("traceparent", VALID[:-2] + b"00"), ("tracestate", b"other=1")])
-    for d in (sampled, unsampled):
-        tracer.begin(d, 0.0)
     # When they go in one batch request
     request = handler_pb2.HandleMessageBatchRequest.FromString(
-        batch_request([sampled, unsampled], "billing", traced=True)
+        batch_request([sampled, unsampled], "billing", tracer.begin_batch([sampled, unsampled]))
     )
     # Then each message carries its own context: the process span's (with the producer's
     # tracestate, which the span keeps), or the producer's own when it did not sample
@@ -411,6 +446,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from consumer_proxy.handler import _NO_SPAN, _ServerSpans
 from consumer_proxy.proto.v1 import handler_pb2
+from consumer_proxy.spans import ProxyTracer
 
 message = handler_pb2.Message(topic="t", traceparent="{traceparent}")
 spans = _ServerSpans(recheck_s=0.0)
@@ -460,15 +496,13 @@ def test_a_long_running_calls_heartbeats_are_events_of_its_attempt_span(
     ]
 
 
-def test_the_exporters_request_is_what_the_otlp_encoder_builds_for_every_kind_of_span(
-    exported: tuple[TracerProvider, InMemorySpanExporter],
-) -> None:
-    # Given spans of every kind the proxy makes: process spans (a producer's child with a
-    # tracestate, a linked root, a root; breaker, retry and DLQ events; error statuses),
-    # attempts with heartbeats, cancelled or failed, a DLQ write, a batch call with links
-    provider, exporter = exported
+def every_kind_of_span(spans: Any, heartbeats: int = 1) -> None:
+    """Spans of every kind the proxy makes, through ``spans`` (a tracer's ``start_span``):
+    process spans (a producer's child with a tracestate, a linked root, a root; breaker,
+    retry and DLQ events; error statuses), attempts with heartbeats, cancelled or failed, a
+    DLQ write, a batch call with links; 32 spans."""
     for link_producer in (False, True):
-        tracer = OtelTracer(provider.get_tracer("t", "1.0"), "g", link_producer, ratio=1.0)
+        tracer = OtelTracer(spans, "g", link_producer, ratio=1.0)
         batch = []
         for i in range(6):
             headers = [("traceparent", VALID), ("tracestate", b"v=1")] if i % 2 else []
@@ -476,7 +510,8 @@ def test_the_exporters_request_is_what_the_otlp_encoder_builds_for_every_kind_of
             batch.append(d)
             trace = tracer.begin(d, 0.25 * (i % 2))
             handle, _ = trace.attempt("HandleMessageStream", "127.0.0.1:1", 1)
-            trace.heartbeat(1.0, "40%" if i % 2 else "")
+            for beat in range(heartbeats):
+                trace.heartbeat(1.0 + beat, "40%" if i % 2 else "")
             failed = FAILED if i % 3 == 0 else None
             trace.attempt_done(handle, failed)
             trace.decided(Decision(Action.RETRY, delay_s=0.1, counted=True), "INTERNAL")
@@ -485,8 +520,16 @@ def test_the_exporters_request_is_what_the_otlp_encoder_builds_for_every_kind_of
                 trace.written(trace.write("g.dlq", "dead_letter"), True)
             else:
                 trace.decided(Decision(Action.ACK), "OK")
-        span, _ = tracer.batch_call(batch, "HandleMessageBatch", "127.0.0.1:1")
+        span, _ = tracer.batch_call(batch, range(6), "HandleMessageBatch", "127.0.0.1:1")
         tracer.batch_done(span, "UNAVAILABLE", len(batch))
+
+
+def test_the_exporters_request_is_what_the_otlp_encoder_builds_for_every_kind_of_span(
+    exported: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    # Given spans of every kind the proxy makes
+    provider, exporter = exported
+    every_kind_of_span(provider.get_tracer("t", "1.0"))
     spans = exporter.get_finished_spans()
     # When the proxy's exporter builds its request
     config = TracingConfig(enabled=True, endpoint="http://127.0.0.1:4317")
@@ -495,6 +538,82 @@ def test_the_exporters_request_is_what_the_otlp_encoder_builds_for_every_kind_of
     # Then it is field for field what the OTLP exporter's own encoder builds
     assert request == encode_spans(spans)
     assert len(request.resource_spans[0].scope_spans[0].spans) == len(spans) == 32
+
+
+def _numbered(request: ExportTraceServiceRequest) -> ExportTraceServiceRequest:
+    """``request`` with its ids numbered in order of appearance and its times zero (two runs
+    of the same work differ only in those)."""
+    ids: dict[bytes, bytes] = {}
+
+    def number(value: bytes) -> bytes:
+        return ids.setdefault(value, len(ids).to_bytes(len(value), "big")) if value else value
+
+    for span in request.resource_spans[0].scope_spans[0].spans:
+        span.trace_id, span.span_id = number(span.trace_id), number(span.span_id)
+        span.parent_span_id = number(span.parent_span_id)
+        span.start_time_unix_nano = span.end_time_unix_nano = 0
+        for event in span.events:
+            event.time_unix_nano = 0
+        for link in span.links:
+            link.trace_id, link.span_id = number(link.trace_id), number(link.span_id)
+    return request
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [SpanLimits(), SpanLimits(max_span_attributes=9, max_events=2, max_links=4)],
+    ids=["default-limits", "low-limits"],
+)
+def test_the_proxys_own_spans_are_exported_as_the_sdks_spans_of_the_same_work(
+    limits: SpanLimits,
+) -> None:
+    # Given the same work traced once through the SDK and once through the proxy's own spans
+    # (OTLP/gRPC with sampling decided first), under the same span limits
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(span_limits=limits)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    every_kind_of_span(provider.get_tracer("t", "1.0"), heartbeats=3)
+    sdk = [encode_span(span) for span in exporter.get_finished_spans()]
+    ours: list[Encoded] = []
+    scope = InstrumentationScope("t", "1.0")
+    own = ProxyTracer(
+        provider.resource, scope, lambda span, encode: ours.append(encode(span)), limits
+    )
+    every_kind_of_span(own, heartbeats=3)
+    # When each is encoded for export
+    expected = _numbered(ExportTraceServiceRequest.FromString(request_of(sdk)))
+    request = _numbered(ExportTraceServiceRequest.FromString(request_of(ours)))
+    # Then the requests are the same but for ids and times: parents, links, tracestates,
+    # attributes, events, statuses, and what the limits dropped
+    assert request == expected
+    spans = request.resource_spans[0].scope_spans[0].spans
+    assert len(spans) == 32
+    if limits.max_events == 2:
+        assert any(span.dropped_events_count for span in spans)
+        assert any(span.dropped_links_count for span in spans)
+        assert any(span.dropped_attributes_count for span in spans)
+    provider.shutdown()
+
+
+def test_over_grpc_with_sampling_decided_first_the_proxy_makes_its_own_spans() -> None:
+    # Given tracing on over OTLP/gRPC at 1 %, over OTLP/HTTP, and with a sampler of the SDK's
+    # that is not parent-based (it decides each span)
+    endpoint = "http://127.0.0.1:4317"
+    grpc = OtelTracing(TracingConfig(enabled=True, endpoint=endpoint, sample_ratio=0.01))
+    http = OtelTracing(
+        TracingConfig(enabled=True, endpoint=endpoint, sample_ratio=0.01, protocol="http/protobuf")
+    )
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
+        own_sampler = OtelTracing(TracingConfig(enabled=True, endpoint=endpoint))
+    try:
+        # Then only the first makes the proxy's own spans; the others the SDK's
+        assert isinstance(grpc.tracer("g")._tracer, ProxyTracer)
+        assert not isinstance(http.tracer("g")._tracer, ProxyTracer)
+        assert not isinstance(own_sampler.tracer("g")._tracer, ProxyTracer)
+    finally:
+        for tracing in (grpc, http, own_sampler):
+            tracing.shutdown()
 
 
 class _Chunks(SpanExporter):
@@ -618,3 +737,34 @@ def test_producers_keys_and_services_reasons_are_encoded_but_never_cached(
     cached = {pair[2] for pair in otlp._PAIRS}
     assert not any(str(v).startswith(("key-", "bad ")) for v in cached)
     assert len(otlp._PAIRS) - before < 10
+
+
+async def test_a_batch_of_plain_acks_with_a_sampled_message_finishes_together(
+    exported: tuple[TracerProvider, InMemorySpanExporter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a batch call of 3 traced messages, the second one sampled, in batch mode
+    provider, exporter = exported
+    rig = TracedCore(provider)
+    rig.tracer = OtelTracer(provider.get_tracer("t"), "g", link_producer=False, ratio=0.5)
+    draws = iter([0.9, 0.1, 0.9])
+    rig.tracer._draw = lambda: next(draws)
+    for offset in range(3):
+        rig.core.intake(Rec("t", offset))
+    batch = rig.core.begin_batch([rig.ready.popleft() for _ in range(3)])
+    carried = rig.tracer.begin_batch(batch)
+    assert [d.trace.sampled for d in batch] == [False, True, False] and carried == [1]
+    edges = Edges(None, None, None, rig.clock, rig.tracer)  # type: ignore[arg-type]
+    metrics = ProxyMetrics()
+    tally = Tally("g", metrics, lambda *_: None)
+    parts = PushParts(
+        "g", rig.core, edges, rig.breaker, StaticLimiter(4), None, tally, metrics, asyncio.Event()
+    )
+    push = BatchPush(parts, ReadyDeque(), 1, BatchLimits(100, 1 << 20), 0, lambda: None)
+    monkeypatch.setattr(rig.core, "finish", None)  # one message at a time: not taken
+    # When the service acks all three
+    acks = [Classification(Outcome.ACK, "OK")] * 3
+    endpoint = SimpleNamespace(target="127.0.0.1:1", ejected=False)
+    push._finished(batch, BatchOutcome(acks, acks[0], False), False, endpoint, carried)
+    # Then they are finished together, and the sampled one's process span ends as acked
+    assert rig.part.tracker is not None and rig.part.tracker.pending == 0
+    assert outcome_of_process_span(exporter) == "ack"
