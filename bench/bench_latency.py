@@ -39,13 +39,14 @@ from typing import Any
 from bench.floors import FloorProcess
 from bench.handlers import HandlerServer, HandlerSpec
 from bench.measure import Result, percentile
-from bench.options import BenchOptions, broker, client_settings
+from bench.options import ROOT, BenchOptions, broker, client_settings
 from bench.producing import produce_at_rate
 from bench.proxy import BenchProxy, bench_config
 from tests.support.kafka import create_topic, unique_name
 
 OPTIONS = BenchOptions(handler=True, proxy_client=True)
 
+BASELINE = "baseline"  # the proxy of another checkout (--baseline-root)
 LOADS = (("unary", 1000.0), ("batch", 1000.0), ("batch", 10000.0))
 TARGET_ADDED_P99_MS = 1.0
 BATCH_MAX_MESSAGES = 100  # the proxy's default batch.max_messages
@@ -60,16 +61,18 @@ def consumer_for(
     handler: HandlerServer,
     client: dict[str, str],
     stages: Path | None = None,
+    baseline_root: Path | None = None,
 ) -> BenchProxy | FloorProcess:
-    """The proxy or the floor, not started yet, for one run; ``stages``: where it writes when
-    each record passed each of its stages."""
+    """The proxy, the floor or the baseline (the proxy of ``baseline_root``), not started yet,
+    for one run; ``stages``: where it writes when each record passed each of its stages."""
     group = unique_name(f"bench-lat-{who}")
-    if who == "proxy":
+    if who != "floor":
         delivery = {"batch": "off" if mode == "unary" else "auto"}
         config = bench_config(bootstrap, group, [topic], [handler.address], delivery, client)
+        root = baseline_root if who == BASELINE and baseline_root is not None else ROOT
         if stages is None:
-            return BenchProxy(config)
-        return BenchProxy(config, profile="stages", profile_out=stages)
+            return BenchProxy(config, root=root)
+        return BenchProxy(config, profile="stages", profile_out=stages, root=root)
     args = ["--bootstrap", bootstrap, "--topic", topic, "--group", group]
     args += ["--address", handler.address, "--mode", mode]
     if stages is not None:
@@ -85,19 +88,23 @@ def paired_run(
     seconds: float,
     client: dict[str, str] | None = None,
     stages: bool = False,
+    keep: Path | None = None,
+    baseline_root: Path | None = None,
 ) -> dict[str, dict[str, Any]]:
     """One window of ``per_s`` records for ``seconds``, read by the floor and the proxy at
     the same time (each its own group and its own handler service). ``stages``: also where
-    each side's latency goes (:func:`stage_figures`)."""
+    each side's latency goes (:func:`stage_figures`), its stamps kept under ``keep`` if
+    given."""
     topic = create_topic(bootstrap, unique_name("bench-lat"), partitions=1)
-    stage_dir = Path(tempfile.mkdtemp(prefix="cp-bench-stages-"))
+    stage_dir = Path(tempfile.mkdtemp(prefix="cp-bench-stages-", dir=keep))
     stage_files = {who: stage_dir / f"{who}.json" if stages else None for who in handlers}
     with contextlib.ExitStack() as stack:
-        stack.callback(shutil.rmtree, stage_dir, ignore_errors=True)
+        if keep is None:
+            stack.callback(shutil.rmtree, stage_dir, ignore_errors=True)
         processes: dict[str, BenchProxy | FloorProcess] = {}
         for who, handler in handlers.items():
             processes[who] = consumer_for(
-                who, mode, bootstrap, topic, handler, client or {}, stage_files[who]
+                who, mode, bootstrap, topic, handler, client or {}, stage_files[who], baseline_root
             )
             stack.enter_context(processes[who])
         for handler in handlers.values():
@@ -130,6 +137,10 @@ def stage_figures(path: Path, run: dict[str, Any]) -> dict[str, dict[str, float 
     handler."""
     stamps = json.loads(path.read_text())
     found: dict[str, dict[str, float | None]] = {}
+    pauses = stamps.pop("gc", [])
+    stamps.pop("produced", None)
+    if pauses:  # the proxy's collections over its whole run: the longest, and how many
+        found["gc pauses"] = {"p50": float(len(pauses)), "p99": max(ms for _, ms, _ in pauses)}
     for stage, pairs in stamps.items():
         values = [ms for offset, ms in pairs if offset >= WARM_UP]
         found[stage] = {"p50": percentile(values, 50), "p99": percentile(values, 99)}
@@ -162,6 +173,12 @@ def main() -> int:
     parser.add_argument(
         "--stages", action="store_true", help="also where each side's latency goes (stamps)"
     )
+    parser.add_argument("--keep-stages", type=Path, help="--stages: keep the stamps here")
+    parser.add_argument(
+        "--baseline-root",
+        type=Path,
+        help="also the proxy of this checkout in every round (its own group and handler)",
+    )
     parser.add_argument(
         "--loads", nargs="+", choices=[f"{m}_{r:.0f}" for m, r in LOADS], help="a subset"
     )
@@ -171,27 +188,40 @@ def main() -> int:
     seconds = 3.0 if args.quick else args.seconds
     result = Result(
         "bench_latency",
-        params={"rounds": rounds, "seconds": seconds, "handler": args.handler, "client": client},
+        params={
+            "rounds": rounds,
+            "seconds": seconds,
+            "handler": args.handler,
+            "client": client,
+            "baseline_root": str(args.baseline_root or ""),
+        },
     )
     spec = HandlerSpec(latency=True)
     med = statistics.median
-    with (
-        broker(args.bootstrap) as bootstrap,
-        HandlerServer(spec, args.handler) as floor_handler,
-        HandlerServer(spec, args.handler) as proxy_handler,
-    ):
-        handlers = {"floor": floor_handler, "proxy": proxy_handler}
+    sides = ("floor", "proxy") + ((BASELINE,) if args.baseline_root else ())
+    with broker(args.bootstrap) as bootstrap, contextlib.ExitStack() as stack:
+        handlers = {who: stack.enter_context(HandlerServer(spec, args.handler)) for who in sides}
         for mode, per_s in LOADS:
             name = f"{mode}_{per_s:.0f}"
             if args.loads and name not in args.loads:
                 continue
-            runs: dict[str, list[dict[str, Any]]] = {"floor": [], "proxy": []}
+            runs: dict[str, list[dict[str, Any]]] = {who: [] for who in sides}
             for round_ in range(rounds):
-                paired = paired_run(bootstrap, handlers, mode, per_s, seconds, client, args.stages)
+                paired = paired_run(
+                    bootstrap,
+                    handlers,
+                    mode,
+                    per_s,
+                    seconds,
+                    client,
+                    args.stages,
+                    args.keep_stages,
+                    args.baseline_root,
+                )
                 for who, run in paired.items():
                     runs[who].append(run)
                     print(
-                        f"  {name} round {round_ + 1} {who:<5}: p50 {run['p50']:.2f} ms, "
+                        f"  {name} round {round_ + 1} {who:<8}: p50 {run['p50']:.2f} ms, "
                         f"p99 {run['p99']:.2f}, p99.9 {run['p999']:.2f}, max {run['max']:.1f}; "
                         f"{run['calls']} calls ({run['batch_calls']} batches) for {run['n']}; "
                         f"CPU {run['cpu_us_per_msg']:.0f} us/msg",
@@ -203,7 +233,7 @@ def main() -> int:
                             f"p99 {at['p99'] or 0:8.2f} ms",
                             flush=True,
                         )
-            for who in ("floor", "proxy"):
+            for who in sides:
                 for q in ("p50", "p99", "p999"):
                     result.figure(f"{name}.{who}_{q}_ms", med(r[q] for r in runs[who]), "ms")
                 result.figure(
@@ -220,6 +250,22 @@ def main() -> int:
                 f"{name}.proxy_p99_over_floor_p99",
                 med(p["p99"] / f["p99"] for f, p in zip(runs["floor"], runs["proxy"], strict=True)),
             )
+            if args.baseline_root:  # the same rounds: what the change moved
+                base = [
+                    b["p99"] - f["p99"] for f, b in zip(runs["floor"], runs[BASELINE], strict=True)
+                ]
+                result.figures[f"{name}.baseline_p99_added_ms_per_round"] = [
+                    round(a, 3) for a in base
+                ]
+                result.ratio(f"{name}.baseline_p99_added_ms", med(base), higher_is_better=False)
+                for q in ("p50", "p99"):
+                    result.ratio(
+                        f"{name}.proxy_{q}_over_baseline_{q}",
+                        med(
+                            p[q] / b[q] for b, p in zip(runs[BASELINE], runs["proxy"], strict=True)
+                        ),
+                        higher_is_better=False,
+                    )
     result.write()
     return 0
 
