@@ -41,6 +41,7 @@ from bench.handlers import HandlerServer, HandlerSpec
 from bench.measure import Result, percentile
 from bench.options import ROOT, BenchOptions, broker, client_settings
 from bench.producing import produce_at_rate
+from bench.profiling import STAGES
 from bench.proxy import BenchProxy, bench_config
 from tests.support.kafka import create_topic, unique_name
 
@@ -128,24 +129,69 @@ def paired_run(
                 process.stop()
         for who, path in stage_files.items():
             if path is not None:
-                found[who]["stages"] = stage_figures(path, found[who])
+                floor = stage_files["floor"] if who != "floor" else None
+                found[who].update(stage_figures(path, found[who], floor))
     return found
 
 
-def stage_figures(path: Path, run: dict[str, Any]) -> dict[str, dict[str, float | None]]:
-    """p50 / p99 of the latency at each stage a side wrote (the warm-up left out), and at the
-    handler."""
+def stage_figures(path: Path, run: dict[str, Any], floor: Path | None) -> dict[str, Any]:
+    """Where a side's latency goes: p50 / p99 at each stage it wrote (the warm-up left out)
+    and at the handler; for a proxy, also the collections in the window and the tail
+    (:func:`tail_figures`, against the floor's ``floor`` stamps of the same records)."""
     stamps = json.loads(path.read_text())
-    found: dict[str, dict[str, float | None]] = {}
     pauses = stamps.pop("gc", [])
-    stamps.pop("produced", None)
-    if pauses:  # the proxy's collections over its whole run: the longest, and how many
-        found["gc pauses"] = {"p50": float(len(pauses)), "p99": max(ms for _, ms, _ in pauses)}
-    for stage, pairs in stamps.items():
-        values = [ms for offset, ms in pairs if offset >= WARM_UP]
-        found[stage] = {"p50": percentile(values, 50), "p99": percentile(values, 99)}
-    found["handler"] = {"p50": run["p50"], "p99": run["p99"]}
+    produced = dict(stamps.pop("produced", []))
+    at = {stage: {o: ms for o, ms in pairs if o >= WARM_UP} for stage, pairs in stamps.items()}
+    found: dict[str, Any] = {
+        "stages": {
+            stage: {
+                "p50": percentile(list(v.values()), 50),
+                "p99": percentile(list(v.values()), 99),
+            }
+            for stage, v in at.items()
+            if v
+        }
+    }
+    found["stages"]["handler"] = {"p50": run["p50"], "p99": run["p99"]}
+    window = [ts for o, ts in produced.items() if o >= WARM_UP]
+    if window:
+        start, end = min(window), max(window) + 1000.0  # (ms, wall clock)
+        taken = [(ms, gen) for t, ms, gen in pauses if start <= t <= end]
+        found["gc"] = {
+            "collections": len(taken),
+            "by_generation": [sum(1 for _, g in taken if g == gen) for gen in (0, 1, 2)],
+            "longest_ms": max((ms for ms, _ in taken), default=0.0),
+            "total_ms": sum(ms for ms, _ in taken),
+        }
+    if floor is not None and at.get("asked"):
+        consumed = {o: ms for o, ms in json.loads(floor.read_text())["consumed"]}
+        found["tail"] = tail_figures(at, consumed)
     return found
+
+
+def tail_figures(at: dict[str, dict[int, float]], floor: dict[int, float]) -> dict[str, Any]:
+    """For the 1% of records latest when their call was sent, the mean milliseconds each
+    stage of the proxy added, from the floor's consume returning the same record; and the
+    share of all records whose poll began only after the floor had them (they waited in
+    librdkafka while the proxy's consumer thread waited for its next call)."""
+    order = [s for s in STAGES if s not in ("asked", "answered") and at.get(s)]
+    offsets = [o for o in at[order[-1]] if o in floor and all(o in at[s] for s in order)]
+    if not offsets:
+        return {}
+    last = at[order[-1]]
+    worst = sorted(offsets, key=lambda o: -last[o])[: max(1, len(offsets) // 100)]
+    added: dict[str, float] = {}
+    for o in worst:
+        before = floor[o]
+        for stage in order:
+            added[stage] = added.get(stage, 0.0) + at[stage][o] - before
+            before = at[stage][o]
+    asked = at["asked"]
+    late = sum(1 for o in offsets if o in asked and asked[o] > floor[o])
+    return {
+        "worst_mean_added_ms": {stage: ms / len(worst) for stage, ms in added.items()},
+        "polled_late_share": late / len(offsets),
+    }
 
 
 def figures(who: str, n: int, stats: dict[str, Any], cpu_s: float) -> dict[str, Any]:
@@ -164,6 +210,28 @@ def figures(who: str, n: int, stats: dict[str, Any], cpu_s: float) -> dict[str, 
         "batch_calls": sum(stats["sizes"].values()),
         "mean_batch": n / max(stats["calls"], 1),
     }
+
+
+def print_stages(run: dict[str, Any]) -> None:
+    """A side's stage figures (``--stages``), under its line."""
+    for stage, at in run.get("stages", {}).items():
+        print(f"      {stage:<16} p50 {at['p50'] or 0:8.2f} ms  p99 {at['p99'] or 0:8.2f} ms")
+    if "gc" in run:
+        gc = run["gc"]
+        print(
+            f"      GC in the window: {gc['collections']} collections (by generation "
+            f"{gc['by_generation']}), {gc['total_ms']:.1f} ms in all, longest "
+            f"{gc['longest_ms']:.2f} ms"
+        )
+    tail = run.get("tail")
+    if tail:
+        added = ", ".join(f"{s} +{ms:.2f}" for s, ms in tail["worst_mean_added_ms"].items())
+        print(f"      worst 1% (ms after the floor's consume): {added}")
+        print(
+            f"      polled only after the floor had the record: "
+            f"{100 * tail['polled_late_share']:.0f}% of records",
+            flush=True,
+        )
 
 
 def main() -> int:
@@ -227,12 +295,7 @@ def main() -> int:
                         f"CPU {run['cpu_us_per_msg']:.0f} us/msg",
                         flush=True,
                     )
-                    for stage, at in run.get("stages", {}).items():
-                        print(
-                            f"      {stage:<16} p50 {at['p50'] or 0:8.2f} ms  "
-                            f"p99 {at['p99'] or 0:8.2f} ms",
-                            flush=True,
-                        )
+                    print_stages(run)
             for who in sides:
                 for q in ("p50", "p99", "p999"):
                     result.figure(f"{name}.{who}_{q}_ms", med(r[q] for r in runs[who]), "ms")

@@ -15,7 +15,6 @@ from typing import Any
 
 STAGES = (
     "asked",
-    "read_ahead",
     "consumer_thread",
     "event_loop",
     "ready",
@@ -26,10 +25,9 @@ STAGES = (
 )
 """Where ``stages`` stamps a record on its way through the proxy: the consumer thread began
 the consume that returned it (below the record's own latency there: it was waiting already),
-read ahead (only some records: ``Fetcher.consume``), handed over by librdkafka on the consumer
-thread, received on the event loop, in the ready queue (taken in by the core), taken into a
-call (batch mode), its push starting (the request not built yet), its call sent (the request
-built), its call answered."""
+handed over by librdkafka on the consumer thread, received on the event loop, in the ready
+queue (taken in by the core), taken into a call (batch mode), its push starting (the request
+not built yet), its call sent (the request built), its call answered."""
 
 
 def staged_proxy_main(out: str, argv: list[str]) -> int:
@@ -66,7 +64,7 @@ def staged_proxy_main(out: str, argv: list[str]) -> int:
         now_ms = time.time() * 1000.0
         book = stamps[stage].append
         for d in deliveries:
-            book((d.origin.offset, now_ms - d.origin.timestamp_ms))
+            book((d.offset, now_ms - d.origin.timestamp_ms))
 
     gc_started = [0.0, 0.0]
 
@@ -93,22 +91,6 @@ def staged_proxy_main(out: str, argv: list[str]) -> int:
             return result
 
         return await run(self, call)
-
-    read_ahead = getattr(fetcher.Fetcher, "_read_ahead", None)  # (an older checkout: none)
-
-    def staged_read_ahead(self: Any) -> None:
-        asked = time.time() * 1000.0
-        had = bool(self._stash)
-        assert read_ahead is not None
-        read_ahead(self)
-        if had or not self._stash:
-            return
-        stamp("consumer_thread", self._stash)
-        stamp("read_ahead", self._stash)
-        book = stamps["asked"].append
-        for record in self._stash:
-            if record.error() is None:
-                book((record.offset(), asked - record.timestamp()[1]))
 
     async def staged_consume(self: Any, max_messages: int, timeout_s: float) -> Any:
         records = await consume(self, max_messages, timeout_s)
@@ -155,12 +137,10 @@ def staged_proxy_main(out: str, argv: list[str]) -> int:
         return await push_batch(self, *args, **kwargs)
 
     fetcher.Fetcher._run = staged_run  # type: ignore[method-assign]
-    if read_ahead is not None:
-        fetcher.Fetcher._read_ahead = staged_read_ahead  # type: ignore[method-assign]
     fetcher.Fetcher.consume = staged_consume  # type: ignore[method-assign]
     readyq.ReadyDeque.put = staged_put  # type: ignore[method-assign]
     readyq.ReadyDeque.put_batch = staged_put_batch  # type: ignore[method-assign]
-    batch_push.take = staged_take  # type: ignore[attr-defined]
+    batch_push.take = staged_take  # type: ignore[attr-defined,assignment]
     dispatcher.Dispatcher.push = staged_push  # type: ignore[method-assign]
     dispatcher.Dispatcher.push_batch = staged_push_batch  # type: ignore[method-assign]
     batch_push.BatchPush._deliver = staged_batch  # type: ignore[method-assign,assignment]

@@ -30,10 +30,6 @@ TP = tuple[str, int]
 POSITIONS_INTERVAL_S = 0.2  # reading positions costs ~6 us per partition: not on every batch
 COMMITTED_TIMEOUT_S = 20.0
 """How long one read of assigned partitions' committed offsets (their ack state) may take."""
-READ_AHEAD_S = 0.005
-"""After a poll that returned records, the consumer thread polls again at once, for up to this
-long, rather than wait for the intake's next call (see ``Fetcher.consume``). A call queued
-meanwhile (a commit, a pause) waits at most this long for its turn."""
 CONSUME_CHUNK_S = 2.0
 """The longest single wait inside ``consume()``: a longer wait is served in chunks of this on
 the consumer thread, and ends after the chunk in which another call was queued (a commit, a
@@ -70,18 +66,14 @@ class _CallThread:
 
     What ``run_in_executor`` on a one-thread pool does, for less: every call of an idle group
     is such a hop, and the pool's futures were a tenth of an idle proxy's CPU. The thread is a
-    daemon, so a stopping process never waits for a call blocked in the client. ``idle`` runs
-    on the thread after each call (or ``nudge``) that leaves nothing queued.
+    daemon, so a stopping process never waits for a call blocked in the client.
     """
 
-    def __init__(
-        self, name: str, loop: asyncio.AbstractEventLoop, idle: Callable[[], None]
-    ) -> None:
+    def __init__(self, name: str, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._idle = idle
-        self._queue: queue.SimpleQueue[
-            tuple[Callable[[], Any], asyncio.Future[Any] | None] | None
-        ] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future[Any]] | None] = (
+            queue.SimpleQueue()
+        )
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
@@ -90,10 +82,6 @@ class _CallThread:
         future: asyncio.Future[Any] = self._loop.create_future()
         self._queue.put((fn, future))
         return future
-
-    def nudge(self) -> None:
-        """Have the thread run ``idle`` once it has served what is queued."""
-        self._queue.put((_nothing, None))
 
     def waiting(self) -> bool:
         """Whether a call is queued behind the one running."""
@@ -106,19 +94,12 @@ class _CallThread:
     def _serve(self) -> None:
         while (item := self._queue.get()) is not None:
             fn, future = item
-            if future is not None:
-                try:
-                    result, error = fn(), None
-                except BaseException as exc:  # noqa: BLE001 (handed over to the awaiting task)
-                    result, error = None, exc
-                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-                    self._loop.call_soon_threadsafe(_settle, future, result, error)
-            if self._queue.empty():
-                self._idle()
-
-
-def _nothing() -> None:
-    return None
+            try:
+                result, error = fn(), None
+            except BaseException as exc:  # noqa: BLE001 (handed over to the awaiting task)
+                result, error = None, exc
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                self._loop.call_soon_threadsafe(_settle, future, result, error)
 
 
 def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
@@ -146,12 +127,7 @@ class Fetcher:
         self._listener = listener
         self._loop = loop
         self._callback_timeout_s = callback_timeout_s
-        self._calls = _CallThread(f"kafka-{conf['group.id']}", loop, self._read_ahead)
-        self._stash: list[Any] = []  # records read ahead, not handed over yet (read_ahead)
-        self._stash_lock = threading.Lock()
-        self._flowing = False  # the last poll returned records: read ahead
-        self._batch = 1  # the intake's max_messages, for a read-ahead
-        self._ahead_error: BaseException | None = None
+        self._calls = _CallThread(f"kafka-{conf['group.id']}", loop)
         self._consumer: Consumer | None = None
         self.log_gate = KafkaLogGate(log, f"group {conf['group.id']} consumer")
         """librdkafka's lines and errors for this consumer, told as state changes."""
@@ -268,58 +244,29 @@ class Fetcher:
         Waits up to ``timeout_s`` for the first; a wait longer than ``CONSUME_CHUNK_S`` ends
         early when another call is queued or a rebalance callback ran (an idle group's intake
         wakes seldom, and nothing else waits for it).
-
-        While records flow, the consumer thread does not wait for this call: after a poll
-        that returned records it polls again at once (``READ_AHEAD_S``), and what it read
-        ahead is returned here without a hop to the thread. Records that arrive while the
-        event loop takes in the last ones then wait neither for the loop's next call to reach
-        the thread nor for the thread's answer to reach the loop: two thread wake-ups, each
-        up to milliseconds on a loaded machine (measured: a third of the records at 1,000
-        msg/s arrived while the thread waited for the next call, at p99 8-90 ms after a
-        plain consumer had them).
         """
-        if self._ahead_error is not None:
-            error, self._ahead_error = self._ahead_error, None
-            raise error
-        if self._stash:
-            # The workers get their turn, as after a thread hop; then the records are taken
-            # and handed over with no await between: whatever a rebalance callback started on
-            # the loop ran before the intake holds them, as after a poll on the thread.
-            await asyncio.sleep(0)
-            ahead = self._take_ahead()
-            if ahead:
-                self._calls.nudge()  # read ahead again
-                return ahead
 
         def consume() -> list[Any]:
             consumer = self._consumer
             assert consumer is not None
-            self._batch = max_messages
+            # librdkafka's consume(n, timeout) waits for n messages or the whole timeout, which
+            # adds up to `timeout` of latency at low traffic. Wait for the first message only,
+            # then take what is already there.
             self._rebalanced = False
-            messages = self._take_ahead()
-            if messages:
-                if max_messages > len(messages):
-                    messages += consumer.consume(max_messages - len(messages), 0)
-            else:
-                # librdkafka's consume(n, timeout) waits for n messages or the whole timeout,
-                # which adds up to `timeout` of latency at low traffic. Wait for the first
-                # message only, then take what is already there.
-                deadline = time.monotonic() + timeout_s
-                chunk = min(timeout_s, CONSUME_CHUNK_S)
-                messages = consumer.consume(1, chunk)
-                while not messages and not self._rebalanced and not self._calls.waiting():
-                    left = deadline - time.monotonic()
-                    if left < CONSUME_CHUNK_S / 2:  # the rest of a wait is not worth a call
-                        break
-                    messages = consumer.consume(1, min(left, CONSUME_CHUNK_S))
-                if messages and max_messages > 1:
-                    messages += consumer.consume(max_messages - 1, 0)
-            self._flowing = bool(messages)
-            # Read on this thread right after a batch (nothing is read ahead now): a position
-            # then counts only messages handed over in this batch or before, plus what the
-            # consumer skipped without handing it over (transaction markers, aborted records),
-            # which nobody will fetch. An older reading stays true until the assignment
-            # changes (that forces a new one).
+            deadline = time.monotonic() + timeout_s
+            chunk = min(timeout_s, CONSUME_CHUNK_S)
+            messages: list[Any] = consumer.consume(1, chunk)
+            while not messages and not self._rebalanced and not self._calls.waiting():
+                left = deadline - time.monotonic()
+                if left < CONSUME_CHUNK_S / 2:  # the rest of a wait is not worth a call
+                    break
+                messages = consumer.consume(1, min(left, CONSUME_CHUNK_S))
+            if messages and max_messages > 1:
+                messages += consumer.consume(max_messages - 1, 0)
+            # Read on this thread right after a batch: a position then counts only messages
+            # handed over in this batch or before, plus what the consumer skipped without
+            # handing it over (transaction markers, aborted records), which nobody will fetch.
+            # An older reading stays true until the assignment changes (that forces a new one).
             now = time.monotonic()
             if now >= self._positions_due:
                 self._positions_due = now + POSITIONS_INTERVAL_S
@@ -332,38 +279,6 @@ class Fetcher:
 
         result: list[Any] = await self._run(consume)
         return result
-
-    @property
-    def read_ahead(self) -> int:
-        """How many messages the consumer thread read ahead of the intake's next call."""
-        with self._stash_lock:
-            return len(self._stash)
-
-    def _take_ahead(self) -> list[Any]:
-        with self._stash_lock:
-            ahead, self._stash = self._stash, []
-        return ahead
-
-    def _read_ahead(self) -> None:
-        """Consumer thread, nothing queued: after a poll that returned records, poll again
-        (see ``consume``). One batch at most waits here: while it waits, no other poll runs,
-        so rebalance callbacks, which run inside polls, come after it was handed over, as
-        they would after a batch the intake asked for."""
-        consumer = self._consumer
-        if not self._flowing or self.closed or consumer is None or self._stash:
-            return
-        try:
-            messages: list[Any] = consumer.consume(1, READ_AHEAD_S)
-            if messages and self._batch > 1:
-                messages += consumer.consume(self._batch - 1, 0)
-        except BaseException as exc:  # noqa: BLE001 (raised by the intake's next consume)
-            self._flowing = False
-            self._ahead_error = exc
-            return
-        self._flowing = bool(messages)
-        if messages:
-            with self._stash_lock:
-                self._stash = messages
 
     async def set_paused(self, pause: Sequence[TP], resume: Sequence[TP]) -> None:
         """Pause and resume partitions (only those still assigned)."""
@@ -406,15 +321,6 @@ class Fetcher:
 
         def read() -> int | None:
             assert self._consumer is not None
-            with self._stash_lock:  # read ahead, not handed over: the intake's position
-                ahead = [
-                    m.offset()
-                    for m in self._stash
-                    if m.error() is None and (m.topic(), m.partition()) == tp
-                ]
-            if ahead:
-                first: int = min(ahead)
-                return first
             try:
                 (found,) = self._consumer.position([TopicPartition(*tp)])
             except KafkaException:

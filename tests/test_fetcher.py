@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import threading
 import time
 from collections.abc import Sequence
 
@@ -163,57 +162,3 @@ def test_a_partition_assigned_again_reports_no_position_of_its_previous_assignme
         assert resumed.offset == 61
     finally:
         consumer.close()
-
-
-@pytest.mark.kafka
-async def test_records_fetched_while_the_intake_is_busy_are_read_ahead_and_handed_over_at_once(
-    kafka: Broker,
-) -> None:
-    # The consumer thread polls again as soon as a poll returned records, so a record that
-    # arrives while the event loop takes in the last ones waits for neither thread hop (the
-    # intake's next call to the thread, the thread's answer to the loop): the p99 the proxy
-    # added to produce -> handler latency went mostly there (bench_latency --stages).
-    bootstrap = kafka.bootstrap
-    topic, group = unique_name("readahead"), unique_name("readahead")
-    create_topic(bootstrap, topic, partitions=1)
-    produce(bootstrap, topic, [f"m{i}" for i in range(10)])  # fetched together
-    conf = consumer_config(KafkaConfig(bootstrap_servers=bootstrap), group)
-    conf.update(FAST_CONSUMER)
-    fetcher = Fetcher(conf, [topic], _Listener(), asyncio.get_running_loop())
-    await fetcher.start()
-    release = threading.Event()
-    try:
-        # Given an intake that took one record (batches of one) and is busy with it
-        first: list[int] = []
-        deadline = time.monotonic() + 60
-        while not first and time.monotonic() < deadline:
-            first = [m.offset() for m in await fetcher.consume(1, 1.0) if m.error() is None]
-        assert first == [0]
-        # When the consumer thread is left alone, then kept busy by a call of its own (a
-        # commit whose offsets it works out slowly)
-        await async_wait_until(
-            lambda: fetcher.read_ahead == 1, timeout=30, message="the next record read ahead"
-        )
-        # Then the position the intake reads is that of the record read ahead, not past it
-        assert await fetcher.position((topic, 0)) == 1
-
-        def slow_offsets() -> list[TopicPartition]:
-            release.wait(30)
-            return []
-
-        busy = asyncio.ensure_future(fetcher.commit(slow_offsets))
-        # And the intake's next poll returns it without waiting for the busy thread
-        ahead = await asyncio.wait_for(fetcher.consume(1, 5.0), timeout=10)
-        assert [m.offset() for m in ahead] == [1]
-        assert not busy.done()
-        release.set()
-        await busy
-        # And every record comes once, in order
-        seen = [*first, 1]
-        deadline = time.monotonic() + 30
-        while len(seen) < 10 and time.monotonic() < deadline:
-            seen += [m.offset() for m in await fetcher.consume(1, 1.0) if m.error() is None]
-        assert seen == list(range(10))
-    finally:
-        release.set()
-        await fetcher.close()
