@@ -23,6 +23,14 @@ records before its window. Reported per load: p50 / p99 / p99.9 of the floor and
 (medians over rounds), and the p99 the proxy adds (median over rounds of proxy p99 - floor
 p99 of the same round). Target: **p99 added <= 1 ms** at 1,000 msg/s in both modes. Also CPU
 microseconds per message of the floor and the proxy over the window (all their threads).
+
+``--stages``: the proxy runs under ``bench.profiling``'s staged wrapper and each side prints
+where its latency goes: p50 / p99 at each stage, the proxy's garbage collections in the window,
+and for the 1% of records latest when their call was sent, what each stage added after the
+floor's consume returned the same record, with the share of records whose poll began only
+after the floor had them (``--keep-stages DIR`` keeps the stamps). ``--baseline-root DIR``
+adds the proxy of another checkout to every round (its own group and handler service), so a
+change is compared in the same rounds as the floor.
 """
 
 from __future__ import annotations
@@ -110,7 +118,7 @@ def paired_run(
             stack.enter_context(processes[who])
         for handler in handlers.values():
             handler.reset()
-        produce_at_rate(bootstrap, topic, 100.0, WARM_UP / 100.0)  # the groups are up, calls warm
+        warm = produce_at_rate(bootstrap, topic, 100.0, WARM_UP / 100.0)  # groups up, calls warm
         for handler in handlers.values():
             handler.wait_seen(WARM_UP, 60)
             handler.reset()
@@ -130,18 +138,19 @@ def paired_run(
         for who, path in stage_files.items():
             if path is not None:
                 floor = stage_files["floor"] if who != "floor" else None
-                found[who].update(stage_figures(path, found[who], floor))
+                found[who].update(stage_figures(path, found[who], floor, warm))
     return found
 
 
-def stage_figures(path: Path, run: dict[str, Any], floor: Path | None) -> dict[str, Any]:
-    """Where a side's latency goes: p50 / p99 at each stage it wrote (the warm-up left out)
-    and at the handler; for a proxy, also the collections in the window and the tail
-    (:func:`tail_figures`, against the floor's ``floor`` stamps of the same records)."""
+def stage_figures(path: Path, run: dict[str, Any], floor: Path | None, warm: int) -> dict[str, Any]:
+    """Where a side's latency goes: p50 / p99 at each stage it wrote (the ``warm`` records of
+    the warm-up left out) and at the handler; for a proxy, also the collections in the window
+    and the tail (:func:`tail_figures`, against the floor's ``floor`` stamps of the same
+    records)."""
     stamps = json.loads(path.read_text())
     pauses = stamps.pop("gc", [])
     produced = dict(stamps.pop("produced", []))
-    at = {stage: {o: ms for o, ms in pairs if o >= WARM_UP} for stage, pairs in stamps.items()}
+    at = {stage: {o: ms for o, ms in pairs if o >= warm} for stage, pairs in stamps.items()}
     found: dict[str, Any] = {
         "stages": {
             stage: {
@@ -153,7 +162,7 @@ def stage_figures(path: Path, run: dict[str, Any], floor: Path | None) -> dict[s
         }
     }
     found["stages"]["handler"] = {"p50": run["p50"], "p99": run["p99"]}
-    window = [ts for o, ts in produced.items() if o >= WARM_UP]
+    window = [ts for o, ts in produced.items() if o >= warm]
     if window:
         start, end = min(window), max(window) + 1000.0  # (ms, wall clock)
         taken = [(ms, gen) for t, ms, gen in pauses if start <= t <= end]
