@@ -13,21 +13,43 @@ import time
 from pathlib import Path
 from typing import Any
 
-STAGES = ("consumer_thread", "event_loop", "push")
-"""Where ``stages`` stamps a record on its way through the proxy: handed over by librdkafka
-on the consumer thread, received on the event loop, its push call starting."""
+STAGES = (
+    "asked",
+    "consumer_thread",
+    "event_loop",
+    "ready",
+    "taken",
+    "push",
+    "sent",
+    "answered",
+)
+"""Where ``stages`` stamps a record on its way through the proxy: the consumer thread began
+the consume that returned it (below the record's own latency there: it was waiting already),
+handed over by librdkafka on the consumer thread, received on the event loop, in the ready
+queue (taken in by the core), taken into a call (batch mode), its push starting (the request
+not built yet), its call sent (the request built), its call answered."""
 
 
 def staged_proxy_main(out: str, argv: list[str]) -> int:
     """``consumer-proxy`` that stamps each record at each of :data:`STAGES` (wall clock minus
     the record's timestamp, ms) and writes ``{stage: [[offset, ms], ...]}`` as JSON to ``out``
-    when it exits: where the latency a proxy adds goes. It wraps three of the proxy's own
-    methods (``Fetcher._run`` and ``Fetcher.consume``, ``Dispatcher.push``,
-    ``BatchPush._deliver``), so a rename there shows up here as a missing stage."""
-    from consumer_proxy import batch_push, dispatcher, fetcher
+    when it exits, with ``"gc"``: each collection as ``[wall ms at its start, ms, generation]``
+    and ``"produced"``: each record's timestamp as ``[offset, ms]``
+    (where the latency a proxy adds goes). It wraps some of the proxy's own methods
+    (``Fetcher._run`` and ``Fetcher.consume``, ``ReadyDeque.put``/``put_batch``, batch mode's
+    ``take``, ``Dispatcher.push`` and ``push_batch``, ``BatchPush._deliver``), so a rename
+    there shows up here as a missing stage."""
+    import contextvars
+    import gc
+
+    from consumer_proxy import batch_push, dispatcher, fetcher, readyq
     from consumer_proxy.cli import main as cli_main
 
     stamps: dict[str, list[tuple[int, float]]] = {stage: [] for stage in STAGES}
+    pauses: list[tuple[float, float, int]] = []
+    calling: contextvars.ContextVar[Any] = contextvars.ContextVar("calling", default=())
+
+    produced: list[tuple[int, float]] = []
 
     def stamp(stage: str, records: Any) -> None:
         now_ms = time.time() * 1000.0
@@ -35,14 +57,37 @@ def staged_proxy_main(out: str, argv: list[str]) -> int:
         for record in records:
             if record.error() is None:
                 book((record.offset(), now_ms - record.timestamp()[1]))
+                if stage == "consumer_thread":
+                    produced.append((record.offset(), record.timestamp()[1]))
 
+    def stamp_deliveries(stage: str, deliveries: Any) -> None:
+        now_ms = time.time() * 1000.0
+        book = stamps[stage].append
+        for d in deliveries:
+            book((d.offset, now_ms - d.origin.timestamp_ms))
+
+    gc_started = [0.0, 0.0]
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            gc_started[:] = [time.time() * 1000.0, time.perf_counter()]
+        else:
+            ms = 1000.0 * (time.perf_counter() - gc_started[1])
+            pauses.append((gc_started[0], ms, info["generation"]))
+
+    gc.callbacks.append(on_gc)
     run, consume = fetcher.Fetcher._run, fetcher.Fetcher.consume
 
     async def staged_run(self: Any, fn: Any) -> Any:
         def call() -> Any:
+            asked = time.time() * 1000.0
             result = fn()
             if fn.__name__ == "consume":
                 stamp("consumer_thread", result)
+                book = stamps["asked"].append
+                for record in result:
+                    if record.error() is None:
+                        book((record.offset(), asked - record.timestamp()[1]))
             return result
 
         return await run(self, call)
@@ -52,29 +97,59 @@ def staged_proxy_main(out: str, argv: list[str]) -> int:
         stamp("event_loop", records)
         return records
 
+    put, put_batch = readyq.ReadyDeque.put, readyq.ReadyDeque.put_batch
+
+    def staged_put(self: Any, delivery: Any) -> None:
+        stamp_deliveries("ready", [delivery])
+        put(self, delivery)
+
+    def staged_put_batch(self: Any, deliveries: Any) -> None:
+        stamp_deliveries("ready", deliveries)
+        put_batch(self, deliveries)
+
+    take = batch_push.take  # type: ignore[attr-defined]
+
+    def staged_take(*args: Any) -> Any:
+        batch = take(*args)
+        stamp_deliveries("taken", batch)
+        return batch
+
     unary, batch = dispatcher.Dispatcher.push, batch_push.BatchPush._deliver
+    push_batch = dispatcher.Dispatcher.push_batch
 
     async def staged_push(self: Any, request: Any, endpoint: Any, metadata: Any = None) -> Any:
         message = request.message
         stamps["push"].append((message.offset, time.time() * 1000.0 - message.timestamp_ms))
-        return await unary(self, request, endpoint, metadata)
+        stamps["sent"].append((message.offset, time.time() * 1000.0 - message.timestamp_ms))
+        result = await unary(self, request, endpoint, metadata)
+        stamps["answered"].append((message.offset, time.time() * 1000.0 - message.timestamp_ms))
+        return result
 
     async def staged_batch(
         self: Any, deliveries: Any, probe: bool, endpoint: Any, *rest: Any
     ) -> Any:
-        now_ms = time.time() * 1000.0
-        for d in deliveries:
-            stamps["push"].append((d.offset, now_ms - d.origin.timestamp_ms))
-        return await batch(self, deliveries, probe, endpoint, *rest)
+        stamp_deliveries("push", deliveries)
+        calling.set(deliveries)
+        result = await batch(self, deliveries, probe, endpoint, *rest)
+        stamp_deliveries("answered", deliveries)
+        return result
+
+    async def staged_push_batch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        stamp_deliveries("sent", calling.get())
+        return await push_batch(self, *args, **kwargs)
 
     fetcher.Fetcher._run = staged_run  # type: ignore[method-assign]
     fetcher.Fetcher.consume = staged_consume  # type: ignore[method-assign]
+    readyq.ReadyDeque.put = staged_put  # type: ignore[method-assign]
+    readyq.ReadyDeque.put_batch = staged_put_batch  # type: ignore[method-assign]
+    batch_push.take = staged_take  # type: ignore[attr-defined,assignment]
     dispatcher.Dispatcher.push = staged_push  # type: ignore[method-assign]
+    dispatcher.Dispatcher.push_batch = staged_push_batch  # type: ignore[method-assign]
     batch_push.BatchPush._deliver = staged_batch  # type: ignore[method-assign,assignment]
     try:
         code: int = cli_main(argv)
     finally:
-        Path(out).write_text(json.dumps(stamps))
+        Path(out).write_text(json.dumps({**stamps, "gc": pauses, "produced": produced}))
     return code
 
 
