@@ -492,3 +492,58 @@ def _calls(sim: ShellSim) -> int:
 
 def _now() -> float:
     return asyncio.get_running_loop().time()
+
+
+def test_a_commit_is_made_again_when_the_leader_epoch_under_it_changed() -> None:
+    # Found by the 1M-step soak (seeds 6 and 107). Given a partition committed at 10
+    sim = ShellSim(3).plain()
+    sim.commit_interval_ms = 5000
+    tp = sim.tps[0]
+    added: list[int] = []
+    cut: list[bool] = []  # armed once the commit is at 10
+
+    def add(behaviour: str = "ok") -> None:
+        msg = Msg(sim.next_ident, behaviour)
+        sim.next_ident += 1
+        sim.truth.behaviour[msg.ident] = behaviour
+        sim.logs[tp].append(msg)
+        added.append(msg.ident)
+
+    def cut_once(tps: Any) -> None:
+        if tp in tps and cut == [True]:
+            cut.append(True)
+            sim.cut_log(tp, 5)
+
+    sim.cut_at_handover = cut_once  # type: ignore[method-assign]
+    for _ in range(10):
+        add()
+
+    async def body() -> None:
+        while sim.commits.get(tp, (0, ""))[0] < 10:
+            await _for(sim, 0.05, 0.05)
+        # When its log is cut at 5 while it changes hands (an unclean election below the
+        # commit), so that its next owner's client finds the cut (KIP-320) and reads the
+        # records written at 5..9 after it, acks them (while 10 is slow: no commit falls
+        # due), and restarts
+        assert sim.source is not None
+        asked = _now()
+        cut.append(True)
+        sim.source.pending.append(([tp], False))
+        sim.source.arrived.set()
+        while sim.rebalanced_at < asked:
+            await _for(sim, 0.01, 0.01)
+        added.clear()
+        for _ in range(5):
+            add()
+        add("timeout:1")
+        sim.source.arrived.set()
+        while not sim.truth.acked.issuperset(added[:5]):
+            await _for(sim, 0.01, 0.01)
+        await sim.stop_member()
+        sim.start_member()
+
+    # Then the final commit at 10 was made again in the new leader epoch: the restarted
+    # member starts at 10 and pushes none of 5..9 again (the simulation fails a push of an
+    # acked message)
+    _run(sim, body)
+    assert sim.commits[tp][0] == 11
