@@ -7,7 +7,7 @@
 #                 chart tests, the Spark standalone cluster), for a quicker local run
 #   make bench  - the benchmarks in bench/ (not part of the test suite)
 #   make simulate - the long soak of the deterministic simulation: the real shell on a
-#                 virtual-time loop (100k steps, a few minutes; SIM_STEPS=1000000 for the 1M)
+#                 virtual-time loop (1M steps, some 6 minutes; SIM_STEPS=100000 for a short one)
 
 PYTHON ?= python3
 VENV   := .venv
@@ -56,8 +56,8 @@ bench: install
 	$(PY) -m bench.run_all
 
 # The long soak of the deterministic simulation: GroupRunner and the real core on a virtual-time
-# loop, 1M steps by default in one process per CPU (about 600 steps a second each: some 13
-# minutes on these 2-core machines; SIM_STEPS=100000 for a short one). A failure prints its
+# loop, 1M steps by default in one process per CPU (about 1,300 steps a second each: some 6
+# minutes on these shared 2-core machines; SIM_STEPS=100000 for a short one). A failure prints its
 # seed, replayed with: .venv/bin/python -m tests.sim --seed N
 simulate: install
 	$(PY) -m tests.sim --steps 2000 --total-steps $(or $(SIM_STEPS),1000000)

@@ -7,20 +7,24 @@ messages that block their partition's commit (``PartitionSet.unblock``, with
 ``head_block_ms``), and executes the core's pause plan (``pause_plan`` -> ``set_paused``). How
 long the next poll may wait is
 ``core.cadence.poll_wait``'s choice, from the workers' supply and the ``Committer``'s
-schedule. The first poll says the consumer is up (``on_started``).
+schedule; while every partition is paused, one for room, and the workers run dry, it waits
+for a call to end instead of polling (``core.cadence.room_wait``). The first poll says the
+consumer is up (``on_started``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
 
 from .committer import Committer
 from .config import DeliveryConfig
-from .core.cadence import FETCH_WAIT_S, poll_wait, quiet_polls
+from .core.cadence import FETCH_WAIT_S, poll_wait, quiet_polls, room_wait
 from .core.decision import HEAD_BLOCKED, Action
 from .core.partitions import Record
 from .ports import Clock, MessageSource
@@ -53,6 +57,7 @@ class Intake:
         self._tally = parts.tally
         self._metrics = parts.metrics
         self._clock: Clock = parts.edges.clock
+        self._room = parts.call_ended  # set after every call and DLQ or tier write
         self._committer = committer
         self._ready_low = ready_low
         self._on_started = on_started
@@ -64,11 +69,18 @@ class Intake:
         batch = self._fetch_batch
         paused = self._metrics.partitions_paused.labels(self.name)
         timeout_s = FETCH_WAIT_S
+        room_s: float | None = None  # wait for room this long instead of a consume
+        polled = 0.0  # when the last consume returned
         quiet = 0  # polls in a row that found the group holding nothing
         committer = self._committer
         started = False
         while not stopping.is_set():
-            messages = await source.consume(batch, timeout_s)
+            messages: list[Any] = []
+            if room_s is None:
+                messages = await source.consume(batch, timeout_s)
+                polled = self._clock()
+            else:
+                await self._await_room(room_s)
             if not started:
                 started = True
                 self._on_started()  # the consumer is up (joined, or joining, the group)
@@ -105,13 +117,32 @@ class Intake:
             # (a partition waiting only for a due time, the guard or the breaker: no poll
             # brings it sooner, and polling every 5 ms for an hour-long tier delay is waste)
             waiting = bool(plan.waiting) and not self._breaker.is_open
+            ready_low = waiting and self._ready_low()
+            fetching = plan.paused < len(partitions.parts)
+            room_s = room_wait(
+                waiting=waiting,
+                ready_low=ready_low,
+                fetching=fetching,
+                since_poll_s=self._clock() - polled,
+            )
             timeout_s = poll_wait(
                 waiting=waiting,
-                ready_low=waiting and self._ready_low(),
+                ready_low=ready_low,
+                fetching=fetching,
                 commit_due=not waiting and committer.due,
                 quiet=quiet,
                 commits_failing=partitions.commits_failing,
             )
+
+    async def _await_room(self, cap_s: float) -> None:
+        """Wait until a call or a DLQ or tier write ends, at most ``cap_s``. Its result is in
+        the core when this returns (the event is set right before the answer is handed over,
+        with no await in between), so the next pause plan sees what it freed."""
+        room = self._room
+        room.clear()  # (revocation waits on it too: a clear never loses a waiter's wake-up)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(cap_s):
+                await room.wait()
 
     def _unblock(self) -> None:
         """Move aside the messages that block their partition's commit (head_block_ms)."""

@@ -9,11 +9,13 @@ from consumer_proxy.core.cadence import (
     IDLE_COMMIT_GAP_S,
     IDLE_FETCH_WAIT_S,
     QUIET_TICKS,
+    ROOM_WAIT_S,
     STARVED_POLL_S,
     WAITING_POLL_S,
     CommitCadence,
     poll_wait,
     quiet_polls,
+    room_wait,
 )
 from consumer_proxy.core.ejection import breaker_hears
 
@@ -22,6 +24,7 @@ def wait(
     *,
     waiting: bool = False,
     ready_low: bool = False,
+    fetching: bool = True,
     commit_due: bool = False,
     quiet: int = 0,
     commits_failing: bool = False,
@@ -29,6 +32,7 @@ def wait(
     return poll_wait(
         waiting=waiting,
         ready_low=ready_low,
+        fetching=fetching,
         commit_due=commit_due,
         quiet=quiet,
         commits_failing=commits_failing,
@@ -41,6 +45,23 @@ def test_a_partition_waiting_for_its_window_is_polled_briefly() -> None:
     assert wait(waiting=True, ready_low=False) == WAITING_POLL_S
     # and that wins over an idle group's long wait
     assert wait(waiting=True, quiet=5) == WAITING_POLL_S
+
+
+def test_with_every_partition_paused_the_intake_waits_for_room_instead_of_polling() -> None:
+    # Given every partition paused, one for room, and the workers about to run dry: the
+    # intake waits for a call to end, at most until a consume is ROOM_WAIT_S away
+    assert room_wait(waiting=True, ready_low=True, fetching=False, since_poll_s=0.0) == (
+        ROOM_WAIT_S
+    )
+    left = room_wait(waiting=True, ready_low=True, fetching=False, since_poll_s=0.03)
+    assert left == pytest.approx(ROOM_WAIT_S - 0.03)
+    # ... then it consumes (rebalance callbacks run only in there), without waiting in it
+    assert room_wait(waiting=True, ready_low=True, fetching=False, since_poll_s=ROOM_WAIT_S) is None
+    assert wait(waiting=True, ready_low=True, fetching=False) == 0.0
+    # Another partition fetching, enough ready, or nothing paused for room: it polls
+    assert room_wait(waiting=True, ready_low=True, fetching=True, since_poll_s=0.0) is None
+    assert room_wait(waiting=True, ready_low=False, fetching=False, since_poll_s=0.0) is None
+    assert room_wait(waiting=False, ready_low=False, fetching=False, since_poll_s=0.0) is None
 
 
 def test_a_commit_due_or_under_way_is_never_held_up_by_a_long_poll() -> None:

@@ -21,12 +21,15 @@ import pytest
 
 from consumer_proxy.core import batching, heartbeat
 from consumer_proxy.core.batching import PROTOCOL_ERROR, BatchOutcome
+from consumer_proxy.core.cadence import ROOM_WAIT_S, STARVED_POLL_S
 from consumer_proxy.core.decision import Action, Decision
 from consumer_proxy.core.heartbeat import CallWatch, Expiry, Limits
 from consumer_proxy.core.outcomes import Classification, Classifier, Outcome
 from consumer_proxy.core.partitions import Delivery, PartitionSet, PartitionState
 from consumer_proxy.core.tracker import PartitionTracker
 from consumer_proxy.parking import Parking
+from tests.sim import world
+from tests.sim.edges import SimSource
 from tests.sim.shell import ShellSim, ShellStats, run_shell
 from tests.sim.truth import InvariantViolation
 from tests.sim.vloop import run_virtual
@@ -386,3 +389,161 @@ def test_ack_state_from_before_an_unclean_truncation_never_skips_the_new_records
 
     # Then the next owner delivers the new records (the state's epoch is older than theirs)
     _run(sim, body)
+
+
+def test_a_partition_waiting_for_room_resumes_as_soon_as_a_call_frees_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given one partition with a window of 4 and eight workers (while it waits for room the
+    # workers run dry), far more records than its backlog holds, and every 20th record
+    # timing out once: a 1 s call that holds the window's head while the others are acked
+    sim = ShellSim(5, partitions=1).plain()
+    sim.max_in_flight, sim.concurrency, sim.budget = 4, 8, 4000
+    tp = sim.tps[0]
+    for n in range(400):
+        behaviour = "timeout:1" if n % 20 == 10 else "ok"
+        msg = Msg(sim.next_ident, behaviour)
+        sim.next_ident += 1
+        sim.truth.behaviour[msg.ident] = behaviour
+        sim.logs[tp].append(msg)
+    seen = _RoomWatch(monkeypatch, tp)
+
+    async def body() -> None:
+        # When the member works through them, and a rebalance comes while it waits for room
+        while seen.paused_since is None or not _calls(sim):
+            await _for(sim, 0.01, 0.01)
+        asked = asyncio.get_running_loop().time()
+        seen.rebalances.clear()  # (the join's)
+        assert sim.source is not None
+        sim.source.pending.append(([tp], True))
+        sim.source.arrived.set()
+        while not seen.rebalances:
+            await _for(sim, 0.01, 0.01)
+        seen.rebalance_wait = seen.rebalances[0] - asked
+        await _for(sim, 25.0)
+
+    _run(sim, body)
+    # Then when a call's answer freed room, the partition resumed at once, not at the end
+    # of a poll (but when the consumer thread was busy: a commit, or the consume that comes
+    # at least every ROOM_WAIT_S); the intake polled the consumer far less often than every
+    # 5 ms while it waited; and the rebalance was served within the cap of a wait for room
+    delays = seen.delays
+    assert len(delays) > 12 and seen.paused_s > 10.0, (len(delays), seen.paused_s)
+    at_once = [d for d in delays if d < 0.0001]  # a few ticks of the virtual loop
+    assert len(at_once) >= 0.75 * len(delays), [round(d, 4) for d in delays]
+    assert seen.polls_paused <= seen.paused_s / ROOM_WAIT_S + seen.pauses, seen.polls_paused
+    assert seen.rebalance_wait <= ROOM_WAIT_S + STARVED_POLL_S + 0.001, seen.rebalance_wait
+
+
+class _RoomWatch:
+    """What ``test_a_partition_waiting_for_room_...`` watches of one partition ``tp``: when
+    an answer freed room while it was paused, when the consumer resumed it, the polls made
+    while it was paused, and when rebalances began to be served (virtual times)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, tp: tuple[str, int]) -> None:
+        self.freed: float | None = None
+        self.delays: list[float] = []
+        self.paused_since: float | None = None
+        self.paused_s = 0.0
+        self.pauses = 0
+        self.polls_paused = 0
+        self.rebalances: list[float] = []
+        self.rebalance_wait = 0.0
+        now = _now
+        finish, set_paused = PartitionSet.finish, world.Consumer.set_paused
+        consume, serve = SimSource.consume, SimSource._serve_rebalances
+
+        def finishing(core: PartitionSet, d: Delivery, result: Any, probe: bool) -> Any:
+            decision = finish(core, d, result, probe)
+            part = d.part
+            if part.paused and self.freed is None and core._pause_kind(part, False) == 0:
+                self.freed = now()
+            return decision
+
+        def setting(consumer: world.Consumer, pause: list[Any], resume: list[Any]) -> None:
+            set_paused(consumer, pause, resume)
+            if tp in pause:
+                self.paused_since, self.pauses = now(), self.pauses + 1
+            if tp in resume and self.paused_since is not None:
+                self.paused_s += now() - self.paused_since
+                self.paused_since = None
+                if self.freed is not None:
+                    self.delays.append(now() - self.freed)
+            self.freed = None
+
+        async def consuming(source: SimSource, max_messages: int, timeout_s: float) -> Any:
+            self.polls_paused += tp in source.consumer.paused
+            return await consume(source, max_messages, timeout_s)
+
+        async def serving(source: SimSource) -> None:
+            self.rebalances.append(now())
+            await serve(source)
+
+        monkeypatch.setattr(PartitionSet, "finish", finishing)
+        monkeypatch.setattr(world.Consumer, "set_paused", setting)
+        monkeypatch.setattr(SimSource, "consume", consuming)
+        monkeypatch.setattr(SimSource, "_serve_rebalances", serving)
+
+
+def _calls(sim: ShellSim) -> int:
+    push = sim.runner.push if sim.runner is not None else None
+    return len(push.pushing) if push is not None else 0
+
+
+def _now() -> float:
+    return asyncio.get_running_loop().time()
+
+
+def test_a_commit_is_made_again_when_the_leader_epoch_under_it_changed() -> None:
+    # Found by the 1M-step soak (seeds 6 and 107). Given a partition committed at 10
+    sim = ShellSim(3).plain()
+    sim.commit_interval_ms = 5000
+    tp = sim.tps[0]
+    added: list[int] = []
+    cut: list[bool] = []  # armed once the commit is at 10
+
+    def add(behaviour: str = "ok") -> None:
+        msg = Msg(sim.next_ident, behaviour)
+        sim.next_ident += 1
+        sim.truth.behaviour[msg.ident] = behaviour
+        sim.logs[tp].append(msg)
+        added.append(msg.ident)
+
+    def cut_once(tps: Any) -> None:
+        if tp in tps and cut == [True]:
+            cut.append(True)
+            sim.cut_log(tp, 5)
+
+    sim.cut_at_handover = cut_once  # type: ignore[method-assign]
+    for _ in range(10):
+        add()
+
+    async def body() -> None:
+        while sim.commits.get(tp, (0, ""))[0] < 10:
+            await _for(sim, 0.05, 0.05)
+        # When its log is cut at 5 while it changes hands (an unclean election below the
+        # commit), so that its next owner's client finds the cut (KIP-320) and reads the
+        # records written at 5..9 after it, acks them (while 10 is slow: no commit falls
+        # due), and restarts
+        assert sim.source is not None
+        asked = _now()
+        cut.append(True)
+        sim.source.pending.append(([tp], False))
+        sim.source.arrived.set()
+        while sim.rebalanced_at < asked:
+            await _for(sim, 0.01, 0.01)
+        added.clear()
+        for _ in range(5):
+            add()
+        add("timeout:1")
+        sim.source.arrived.set()
+        while not sim.truth.acked.issuperset(added[:5]):
+            await _for(sim, 0.01, 0.01)
+        await sim.stop_member()
+        sim.start_member()
+
+    # Then the final commit at 10 was made again in the new leader epoch: the restarted
+    # member starts at 10 and pushes none of 5..9 again (the simulation fails a push of an
+    # acked message)
+    _run(sim, body)
+    assert sim.commits[tp][0] == 11

@@ -1,7 +1,8 @@
 """When the shell polls and commits: the intake's poll wait and the committer's tick schedule.
 
 Pure: no asyncio, no I/O; times are seconds on the caller's clock. The intake
-(``intake.Intake``) asks :func:`poll_wait` how long its next consume may wait; the committer
+(``intake.Intake``) asks :func:`room_wait` whether to wait for room instead of its next consume,
+and :func:`poll_wait` how long that consume may wait; the committer
 (``committer.Committer``) keeps a :class:`CommitCadence` that says when its next tick is due,
 whether a tick reads the lag, and when a quiet group ticks slowly.
 """
@@ -15,11 +16,13 @@ __all__ = [
     "IDLE_COMMIT_GAP_S",
     "IDLE_FETCH_WAIT_S",
     "QUIET_TICKS",
+    "ROOM_WAIT_S",
     "STARVED_POLL_S",
     "WAITING_POLL_S",
     "CommitCadence",
     "poll_wait",
     "quiet_polls",
+    "room_wait",
 ]
 
 IDLE_COMMIT_GAP_S = 0.1
@@ -35,6 +38,10 @@ STARVED_POLL_S = 0.005
 """... while a partition is paused for its window or the byte budget and little is ready."""
 WAITING_POLL_S = 0.05
 """... while a partition is paused so, and the workers have enough ready for now."""
+ROOM_WAIT_S = 0.05
+"""The longest the intake waits for room without a consume (:func:`room_wait`): a rebalance,
+served only inside a consume, or room freed by anything but a call or a write (a commit that
+shrank an ack state, a stale message dropped) waits at most this long."""
 
 
 def quiet_polls(before: int, busy: bool) -> int:
@@ -43,10 +50,35 @@ def quiet_polls(before: int, busy: bool) -> int:
     return 0 if busy else before + 1
 
 
+def room_wait(
+    *, waiting: bool, ready_low: bool, fetching: bool, since_poll_s: float
+) -> float | None:
+    """How long the intake may wait for room instead of its next consume; None: it consumes
+    (for :func:`poll_wait`'s time).
+
+    ``waiting`` and ``ready_low`` as for :func:`poll_wait`; ``fetching``: some assigned
+    partition is not paused (a consume may bring its records); ``since_poll_s``: the time
+    since the last consume returned. The intake's wait ends as soon as a call or a DLQ or
+    retry tier write ends (its result is in the core: it may have freed a window, a backlog
+    or bytes), or after the time returned.
+    """
+    # Every partition is paused, one for room, and the workers are about to run dry: a
+    # consume can bring nothing but a rebalance or an error, and a freed window would wait
+    # out its timeout. Polling every 5 ms for room was four fifths of the simulation's
+    # polls, each a hop to the consumer thread; waiting for the calls resumes the partition
+    # as soon as room is freed, with no hop until then. Rebalance callbacks run only inside
+    # a consume: one comes at least every ROOM_WAIT_S (plus its own short wait), however
+    # long the room takes.
+    if waiting and ready_low and not fetching and since_poll_s < ROOM_WAIT_S:
+        return ROOM_WAIT_S - since_poll_s
+    return None
+
+
 def poll_wait(
     *,
     waiting: bool,
     ready_low: bool,
+    fetching: bool,
     commit_due: bool,
     quiet: int,
     commits_failing: bool,
@@ -55,18 +87,24 @@ def poll_wait(
 
     ``waiting``: a partition is paused for its window or the byte budget (not for the
     breaker); ``ready_low``: fewer messages are ready than the workers take in one round;
-    ``commit_due``: a commit is due or on its way to the consumer thread; ``quiet``: polls in
-    a row that found the group holding nothing (:func:`quiet_polls`).
+    ``fetching``: some assigned partition is not paused; ``commit_due``: a commit is due or
+    on its way to the consumer thread; ``quiet``: polls in a row that found the group holding
+    nothing (:func:`quiet_polls`).
     """
     # A paused partition resumes only from the intake, after the next consume returns: while
-    # one waits for its window (not for the breaker), poll briefly, or a freed window would
-    # wait out the whole fetch timeout (measured: 1 partition, batches of 50 at 20 ms, a 200
+    # one waits for its window (not for the breaker) and another partition fetches (else
+    # :func:`room_wait`), poll briefly, or a freed window would wait out the whole fetch
+    # timeout (measured: 1 partition, batches of 50 at 20 ms, a 200
     # window: 1,000 msg/s instead of 10,000).
     if waiting:
         # Poll often only while the workers are about to run dry: each poll is a hop to the
         # consumer thread, and polling every 5 ms throughout cost the 1-partition batch
         # workload 15% (0.80 -> 0.94 of a bare loop at 50 ms).
-        return STARVED_POLL_S if ready_low else WAITING_POLL_S
+        if not ready_low:
+            return WAITING_POLL_S
+        # With every partition paused, the consume that ends a wait for room (room_wait)
+        # can bring only a rebalance or an error: waiting in it would hold up a resume.
+        return STARVED_POLL_S if fetching else 0.0
     if commit_due:
         # A commit is due or on its way to the consumer thread: a long poll ahead of it would
         # hold it up (measured: a group's last commit 0.3-0.4 s late).

@@ -125,6 +125,7 @@ class PartitionState:
     received_end: int = -1  # the offset after the last record received (tracked or backlog)
     meta_over_budget: bool = False
     last_commit: tuple[int, str] | None = None
+    last_epoch: int | None = None  # the leader epoch the last commit carried (None: unknown)
     calls: int = 0  # pushes and DLQ writes under way
     bytes: int = 0
     timers: set[Handle] = field(default_factory=set)
@@ -201,6 +202,15 @@ class Commit:
     offset: int
     metadata: str
     epoch: int | None = None  # the leader epoch of the record before ``offset`` (KIP-320)
+
+
+def _repeats(part: PartitionState, offset: int, metadata: str, epoch: int | None) -> bool:
+    """A commit of ``offset`` and ``metadata`` in leader ``epoch`` (that of the record
+    before it) says nothing the last one did not. A known epoch other than the last commit's
+    is news: after a log cut below a commit, the next owner finds the cut by the commit's
+    epoch and reads from it again (KIP-320); once those records are done, the same offset
+    must be committed again in their epoch, or every later owner reads them again too."""
+    return part.last_commit == (offset, metadata) and (epoch is None or epoch == part.last_epoch)
 
 
 @dataclass(slots=True)
@@ -410,6 +420,7 @@ class PartitionSet:
         if committed is not None:
             part.tracker = PartitionTracker(committed, self._max_in_flight, restored, epoch)
             part.last_commit = (committed, metadata or "")
+            part.last_epoch = epoch
             part.received_end = committed
         if self._lane is not None:
             part.gate = KeyGate()
@@ -438,9 +449,10 @@ class PartitionSet:
             return None
         offset = tracker.committable()
         meta = tracker.metadata(self._budget)[0]
-        if part.last_commit == (offset, meta):
+        epoch = tracker.commit_epoch(offset)
+        if _repeats(part, offset, meta, epoch):
             return None
-        return Commit(part, offset, meta, tracker.commit_epoch(offset))
+        return Commit(part, offset, meta, epoch)
 
     def cancel_timers(self) -> None:
         """Shutdown: no retry timer nor the guard's probe fires any more (the messages are
@@ -1407,8 +1419,9 @@ class PartitionSet:
                 self.counters.over_budget += 1
                 over.append(part)
             part.meta_over_budget = not complete
-            if part.last_commit != (offset, meta):
-                plan.append(Commit(part, offset, meta, tracker.commit_epoch(offset)))
+            epoch = tracker.commit_epoch(offset)
+            if not _repeats(part, offset, meta, epoch):
+                plan.append(Commit(part, offset, meta, epoch))
         return plan, over
 
     @staticmethod
@@ -1418,6 +1431,7 @@ class PartitionSet:
         for commit in plan:
             if not commit.part.revoked:
                 commit.part.last_commit = (commit.offset, commit.metadata)
+                commit.part.last_epoch = commit.epoch
                 kept.append(commit)
         return kept
 

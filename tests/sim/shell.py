@@ -576,6 +576,9 @@ class ShellSim:
         if self.ordering == "none":
             return
         tp = d.part.tp
+        here = self.logs[tp].records.get(d.offset)
+        if here is None or here.ident != ident:
+            return  # cut from the log since it was fetched (the member not told yet): gone
         lane = self._lane(tp, d.key)
         for other in self.calls:
             if (
