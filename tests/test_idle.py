@@ -128,6 +128,40 @@ async def test_a_long_idle_wait_gives_way_to_a_queued_call_and_ends_on_a_new_rec
         await fetcher.close()
 
 
+async def test_a_busy_groups_short_wait_gives_way_to_a_queued_call_at_once(
+    kafka: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The commit after a group's last ack is queued behind the intake's short wait for more
+    # records; served in one piece, that wait held the commit up by up to 200 ms. The chunks
+    # of a wait and the short waits are made a minute long here, so a call left behind the
+    # whole wait would not get its turn within the test.
+    monkeypatch.setattr("consumer_proxy.fetcher.CONSUME_CHUNK_S", 60.0)
+    monkeypatch.setattr("consumer_proxy.fetcher.SLICED_WAIT_S", 60.0)
+    bootstrap = kafka.bootstrap
+    topic = unique_name("shortwait")
+    create_topic(bootstrap, topic, partitions=1)
+    conf = consumer_config(KafkaConfig(bootstrap_servers=bootstrap), unique_name("shortwait"))
+    conf.update(FAST_CONSUMER)
+    listener = _Assignments()
+    fetcher = Fetcher(conf, [topic], listener, asyncio.get_running_loop())
+    await fetcher.start()
+    try:
+        # Given a consumer that owns its (empty) partition
+        deadline = time.monotonic() + 60
+        while not listener.assigned and time.monotonic() < deadline:
+            assert await fetcher.consume(1, 1.0) == []
+        assert listener.assigned
+        # When a call is queued behind a busy group's wait for records (a minute here)
+        waiting = asyncio.ensure_future(fetcher.consume(1, 60.0))
+        await asyncio.sleep(0)  # the consume task runs first: its wait is queued first
+        resumed = asyncio.ensure_future(fetcher.set_paused([], [(topic, 0)]))
+        # Then the wait gives way within a slice of it, long before its first chunk would end
+        await async_wait_until(resumed.done, timeout=30)
+        assert await waiting == []
+    finally:
+        await fetcher.close()
+
+
 async def test_a_group_that_goes_idle_commits_before_its_long_wait(
     kafka: Broker, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -20,7 +20,7 @@ from consumer_proxy.core.heartbeat import CallWatch
 from consumer_proxy.core.outcomes import Classification
 from consumer_proxy.core.records import CP_PREFIX
 from consumer_proxy.dispatcher import read_stream
-from consumer_proxy.fetcher import CONSUME_CHUNK_S, POSITIONS_INTERVAL_S
+from consumer_proxy.fetcher import POSITIONS_INTERVAL_S, wait_chunk
 from consumer_proxy.ports import RebalanceListener
 from consumer_proxy.proto.v1 import handler_pb2
 from tests.sim.truth import InvariantViolation
@@ -162,13 +162,14 @@ class SimSource:
         self.idle_while_due = self.idle and due
         self.sim.stats.idle_polls += self.idle
         try:
-            messages = await self._take(max_messages, min(timeout_s, CONSUME_CHUNK_S))
+            chunk = wait_chunk(timeout_s)
+            messages = await self._take(max_messages, chunk)
             assert self.thread is not None
             while not messages and not self._rebalanced and not self.thread.waiting():
                 left = deadline - loop.time()
-                if left < CONSUME_CHUNK_S / 2:
+                if left < chunk / 2:
                     break
-                messages = await self._take(max_messages, min(left, CONSUME_CHUNK_S))
+                messages = await self._take(max_messages, min(left, chunk))
         finally:
             self.idle = False
         now = loop.time()
