@@ -115,7 +115,22 @@ class Committer:
             if cadence.committed(clock(), committed, self._partitions.holding()):
                 await self._update_lag()
             self.quiet = cadence.slow
-            await asyncio.sleep(gap)
+            await self._gap(cadence, clock() + gap)
+
+    async def _gap(self, cadence: CommitCadence, end: float) -> None:
+        """Wait until ``end`` before the next commit, or less: a wake-up finding the group
+        idle ends it (``CommitCadence.gap_ends_early``); one finding it busy waits it out."""
+        clock = self.clock
+        assert clock is not None
+        wake = self._wake
+        if not wake.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, end - clock())):
+                    await wake.wait()
+        if wake.is_set() and cadence.gap_ends_early(not self._partitions.holding()):
+            return
+        await asyncio.sleep(max(0.0, end - clock()))
+        cadence.gap_served()
 
     async def commit(self) -> int:
         """Commit every partition's done prefix and ack state; returns partitions committed."""

@@ -22,7 +22,14 @@ from consumer_proxy.config import KafkaConfig, ProxyConfig
 from consumer_proxy.dlq import DeadLetterWriter
 from consumer_proxy.fetcher import CONSUME_CHUNK_S, Fetcher, consumer_config
 from consumer_proxy.proto.v1 import handler_pb2
-from tests.support.kafka import Broker, consume_all, create_topic, produce, unique_name
+from tests.support.kafka import (
+    Broker,
+    committed_offsets,
+    consume_all,
+    create_topic,
+    produce,
+    unique_name,
+)
 from tests.support.proxy import FAST_CONSUMER, caught_up, config_dict, start_proxy
 from tests.support.service import Behaviour, TestService
 from tests.support.waiting import async_wait_until
@@ -222,3 +229,47 @@ async def test_a_group_that_goes_idle_commits_before_its_long_wait(
         await async_wait_until(lambda: len(service.counts) == 21, timeout=60)
         await proxy.shutdown()
         await task
+
+
+async def test_a_groups_last_partition_to_go_idle_is_committed_at_once_not_after_the_gap(
+    kafka: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Commits are at least a gap apart; the one after the first partition to go idle used to
+    # hold up the last partition's commit for the rest of its gap (a group's last commit up to
+    # 100 ms late). The gap and the commit interval are made a minute long here, so a commit
+    # that waited for either would not happen within the test.
+    monkeypatch.setattr("consumer_proxy.core.cadence.IDLE_COMMIT_GAP_S", 60.0)
+    bootstrap = kafka.bootstrap
+    topic, group = unique_name("lastidle"), unique_name("lastidle")
+    create_topic(bootstrap, topic, partitions=2)
+    hold = asyncio.Event()
+
+    def behaviour(message: handler_pb2.Message, _n: int) -> Behaviour:
+        return Behaviour(hold=hold) if message.partition == 1 else Behaviour()
+
+    async def first_committed() -> bool:
+        offsets = await asyncio.to_thread(committed_offsets, bootstrap, group, topic)
+        return offsets.get(0, (None,))[0] == 1
+
+    async with TestService(behaviour) as service:
+        config = config_dict(
+            bootstrap, group, [topic], [service.address], delivery={"commit_interval_ms": 60_000}
+        )
+        proxy, task = start_proxy(ProxyConfig(**config))
+        try:
+            runner = proxy.runners[0]
+            parts = runner.partitions.parts
+            await async_wait_until(lambda: (topic, 0) in parts and (topic, 1) in parts, timeout=60)
+            # Given partition 0's message acked and committed while the service holds
+            # partition 1's (the committer is in its gap after that commit)
+            records = [{"value": "a", "partition": 0}, {"value": "b", "partition": 1}]
+            await asyncio.to_thread(produce, bootstrap, topic, records)
+            await async_wait_until(first_committed, timeout=60)
+            await async_wait_until(lambda: len(service.deliveries) == 2, timeout=60)
+            # When partition 1's message is acked: the group holds nothing any more
+            hold.set()
+            # Then it is committed at once, not when the gap ends a minute later
+            await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=30)
+        finally:
+            await proxy.shutdown()
+            await task

@@ -6,8 +6,7 @@ with simulated edges (``ports``, in ``tests/sim/edges.py``):
 - ``SimSource`` (``ports.MessageSource``): the world's consumer (``world.Consumer``: pause
   flags survive revoke and re-assign, as librdkafka's) behind one serial "consumer thread",
   as ``fetcher.Fetcher``: every call waits its turn; ``consume`` waits in chunks of
-  ``fetcher.wait_chunk`` (slices of a busy group's short wait, ``CONSUME_CHUNK_S`` of a long
-  one) that end early only for a queued call or a rebalance, serves the
+  ``CONSUME_CHUNK_S`` that end early only for a queued call or a rebalance, serves the
   rebalance callbacks (revoke, then assign back: cooperative-sticky) and re-reads positions
   every ``POSITIONS_INTERVAL_S`` (so a reading may predate a log cut); a cancelled call still
   runs to its end;
