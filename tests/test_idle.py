@@ -10,9 +10,10 @@ once, so shutdown and commits never wait for it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 import pytest
@@ -96,23 +97,33 @@ class _Assignments:
         return None
 
 
-async def test_a_long_idle_wait_gives_way_to_a_queued_call_and_ends_on_a_new_record(
-    kafka: Broker,
-) -> None:
-    bootstrap = kafka.bootstrap
-    topic = unique_name("idlewait")
+@contextlib.asynccontextmanager
+async def _owning_fetcher(bootstrap: str, name: str) -> AsyncIterator[tuple[Fetcher, str]]:
+    """A ``Fetcher`` whose consumer owns the one (empty) partition of a new topic; closed
+    at the end."""
+    topic = unique_name(name)
     create_topic(bootstrap, topic, partitions=1)
-    conf = consumer_config(KafkaConfig(bootstrap_servers=bootstrap), unique_name("idlewait"))
+    conf = consumer_config(KafkaConfig(bootstrap_servers=bootstrap), unique_name(name))
     conf.update(FAST_CONSUMER)
     listener = _Assignments()
     fetcher = Fetcher(conf, [topic], listener, asyncio.get_running_loop())
     await fetcher.start()
     try:
-        # Given a consumer that owns its (empty) partition
         deadline = time.monotonic() + 60
         while not listener.assigned and time.monotonic() < deadline:
             assert await fetcher.consume(1, 1.0) == []
         assert listener.assigned
+        yield fetcher, topic
+    finally:
+        await fetcher.close()
+
+
+async def test_a_long_idle_wait_gives_way_to_a_queued_call_and_ends_on_a_new_record(
+    kafka: Broker,
+) -> None:
+    bootstrap = kafka.bootstrap
+    # Given a consumer that owns its (empty) partition
+    async with _owning_fetcher(bootstrap, "idlewait") as (fetcher, topic):
         long_wait = 120.0
         # When a call is queued behind a two-minute wait for records
         waiting = asyncio.ensure_future(fetcher.consume(1, long_wait))
@@ -131,8 +142,6 @@ async def test_a_long_idle_wait_gives_way_to_a_queued_call_and_ends_on_a_new_rec
         assert [m.value() for m in messages] == [b"late"]
         assert time.monotonic() - started < long_wait / 4
         assert long_wait / 4 > CONSUME_CHUNK_S  # the bounds above are chunks, not timings
-    finally:
-        await fetcher.close()
 
 
 async def test_a_busy_groups_short_wait_gives_way_to_a_queued_call_at_once(
@@ -144,20 +153,8 @@ async def test_a_busy_groups_short_wait_gives_way_to_a_queued_call_at_once(
     # whole wait would not get its turn within the test.
     monkeypatch.setattr("consumer_proxy.fetcher.CONSUME_CHUNK_S", 60.0)
     monkeypatch.setattr("consumer_proxy.fetcher.SLICED_WAIT_S", 60.0)
-    bootstrap = kafka.bootstrap
-    topic = unique_name("shortwait")
-    create_topic(bootstrap, topic, partitions=1)
-    conf = consumer_config(KafkaConfig(bootstrap_servers=bootstrap), unique_name("shortwait"))
-    conf.update(FAST_CONSUMER)
-    listener = _Assignments()
-    fetcher = Fetcher(conf, [topic], listener, asyncio.get_running_loop())
-    await fetcher.start()
-    try:
-        # Given a consumer that owns its (empty) partition
-        deadline = time.monotonic() + 60
-        while not listener.assigned and time.monotonic() < deadline:
-            assert await fetcher.consume(1, 1.0) == []
-        assert listener.assigned
+    # Given a consumer that owns its (empty) partition
+    async with _owning_fetcher(kafka.bootstrap, "shortwait") as (fetcher, topic):
         # When a call is queued behind a busy group's wait for records (a minute here)
         waiting = asyncio.ensure_future(fetcher.consume(1, 60.0))
         await asyncio.sleep(0)  # the consume task runs first: its wait is queued first
@@ -165,8 +162,6 @@ async def test_a_busy_groups_short_wait_gives_way_to_a_queued_call_at_once(
         # Then the wait gives way within a slice of it, long before its first chunk would end
         await async_wait_until(resumed.done, timeout=30)
         assert await waiting == []
-    finally:
-        await fetcher.close()
 
 
 async def test_a_group_that_goes_idle_commits_before_its_long_wait(
