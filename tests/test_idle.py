@@ -236,11 +236,11 @@ async def test_a_groups_last_partition_to_go_idle_is_committed_at_once_not_after
     monkeypatch.setattr("consumer_proxy.core.cadence.IDLE_COMMIT_GAP_S", 60.0)
     bootstrap = kafka.bootstrap
     topic, group = unique_name("lastidle"), unique_name("lastidle")
-    create_topic(bootstrap, topic, partitions=2)
-    hold = asyncio.Event()
+    create_topic(bootstrap, topic, partitions=3)
+    holds = {1: asyncio.Event(), 2: asyncio.Event()}
 
     def behaviour(message: handler_pb2.Message, _n: int) -> Behaviour:
-        return Behaviour(hold=hold) if message.partition == 1 else Behaviour()
+        return Behaviour(hold=holds.get(message.partition))
 
     async def first_committed() -> bool:
         offsets = await asyncio.to_thread(committed_offsets, bootstrap, group, topic)
@@ -254,15 +254,18 @@ async def test_a_groups_last_partition_to_go_idle_is_committed_at_once_not_after
         try:
             runner = proxy.runners[0]
             parts = runner.partitions.parts
-            await async_wait_until(lambda: (topic, 0) in parts and (topic, 1) in parts, timeout=60)
-            # Given partition 0's message acked and committed while the service holds
-            # partition 1's (the committer is in its gap after that commit)
-            records = [{"value": "a", "partition": 0}, {"value": "b", "partition": 1}]
+            await async_wait_until(lambda: all((topic, p) in parts for p in range(3)), timeout=60)
+            # Given partition 0's message acked and committed while the service holds those
+            # of partitions 1 and 2 (the committer is in its gap after that commit)
+            records = [{"value": f"m{p}", "partition": p} for p in range(3)]
             await asyncio.to_thread(produce, bootstrap, topic, records)
             await async_wait_until(first_committed, timeout=60)
-            await async_wait_until(lambda: len(service.deliveries) == 2, timeout=60)
-            # When partition 1's message is acked: the group holds nothing any more
-            hold.set()
+            await async_wait_until(lambda: len(service.deliveries) == 3, timeout=60)
+            # and partition 1's acked during the gap, the group still busy with partition 2
+            holds[1].set()
+            await async_wait_until(lambda: len(service.finished()) == 2, timeout=60)
+            # When partition 2's message is acked: the group holds nothing any more
+            holds[2].set()
             # Then it is committed at once, not when the gap ends a minute later
             await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=30)
         finally:

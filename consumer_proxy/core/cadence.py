@@ -119,12 +119,11 @@ class CommitCadence:
         group's last commit waited for the gap, up to 100 ms, after the first of its
         partitions to go idle took the commit before), unless the commit before started
         early itself: at most two commits start within any ``gap_s``."""
-        self.early = idle and not self.early
-        return self.early
+        return idle and not self.early
 
-    def gap_served(self) -> None:
-        """The gap after a commit was waited out in full."""
-        self.early = False
+    def gap_ended(self, early: bool) -> None:
+        """The gap after a commit ended: ``early`` (``gap_ends_early``), or waited out."""
+        self.early = early
 
     def wait_s(self, now: float) -> float:
         """How long to wait for a wake-up before the next tick."""
