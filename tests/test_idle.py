@@ -219,7 +219,10 @@ async def test_a_group_that_goes_idle_commits_before_its_long_wait(
         # and it begins one once everything is committed
         await async_wait_until(lambda: 120.0 in calls, timeout=30)
         assert uncommitted_at_long_wait == []
-        # (a new record ends the 120 s wait at once, so the shutdown need not wait for it)
+        # (a new record ends the 120 s wait at once, so the shutdown need not wait for it; the
+        # chunks are 2 s again for the long wait that may begin before the shutdown: a busy
+        # group's short waits give way to its commits, so it is quiet again within ~50 ms)
+        monkeypatch.setattr("consumer_proxy.fetcher.CONSUME_CHUNK_S", 2.0)
         await asyncio.to_thread(produce, bootstrap, topic, ["wake"])
         await async_wait_until(lambda: len(service.counts) == 21, timeout=60)
         await proxy.shutdown()
