@@ -50,12 +50,13 @@ MAX_MESSAGES = 500
 CALLS = 4
 COMMIT_INTERVAL_MS = 100
 TARGET = 0.9
+FETCH_BATCH = 5000  # the proxy's delivery.fetch_batch (--fetch-batch)
 PROXY_DELIVERY = {
     "batch": {"max_messages": MAX_MESSAGES},
     "concurrency": CALLS,
     "commit_interval_ms": COMMIT_INTERVAL_MS,
     "max_in_flight": 20_000,
-    "fetch_batch": 5000,
+    "fetch_batch": FETCH_BATCH,
 }
 CONTENDERS = ("floor", "proxy", "proxy_defaults")
 BASELINE = "baseline"  # the proxy of another checkout (--baseline-root), the proxy's settings
@@ -70,9 +71,11 @@ def run_one(
     client: dict[str, str] | None = None,
     workers: int = 1,
     baseline_root: Path | None = None,
+    fetch_batch: int = FETCH_BATCH,
 ) -> dict[str, Any]:
     """One fresh group drains ``topic`` through the floor or the proxy (``workers``
-    processes; ``baseline``: the proxy in ``baseline_root``)."""
+    processes; ``baseline``: the proxy in ``baseline_root``; ``fetch_batch`` of the proxy's
+    settings)."""
     group = unique_name(f"bench-tput-{who}")
     process: BenchProxy | FloorProcess
     if who == "floor":
@@ -81,7 +84,11 @@ def run_one(
         args += ["--concurrency", str(CALLS), "--commit-interval-ms", str(COMMIT_INTERVAL_MS)]
         process = FloorProcess("throughput", *args)
     else:
-        delivery = {"batch": "auto"} if who == "proxy_defaults" else PROXY_DELIVERY
+        delivery = (
+            {"batch": "auto"}
+            if who == "proxy_defaults"
+            else {**PROXY_DELIVERY, "fetch_batch": fetch_batch}
+        )
         config = bench_config(bootstrap, group, [topic], [handler.address], delivery, client)
         root = baseline_root if who == BASELINE and baseline_root is not None else ROOT
         process = BenchProxy(config, workers=workers, root=root)
@@ -102,6 +109,7 @@ def throughput_rounds(
     client: dict[str, str] | None = None,
     workers: int = 1,
     baseline_root: Path | None = None,
+    fetch_batch: int = FETCH_BATCH,
 ) -> dict[str, list[dict[str, Any]]]:
     """Interleaved rounds of every contender over the same records."""
     contenders = CONTENDERS + ((BASELINE,) if baseline_root is not None else ())
@@ -110,7 +118,9 @@ def throughput_rounds(
         shift = round_ % len(contenders)
         order = contenders[shift:] + contenders[:shift]
         for who in order:
-            run = run_one(who, bootstrap, handler, topic, n, client, workers, baseline_root)
+            run = run_one(
+                who, bootstrap, handler, topic, n, client, workers, baseline_root, fetch_batch
+            )
             runs[who].append(run)
             print(
                 f"  round {round_ + 1} {who:<14}: committed {run['committed_rate']:,.0f} msg/s "
@@ -139,6 +149,13 @@ def main() -> int:
         help="a checkout whose proxy runs in every round too, with the proxy's settings "
         "(before/after in one run)",
     )
+    parser.add_argument(
+        "--fetch-batch",
+        type=int,
+        default=FETCH_BATCH,
+        help="the proxy's (and the baseline's) delivery.fetch_batch (the floor takes up to "
+        f"{MAX_MESSAGES} records a poll)",
+    )
     args = parser.parse_args()
     n = 40_000 if args.quick else args.n
     rounds = 1 if args.quick else args.rounds
@@ -149,7 +166,7 @@ def main() -> int:
             "n": n,
             "rounds": rounds,
             "handler": args.handler,
-            "proxy": PROXY_DELIVERY,
+            "proxy": {**PROXY_DELIVERY, "fetch_batch": args.fetch_batch},
             "client": client,
             "workers": args.workers,
             "baseline_root": str(args.baseline_root or ""),
@@ -161,7 +178,15 @@ def main() -> int:
         produce_bulk(bootstrap, topic, n, partitions=4, value=sized_value)
         with HandlerServer(HandlerSpec(count_only=True), args.handler) as handler:
             runs = throughput_rounds(
-                bootstrap, handler, topic, n, rounds, client, args.workers, args.baseline_root
+                bootstrap,
+                handler,
+                topic,
+                n,
+                rounds,
+                client,
+                args.workers,
+                args.baseline_root,
+                args.fetch_batch,
             )
     for who in runs:
         result.figure(f"{who}.committed_msgs_per_s", med(r["committed_rate"] for r in runs[who]))

@@ -76,6 +76,7 @@ class Committer:
         self.lock = asyncio.Lock()
         """Held while a commit is planned and sent; the intake polls briefly while it is."""
         self._wake = asyncio.Event()  # commit soon (a partition went idle, a tier write ended)
+        self._woken = asyncio.Event()  # ... said again during the gap after a commit
         self.quiet = False
         """The committer ticks slowly (the group held nothing): traffic must wake it."""
 
@@ -87,6 +88,7 @@ class Committer:
     def wake(self) -> None:
         """Commit soon (a partition went idle, or its commit was released)."""
         self._wake.set()
+        self._woken.set()
 
     @property
     def due(self) -> bool:
@@ -102,11 +104,12 @@ class Committer:
         wake = self._wake
         while True:
             # A partition that went idle is committed soon (fewer duplicates after a crash);
-            # otherwise every interval. Never more often than every ``gap``.
+            # otherwise every interval; a gap after each commit (``_gap``).
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(cadence.wait_s(clock())):
                     await wake.wait()
             wake.clear()
+            self._woken.clear()
             committed = 0
             try:
                 committed = await self.commit()
@@ -115,7 +118,28 @@ class Committer:
             if cadence.committed(clock(), committed, self._partitions.holding()):
                 await self._update_lag()
             self.quiet = cadence.slow
-            await asyncio.sleep(gap)
+            await self._gap(cadence, clock() + gap)
+
+    async def _gap(self, cadence: CommitCadence, end: float) -> None:
+        """Wait until ``end`` before the next commit, or less: a wake-up (since the commit
+        began) that finds the group idle ends it (``CommitCadence.gap_ends_early``); one
+        that finds it busy lets it go on."""
+        clock = self.clock
+        assert clock is not None
+        woken = self._woken
+        while True:
+            if woken.is_set():
+                woken.clear()
+                if cadence.gap_ends_early(not self._partitions.holding()):
+                    cadence.gap_ended(early=True)
+                    return
+            left = end - clock()
+            if left <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await woken.wait()
+        cadence.gap_ended(early=False)
 
     async def commit(self) -> int:
         """Commit every partition's done prefix and ack state; returns partitions committed."""

@@ -34,6 +34,20 @@ CONSUME_CHUNK_S = 2.0
 """The longest single wait inside ``consume()``: a longer wait is served in chunks of this on
 the consumer thread, and ends after the chunk in which another call was queued (a commit, a
 pause, ``close``) or a rebalance callback ran, so no call waits longer than this for its turn."""
+SLICED_WAIT_S = 1.0
+"""A wait of at most this (the intake's waits while its group is busy: ``core.cadence``) is
+served in slices of ``CONSUME_SLICE_S`` instead of chunks."""
+CONSUME_SLICE_S = 0.02
+"""... so a call queued behind a busy group's wait (the commit after its last ack) waits at
+most this for its turn, not the whole wait (measured: a group's last commit 30-250 ms after
+its last ack, where a bare loop commits in 8-20 ms). An idle group's long wait stays in
+chunks: its slices would cost CPU for every second it idles."""
+
+
+def wait_chunk(timeout_s: float) -> float:
+    """The longest single wait inside ``consume()`` for a wait of ``timeout_s``: after each,
+    the wait ends if a call was queued or a rebalance callback ran."""
+    return min(timeout_s, CONSUME_SLICE_S if timeout_s <= SLICED_WAIT_S else CONSUME_CHUNK_S)
 
 
 def consumer_config(
@@ -241,8 +255,9 @@ class Fetcher:
     async def consume(self, max_messages: int, timeout_s: float) -> list[Any]:
         """Up to ``max_messages`` messages (rebalance callbacks run in here).
 
-        Waits up to ``timeout_s`` for the first; a wait longer than ``CONSUME_CHUNK_S`` ends
-        early when another call is queued or a rebalance callback ran (an idle group's intake
+        Waits up to ``timeout_s`` for the first, in chunks (``wait_chunk``: slices of a busy
+        group's short wait, chunks of an idle one's long wait); the wait ends after the chunk
+        in which another call was queued or a rebalance callback ran (an idle group's intake
         wakes seldom, and nothing else waits for it).
         """
 
@@ -254,13 +269,13 @@ class Fetcher:
             # then take what is already there.
             self._rebalanced = False
             deadline = time.monotonic() + timeout_s
-            chunk = min(timeout_s, CONSUME_CHUNK_S)
+            chunk = wait_chunk(timeout_s)
             messages: list[Any] = consumer.consume(1, chunk)
             while not messages and not self._rebalanced and not self._calls.waiting():
                 left = deadline - time.monotonic()
-                if left < CONSUME_CHUNK_S / 2:  # the rest of a wait is not worth a call
+                if left < chunk / 2:  # the rest of a wait is not worth a call
                     break
-                messages = consumer.consume(1, min(left, CONSUME_CHUNK_S))
+                messages = consumer.consume(1, min(left, chunk))
             if messages and max_messages > 1:
                 messages += consumer.consume(max_messages - 1, 0)
             # Read on this thread right after a batch: a position then counts only messages

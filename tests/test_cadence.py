@@ -101,6 +101,20 @@ def test_a_quiet_group_ticks_every_quiet_ticks_intervals_and_wakes_on_traffic() 
     assert not cadence.slow and cadence.next_tick == pytest.approx(13.5)
 
 
+def test_the_gap_after_a_commit_ends_early_once_when_the_whole_group_went_idle() -> None:
+    cadence = CommitCadence.starting(0.0, 1.0)
+    # A wake-up while the group still holds messages lets the gap go on
+    assert cadence.gap_ends_early(idle=False) is False
+    # When the group's last partition went idle during the gap: the next commit starts at once
+    assert cadence.gap_ends_early(idle=True) is True
+    cadence.gap_ended(early=True)
+    # but not twice in a row: at most two commits start within any gap
+    assert cadence.gap_ends_early(idle=True) is False
+    cadence.gap_ended(early=False)
+    # and after a gap waited out in full, the group's going idle ends the next one again
+    assert cadence.gap_ends_early(idle=True) is True
+
+
 def test_the_breaker_hears_neither_an_ejected_instances_failure_nor_a_protocol_error() -> None:
     assert breaker_hears(True, ejected=False) is True
     assert breaker_hears(False, ejected=False) is False

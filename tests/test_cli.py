@@ -8,6 +8,7 @@ signals) the command runs as ``python -m consumer_proxy`` in a subprocess; the r
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import signal
 import socket
@@ -21,7 +22,7 @@ import pytest
 import yaml
 
 from consumer_proxy import __version__
-from consumer_proxy.cli import main
+from consumer_proxy.cli import YOUNG_GC_THRESHOLD, main
 from consumer_proxy.config import ProxyConfig
 from consumer_proxy.core import records as dlq_records
 from consumer_proxy.proto.v1 import handler_pb2
@@ -138,6 +139,40 @@ def test_run_with_a_bad_config_exits_2_before_connecting(tmp_path: Path) -> None
         broker.setblocking(False)
         with pytest.raises(BlockingIOError):
             broker.accept()
+
+
+def test_run_freezes_start_up_and_collects_young_objects_less_often(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a proxy whose run only records how the collector is set when it starts
+    seen: list[tuple[int, int]] = []
+
+    class Proxy:
+        def __init__(self, config: ProxyConfig, config_path: Path) -> None:
+            pass
+
+        def request_shutdown(self) -> None:
+            pass
+
+        async def run(self) -> None:
+            seen.append((gc.get_threshold()[0], gc.get_freeze_count()))
+
+    monkeypatch.setattr("consumer_proxy.proxy.Proxy", Proxy)
+    config = make_config("localhost:9092", "g", ["t"], ["127.0.0.1:1"])
+    path = write_config(tmp_path / "proxy.yaml", config)
+    threshold = gc.get_threshold()
+    try:
+        # When the proxy is run
+        code = main(["run", "--config", str(path)])
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*threshold)
+    # Then what start-up made is out of the collector's passes, and a young pass waits for
+    # YOUNG_GC_THRESHOLD allocations (the messages held at high rates: bench_throughput.py)
+    assert code == 0
+    [(young, frozen)] = seen
+    assert young == YOUNG_GC_THRESHOLD > threshold[0]
+    assert frozen > 0
 
 
 def test_run_refuses_worker_ports_that_overlap(

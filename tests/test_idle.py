@@ -10,9 +10,10 @@ once, so shutdown and commits never wait for it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 import pytest
@@ -22,7 +23,14 @@ from consumer_proxy.config import KafkaConfig, ProxyConfig
 from consumer_proxy.dlq import DeadLetterWriter
 from consumer_proxy.fetcher import CONSUME_CHUNK_S, Fetcher, consumer_config
 from consumer_proxy.proto.v1 import handler_pb2
-from tests.support.kafka import Broker, consume_all, create_topic, produce, unique_name
+from tests.support.kafka import (
+    Broker,
+    committed_offsets,
+    consume_all,
+    create_topic,
+    produce,
+    unique_name,
+)
 from tests.support.proxy import FAST_CONSUMER, caught_up, config_dict, start_proxy
 from tests.support.service import Behaviour, TestService
 from tests.support.waiting import async_wait_until
@@ -89,23 +97,33 @@ class _Assignments:
         return None
 
 
-async def test_a_long_idle_wait_gives_way_to_a_queued_call_and_ends_on_a_new_record(
-    kafka: Broker,
-) -> None:
-    bootstrap = kafka.bootstrap
-    topic = unique_name("idlewait")
+@contextlib.asynccontextmanager
+async def _owning_fetcher(bootstrap: str, name: str) -> AsyncIterator[tuple[Fetcher, str]]:
+    """A ``Fetcher`` whose consumer owns the one (empty) partition of a new topic; closed
+    at the end."""
+    topic = unique_name(name)
     create_topic(bootstrap, topic, partitions=1)
-    conf = consumer_config(KafkaConfig(bootstrap_servers=bootstrap), unique_name("idlewait"))
+    conf = consumer_config(KafkaConfig(bootstrap_servers=bootstrap), unique_name(name))
     conf.update(FAST_CONSUMER)
     listener = _Assignments()
     fetcher = Fetcher(conf, [topic], listener, asyncio.get_running_loop())
     await fetcher.start()
     try:
-        # Given a consumer that owns its (empty) partition
         deadline = time.monotonic() + 60
         while not listener.assigned and time.monotonic() < deadline:
             assert await fetcher.consume(1, 1.0) == []
         assert listener.assigned
+        yield fetcher, topic
+    finally:
+        await fetcher.close()
+
+
+async def test_a_long_idle_wait_gives_way_to_a_queued_call_and_ends_on_a_new_record(
+    kafka: Broker,
+) -> None:
+    bootstrap = kafka.bootstrap
+    # Given a consumer that owns its (empty) partition
+    async with _owning_fetcher(bootstrap, "idlewait") as (fetcher, topic):
         long_wait = 120.0
         # When a call is queued behind a two-minute wait for records
         waiting = asyncio.ensure_future(fetcher.consume(1, long_wait))
@@ -124,8 +142,26 @@ async def test_a_long_idle_wait_gives_way_to_a_queued_call_and_ends_on_a_new_rec
         assert [m.value() for m in messages] == [b"late"]
         assert time.monotonic() - started < long_wait / 4
         assert long_wait / 4 > CONSUME_CHUNK_S  # the bounds above are chunks, not timings
-    finally:
-        await fetcher.close()
+
+
+async def test_a_busy_groups_short_wait_gives_way_to_a_queued_call_at_once(
+    kafka: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The commit after a group's last ack is queued behind the intake's short wait for more
+    # records; served in one piece, that wait held the commit up by up to 200 ms. The chunks
+    # of a wait and the short waits are made a minute long here, so a call left behind the
+    # whole wait would not get its turn within the test.
+    monkeypatch.setattr("consumer_proxy.fetcher.CONSUME_CHUNK_S", 60.0)
+    monkeypatch.setattr("consumer_proxy.fetcher.SLICED_WAIT_S", 60.0)
+    # Given a consumer that owns its (empty) partition
+    async with _owning_fetcher(kafka.bootstrap, "shortwait") as (fetcher, topic):
+        # When a call is queued behind a busy group's wait for records (a minute here)
+        waiting = asyncio.ensure_future(fetcher.consume(1, 60.0))
+        await asyncio.sleep(0)  # the consume task runs first: its wait is queued first
+        resumed = asyncio.ensure_future(fetcher.set_paused([], [(topic, 0)]))
+        # Then the wait gives way within a slice of it, long before its first chunk would end
+        await async_wait_until(resumed.done, timeout=30)
+        assert await waiting == []
 
 
 async def test_a_group_that_goes_idle_commits_before_its_long_wait(
@@ -183,8 +219,58 @@ async def test_a_group_that_goes_idle_commits_before_its_long_wait(
         # and it begins one once everything is committed
         await async_wait_until(lambda: 120.0 in calls, timeout=30)
         assert uncommitted_at_long_wait == []
-        # (a new record ends the 120 s wait at once, so the shutdown need not wait for it)
+        # (a new record ends the 120 s wait at once, so the shutdown need not wait for it; the
+        # chunks are 2 s again for the long wait that may begin before the shutdown: a busy
+        # group's short waits give way to its commits, so it is quiet again within ~50 ms)
+        monkeypatch.setattr("consumer_proxy.fetcher.CONSUME_CHUNK_S", 2.0)
         await asyncio.to_thread(produce, bootstrap, topic, ["wake"])
         await async_wait_until(lambda: len(service.counts) == 21, timeout=60)
         await proxy.shutdown()
         await task
+
+
+async def test_a_groups_last_partition_to_go_idle_is_committed_at_once_not_after_the_gap(
+    kafka: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Commits are at least a gap apart; the one after the first partition to go idle used to
+    # hold up the last partition's commit for the rest of its gap (a group's last commit up to
+    # 100 ms late). The gap and the commit interval are made a minute long here, so a commit
+    # that waited for either would not happen within the test.
+    monkeypatch.setattr("consumer_proxy.core.cadence.IDLE_COMMIT_GAP_S", 60.0)
+    bootstrap = kafka.bootstrap
+    topic, group = unique_name("lastidle"), unique_name("lastidle")
+    create_topic(bootstrap, topic, partitions=3)
+    holds = {1: asyncio.Event(), 2: asyncio.Event()}
+
+    def behaviour(message: handler_pb2.Message, _n: int) -> Behaviour:
+        return Behaviour(hold=holds.get(message.partition))
+
+    async def first_committed() -> bool:
+        offsets = await asyncio.to_thread(committed_offsets, bootstrap, group, topic)
+        return offsets.get(0, (None,))[0] == 1
+
+    async with TestService(behaviour) as service:
+        config = config_dict(
+            bootstrap, group, [topic], [service.address], delivery={"commit_interval_ms": 60_000}
+        )
+        proxy, task = start_proxy(ProxyConfig(**config))
+        try:
+            runner = proxy.runners[0]
+            parts = runner.partitions.parts
+            await async_wait_until(lambda: all((topic, p) in parts for p in range(3)), timeout=60)
+            # Given partition 0's message acked and committed while the service holds those
+            # of partitions 1 and 2 (the committer is in its gap after that commit)
+            records = [{"value": f"m{p}", "partition": p} for p in range(3)]
+            await asyncio.to_thread(produce, bootstrap, topic, records)
+            await async_wait_until(first_committed, timeout=60)
+            await async_wait_until(lambda: len(service.deliveries) == 3, timeout=60)
+            # and partition 1's acked during the gap, the group still busy with partition 2
+            holds[1].set()
+            await async_wait_until(lambda: len(service.finished()) == 2, timeout=60)
+            # When partition 2's message is acked: the group holds nothing any more
+            holds[2].set()
+            # Then it is committed at once, not when the gap ends a minute later
+            await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=30)
+        finally:
+            await proxy.shutdown()
+            await task

@@ -78,9 +78,10 @@ def test_random_schedules_through_the_real_shell_keep_every_invariant() -> None:
     assert 8 < total.long_schedules < 30 and total.heartbeats > 15_000
     assert total.silences > 250 and total.capped > 250 and total.calls_cancelled > 15
     # ... and retry tiers (half the seeds of ordering none), some waiting far longer than the
-    # run, and head-of-line unblocking
+    # run, and head-of-line unblocking (52 unblocks on 2026-11-26 before the committer's gap
+    # could end early, 37 since: the schedules moved, the same invariants hold)
     assert 8 < total.tier_schedules < 30 and total.long_tier_schedules > 3
-    assert total.tier_writes > 300 and total.unblocks > 40
+    assert total.tier_writes > 300 and total.unblocks > 30
     # ... and bad deploys that reject every message: the dead-letter guard trips and holds
     assert total.bad_deploys > 25 and total.guard_trips > 25 and total.guard_held > 800
     # ... and the ordering gate (a third of the seeds each mode) holding messages back

@@ -124,13 +124,16 @@ def poll_wait(
 class CommitCadence:
     """The committer's ticks: every ``interval_s``, and every ``QUIET_TICKS`` intervals once
     the group held nothing and committed nothing for two ticks in a row (the idle cost).
-    Between ticks the committer also commits when woken (a partition went idle), never more
-    often than every ``gap_s``."""
+    Between ticks the committer also commits when woken (a partition went idle), ``gap_s``
+    after the last commit at the soonest, or at once when the whole group went idle
+    (``gap_ends_early``)."""
 
     interval_s: float
     next_tick: float
     quiet: int = 0
     """Ticks in a row with nothing held and nothing to commit."""
+    early: bool = False
+    """The last commit started before its gap ended (``gap_ends_early``)."""
 
     @classmethod
     def starting(cls, now: float, interval_s: float) -> CommitCadence:
@@ -146,6 +149,19 @@ class CommitCadence:
     def slow(self) -> bool:
         """Ticking every ``QUIET_TICKS`` intervals: new traffic should wake the committer."""
         return self.quiet >= 2
+
+    def gap_ends_early(self, idle: bool) -> bool:
+        """Woken during the gap after a commit: whether the next commit may start at once.
+        It may when the group holds nothing any more (its last partition went idle after
+        the commit: committing it now is what a bare loop does at its end; measured: a
+        group's last commit waited for the gap, up to 100 ms, after the first of its
+        partitions to go idle took the commit before), unless the commit before started
+        early itself: at most two commits start within any ``gap_s``."""
+        return idle and not self.early
+
+    def gap_ended(self, early: bool) -> None:
+        """The gap after a commit ended: ``early`` (``gap_ends_early``), or waited out."""
+        self.early = early
 
     def wait_s(self, now: float) -> float:
         """How long to wait for a wake-up before the next tick."""
