@@ -135,10 +135,9 @@ class BatchPush(Push):
                 self.limiter.release(rtt, outcome.call if outcome is not None else None)
 
     async def _deliver(
-        self, batch: list[Delivery], probe: bool, endpoint: Any, carried: list[int] | None = None
+        self, batch: list[Delivery], probe: bool, endpoint: Any, carried: list[int]
     ) -> BatchOutcome:
         """``carried``: the messages that carry a trace context (``Tracer.begin_batch``)."""
-        carried = carried or []
         tracer = self._tracer
         payload = batch_request(batch, self.name, carried)
         count = len(batch)
@@ -166,7 +165,7 @@ class BatchPush(Push):
         return self._finished(batch, outcome, probe, endpoint, carried)
 
     async def _deliver_unary(
-        self, batch: list[Delivery], probe: bool, endpoint: Any, carried: list[int] | None = None
+        self, batch: list[Delivery], probe: bool, endpoint: Any, carried: list[int]
     ) -> BatchOutcome:
         """``batch`` as unary calls to ``endpoint``, all at once; one breaker record."""
         one = self._unary_call
@@ -183,7 +182,7 @@ class BatchPush(Push):
         if outcome.breaker:
             call = outcome.call
             self.last_failure = f"{call.status} from {endpoint.target}: {call.reason}"
-        return self._finished(batch, outcome, probe, endpoint, carried or [])
+        return self._finished(batch, outcome, probe, endpoint, carried)
 
     def _unary_call(self, delivery: Delivery, endpoint: Any) -> Awaitable[Classification]:
         """One message of batch mode in a unary call (with its attempt span when traced)."""
