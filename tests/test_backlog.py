@@ -8,57 +8,33 @@ What the stall cost (10,000 msg/s on one partition): ``bench/bench_latency.py``.
 from __future__ import annotations
 
 import asyncio
-import random
-from collections import deque
 from collections.abc import Sequence
 
 import pytest
 
-from consumer_proxy.config import CircuitBreakerConfig, DeliveryConfig
-from consumer_proxy.core.outcomes import Classifier
-from consumer_proxy.core.partitions import Delivery, PartitionSet, PartitionState, backlog_bound
-from consumer_proxy.flow import Breaker
-from consumer_proxy.proto.v1 import handler_pb2
-from tests.support.clock import Clock
+from consumer_proxy.config import DeliveryConfig
+from consumer_proxy.core.partitions import PartitionSet, PartitionState, backlog_bound
+from tests.support.core import CoreRig
 from tests.support.kafka import Broker, create_topic, produce, unique_name
 from tests.support.proxy import caught_up, make_config, start_proxy
 from tests.support.records import Rec
 from tests.support.service import Behaviour, TestService, always
 from tests.support.waiting import async_wait_until
 
-ACK = Classifier().from_response(handler_pb2.HandleMessageResponse())
 TP = ("t", 0)
 TPs = tuple[str, int]
 
 
-def _core(window: int, budget: int = 64 * 1024 * 1024) -> tuple[PartitionSet, deque[Delivery]]:
-    clock = Clock()
-    ready: deque[Delivery] = deque()
-    core = PartitionSet(
-        "g",
-        DeliveryConfig(max_in_flight=window, max_in_flight_bytes=budget),
-        "g.redrive",
-        Breaker("g", CircuitBreakerConfig(), clock=clock),
-        emit=ready.append,
-        schedule=clock.call_later,
-        rng=random.Random(1),
-        clock=clock,
+def _rig(window: int, budget: int = 64 * 1024 * 1024) -> CoreRig:
+    return CoreRig(
+        DeliveryConfig(max_in_flight=window, max_in_flight_bytes=budget), pause_plan=True
     )
-    core.assign("t", 0, 0, "")
-    core.pause_plan()  # the first plan resumes: librdkafka's pause state is unknown
-    return core, ready
-
-
-def _ack(core: PartitionSet, ready: deque[Delivery], n: int) -> None:
-    for _ in range(n):
-        delivery = ready.popleft()
-        assert core.begin(delivery)
-        core.finish(delivery, ACK, probe=False)
 
 
 def test_a_full_window_fetches_on_until_its_backlog_is_at_the_bound() -> None:
     # Given a window of 4 (a backlog bound of 40)
-    core, ready = _core(window=4)
+    rig = _rig(window=4)
+    core = rig.core
     bound = backlog_bound(4)
     assert bound == 40
     # When the window is full and records keep coming, short of the bound
@@ -70,15 +46,16 @@ def test_a_full_window_fetches_on_until_its_backlog_is_at_the_bound() -> None:
     core.intake(Rec("t", 4 + bound - 1))
     assert core.pause_plan().pause == [TP]
     # And it resumes only once the backlog is down to half of it (not at every free slot)
-    _ack(core, ready, bound // 2 - 1)
+    rig.ack(bound // 2 - 1)
     assert core.pause_plan().resume == []
-    _ack(core, ready, 1)
+    rig.ack(1)
     assert core.pause_plan().resume == [TP]
 
 
 def test_the_backlog_counts_in_the_byte_budget_and_gives_its_bytes_back() -> None:
     # Given a budget of 2,000 bytes and 100-byte records beyond a full window of 4
-    core, ready = _core(window=4, budget=2000)
+    rig = _rig(window=4, budget=2000)
+    core = rig.core
     for offset in range(4):
         core.intake(Rec("t", offset, value=b"x" * 100))
     part = core.parts[TP]
@@ -90,8 +67,8 @@ def test_the_backlog_counts_in_the_byte_budget_and_gives_its_bytes_back() -> Non
     assert core.pause_plan().pause == [TP]
     assert part.budget.waiting == 1600 and len(part.backlog) < backlog_bound(4)
     # And everything acked, every byte is given back and it fetches again
-    while ready:
-        _ack(core, ready, len(ready))
+    while rig.ready:
+        rig.ack(len(rig.ready))
     assert (part.budget.held, part.budget.waiting, part.backlog_bytes) == (0, 0, 0)
     assert core.pause_plan().resume == [TP]
 
@@ -99,7 +76,8 @@ def test_the_backlog_counts_in_the_byte_budget_and_gives_its_bytes_back() -> Non
 def test_one_stuck_partitions_backlog_does_not_pause_the_others() -> None:
     # Given two partitions sharing a 4,000-byte budget, and t[0]'s head never answered: its
     # window of 4 is full and 36 records of 100 bytes wait in its backlog (the budget full)
-    core, ready = _core(window=4, budget=4000)
+    rig = _rig(window=4, budget=4000)
+    core = rig.core
     core.assign("t", 1, 0, "")
     core.pause_plan()
     for offset in range(40):
@@ -110,12 +88,12 @@ def test_one_stuck_partitions_backlog_does_not_pause_the_others() -> None:
     # and what it fetches is taken in while the messages taken in leave room (4 x 100 held)
     core.intake(Rec("t", 0, partition=1, value=b"y" * 100))
     assert ("t", 1) not in core.pause_plan().pause
-    assert [d.part.partition for d in ready][-1] == 1
+    assert [d.part.partition for d in rig.ready][-1] == 1
 
 
 def _six_in_the_backlog() -> tuple[PartitionSet, PartitionState]:
     """A full window of 4 and six 10-byte records in the backlog (offsets 4..9)."""
-    core, _ready = _core(window=4)
+    core = _rig(window=4).core
     for offset in range(10):
         core.intake(Rec("t", offset, value=b"x" * 10))
     part = core.parts[TP]
@@ -193,7 +171,7 @@ async def test_a_burst_beyond_a_full_window_waits_in_the_backlog_and_nothing_pau
 
 def test_records_fetched_again_across_an_epoch_change_record_the_change_again() -> None:
     # Given offsets 0-19 written in epoch 5 and 20-29 in epoch 6, all fetched
-    core, _ready = _core(window=100)
+    core = _rig(window=100).core
     for offset in range(30):
         core.intake(Rec("t", offset, epoch=5 if offset < 20 else 6))
     # When the consumer goes back to 10 (an offset reset) and fetches 10-29 again, one at a

@@ -6,54 +6,37 @@ same messages, in the same order, as record by record and message by message. Wh
 
 from __future__ import annotations
 
-import random
-from collections import deque
-
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from consumer_proxy.config import CircuitBreakerConfig, DeliveryConfig
-from consumer_proxy.core.outcomes import Classification, Classifier, Outcome
-from consumer_proxy.core.partitions import Delivery, PartitionSet
-from consumer_proxy.flow import Breaker
-from consumer_proxy.proto.v1 import handler_pb2
-from tests.support.clock import Clock
+from consumer_proxy.config import DeliveryConfig
+from consumer_proxy.core.outcomes import Classification, Outcome
+from consumer_proxy.core.partitions import Delivery
+from tests.support.core import ACK, CoreRig
 from tests.support.records import Rec
 
-ACK = Classifier().from_response(handler_pb2.HandleMessageResponse())
 RETRY = Classification(Outcome.RETRY, "UNKNOWN")
 relaxed = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=300)
 
 
-class Rig:
+class Rig(CoreRig):
     """A core with two partitions of topic t; the ready messages in ``ready``, and each
     ``emit_batch`` call's size in ``emits``."""
 
     def __init__(self, window: int = 1000, budget: int = 64 * 1024 * 1024) -> None:
-        self.clock = Clock()
-        self.ready: deque[Delivery] = deque()
         self.emits: list[int] = []
         self.idle = 0
-
-        def emit_batch(deliveries: list[Delivery]) -> None:
-            self.emits.append(len(deliveries))
-            self.ready.extend(deliveries)
-
-        self.core = PartitionSet(
-            "g",
+        super().__init__(
             DeliveryConfig(max_in_flight=window, max_in_flight_bytes=budget),
-            "g.redrive",
-            Breaker("g", CircuitBreakerConfig(), clock=self.clock),
-            emit=self.ready.append,
-            schedule=self.clock.call_later,
+            tps=(("t", 0), ("t", 1)),
+            pause_plan=True,
             on_idle=self._idle,
-            rng=random.Random(1),
-            clock=self.clock,
-            emit_batch=emit_batch,
+            emit_batch=self._emit_batch,
         )
-        for partition in (0, 1):
-            self.core.assign("t", partition, 0, "")
-        self.core.pause_plan()
+
+    def _emit_batch(self, deliveries: list[Delivery]) -> None:
+        self.emits.append(len(deliveries))
+        self.ready.extend(deliveries)
 
     def _idle(self) -> None:
         self.idle += 1

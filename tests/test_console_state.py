@@ -4,7 +4,6 @@ browser against a running proxy: tests/test_console.py."""
 
 from __future__ import annotations
 
-import random
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +24,7 @@ from consumer_proxy.flow import Breaker
 from consumer_proxy.metrics import HttpEndpoint
 from consumer_proxy.proto.v1 import handler_pb2
 from consumer_proxy.proxy import Proxy
-from tests.support.clock import Clock
+from tests.support.core import CoreRig
 from tests.support.proxy import config_dict
 from tests.support.records import Rec
 from tests.support.scrape import http_get
@@ -34,21 +33,12 @@ ACK = Classifier().from_response(handler_pb2.HandleMessageResponse())
 
 
 def _core(window: int) -> tuple[PartitionSet, Breaker, deque[Delivery]]:
-    clock = Clock()
-    ready: deque[Delivery] = deque()
-    breaker = Breaker("g", CircuitBreakerConfig(failure_threshold=1), clock=clock)
-    core = PartitionSet(
-        "g",
+    rig = CoreRig(
         DeliveryConfig(max_in_flight=window),
-        "g.redrive",
-        breaker,
-        emit=ready.append,
-        schedule=clock.call_later,
-        rng=random.Random(1),
+        tps=(("t", 0), ("t", 1)),
+        breaker=CircuitBreakerConfig(failure_threshold=1),
     )
-    core.assign("t", 0, 0, "")
-    core.assign("t", 1, 0, "")
-    return core, breaker, ready
+    return rig.core, rig.breaker, rig.ready
 
 
 def _view(core: PartitionSet, partition: int) -> PartitionView:

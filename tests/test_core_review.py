@@ -14,64 +14,45 @@ import grpc
 
 from consumer_proxy.config import (
     BackoffConfig,
-    CircuitBreakerConfig,
     DeliveryConfig,
     RetryTopicConfig,
 )
 from consumer_proxy.core.batching import PROTOCOL_ERROR, BatchLimits, classify_batch, take
 from consumer_proxy.core.codec import AckState, decode, encode
 from consumer_proxy.core.decision import Action, Evidence, Policy, decide
-from consumer_proxy.core.outcomes import Classifier
-from consumer_proxy.core.partitions import Delivery, PartitionSet
+from consumer_proxy.core.outcomes import Classification, Classifier
 from consumer_proxy.core.records import Origin, retry_headers
 from consumer_proxy.core.tracker import PartitionTracker
-from consumer_proxy.flow import Breaker
 from consumer_proxy.proto.v1 import handler_pb2
-from tests.support.clock import Clock
+from tests.support.core import ACK, WALL_CLOCK_START, CoreRig
 from tests.support.records import Rec
 
 C = grpc.StatusCode
 CLASSIFY = Classifier()
-ACK = CLASSIFY.from_response(handler_pb2.HandleMessageResponse())
 FAIL = CLASSIFY.from_status(C.INTERNAL, "flaky")
 BACKOFF = BackoffConfig(initial_ms=10, max_ms=100, jitter=0.0)
 HOUR_MS = 3_600_000
 
 
-class Rig:
+class Rig(CoreRig):
     """A PartitionSet on a virtual clock whose emitted messages wait in ``ready``."""
 
     def __init__(self, tiers_ms: tuple[int, ...] = (), **delivery: Any) -> None:
-        self.clock = Clock()
-        self.clock.now = 1_000_000.0  # epoch seconds: tier due times are wall-clock
-        self.ready: deque[Delivery] = deque()
-        self.breaker = Breaker("g", CircuitBreakerConfig(), clock=self.clock)
         self.tier_topics = [f"g.retry.{n}" for n in range(1, len(tiers_ms) + 1)]
-        self.core = PartitionSet(
-            "g",
+        super().__init__(
             DeliveryConfig(
                 max_attempts=5,
                 backoff=BACKOFF,
                 retry_topics=[RetryTopicConfig(delay_ms=d) for d in tiers_ms],
                 **delivery,
             ),
-            "g.redrive",
-            self.breaker,
-            emit=self.ready.append,
-            schedule=self.clock.call_later,
-            rng=random.Random(1),
+            tps=[("t", 0)] + [(topic, 0) for topic in self.tier_topics],
             retry_topics=self.tier_topics,
-            clock=self.clock,
+            start=WALL_CLOCK_START,  # tier due times are wall-clock
         )
-        self.core.assign("t", 0, 0, "")
-        for topic in self.tier_topics:
-            self.core.assign(topic, 0, 0, "")
 
-    def push(self, result: Any = ACK) -> Any:
-        delivery = self.ready.popleft()
-        assert self.core.begin(delivery)
-        self.breaker.record(result.service_failure, probe=False)
-        return self.core.finish(delivery, result, probe=False)
+    def push(self, result: Classification = ACK) -> Any:
+        return self.finish_next(result)[1]
 
     def ack_all(self) -> None:
         while self.ready:

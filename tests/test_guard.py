@@ -5,29 +5,23 @@ tests/sim ("bad deploys"), and against the real broker in tests/test_guard_e2e.p
 from __future__ import annotations
 
 import random
-from collections import deque
-from typing import Any
 
 import grpc
 import pytest
 
 from consumer_proxy.config import (
     BackoffConfig,
-    CircuitBreakerConfig,
     DeadLetterGuardConfig,
     DeliveryConfig,
 )
 from consumer_proxy.core.decision import Action
 from consumer_proxy.core.guard import DeadLetterGuard
-from consumer_proxy.core.outcomes import Classifier
-from consumer_proxy.core.partitions import Delivery, PartitionSet
-from consumer_proxy.flow import Breaker
-from consumer_proxy.proto.v1 import handler_pb2
-from tests.support.clock import Clock
+from consumer_proxy.core.outcomes import Classification, Classifier
+from consumer_proxy.core.partitions import Delivery
+from tests.support.core import ACK, CoreRig
 from tests.support.records import Rec
 
 CLASSIFY = Classifier()
-ACK = CLASSIFY.from_response(handler_pb2.HandleMessageResponse())
 POISON = CLASSIFY.from_status(grpc.StatusCode.INVALID_ARGUMENT, "bad deploy")
 GUARD = DeadLetterGuardConfig(min_messages=20, window_ms=60_000, probe_interval_ms=1000)
 
@@ -89,30 +83,16 @@ def test_memory_is_bounded_by_min_messages() -> None:
 # -- the core holds dead letters -------------------------------------------------------------
 
 
-class Rig:
+class Rig(CoreRig):
     def __init__(self, guard: DeadLetterGuardConfig = GUARD) -> None:
-        self.clock = Clock()
-        self.ready: deque[Delivery] = deque()
-        self.breaker = Breaker("g", CircuitBreakerConfig(), clock=self.clock)
-        self.core = PartitionSet(
-            "g",
+        super().__init__(
             DeliveryConfig(max_attempts=3, backoff=BackoffConfig(initial_ms=10, jitter=0.0)),
-            "g.redrive",
-            self.breaker,
-            emit=self.ready.append,
-            schedule=self.clock.call_later,
-            rng=random.Random(1),
-            clock=self.clock,
             guard=guard,
         )
-        self.core.assign("t", 0, 0, "")
         self.dead: list[Delivery] = []
 
-    def push(self, result: Any) -> Action | None:
-        delivery = self.ready.popleft()
-        assert self.core.begin(delivery)
-        self.breaker.record(result.service_failure, probe=False)
-        decision = self.core.finish(delivery, result, probe=False)
+    def push(self, result: Classification) -> Action | None:
+        delivery, decision = self.finish_next(result)
         if decision is not None and decision.action is Action.DEAD_LETTER:
             self.dead.append(delivery)
             self.core.dead_lettered(delivery)  # the write is confirmed at once here

@@ -9,7 +9,6 @@ every step.
 
 from __future__ import annotations
 
-import random
 from collections import deque
 from typing import Any
 
@@ -19,16 +18,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from consumer_proxy.config import BackoffConfig, CircuitBreakerConfig, DeliveryConfig
+from consumer_proxy.config import BackoffConfig, DeliveryConfig
 from consumer_proxy.core.decision import Action
 from consumer_proxy.core.ordering import KeyGate
 from consumer_proxy.core.outcomes import Classification, Classifier
-from consumer_proxy.core.partitions import Delivery, PartitionSet, backlog_bound
+from consumer_proxy.core.partitions import Delivery, backlog_bound
 from consumer_proxy.core.records import H_ORDERING, Origin, dlq_headers
-from consumer_proxy.flow import Breaker
 from consumer_proxy.proto.v1 import handler_pb2
 from tests.sim.world import Msg, Record
-from tests.support.clock import Clock
+from tests.support.core import CoreRig
 
 CLASSIFIER = Classifier()
 ACK = CLASSIFIER.from_response(handler_pb2.HandleMessageResponse())
@@ -117,28 +115,18 @@ def test_the_gate_backlog_counts_keys_and_the_longest() -> None:
 # --------------------------------------------------------------------------- PartitionSet
 
 
-class Harness:
+class Harness(CoreRig):
     """One PartitionSet with a virtual clock; ``ready`` is what it emitted to the workers."""
 
     def __init__(self, ordering: str, max_in_flight: int = 100, partitions: int = 1) -> None:
-        self.clock = Clock()
-        self.ready: list[Delivery] = []
-        self.breaker = Breaker("g", CircuitBreakerConfig(), clock=self.clock)
-        self.core = PartitionSet(
-            "g",
+        super().__init__(
             DeliveryConfig(
                 max_in_flight=max_in_flight,
                 backoff=BackoffConfig(initial_ms=100, max_ms=100, jitter=0.0),
                 ordering=ordering,
             ),
-            "g.redrive",
-            self.breaker,
-            emit=self.ready.append,
-            schedule=self.clock.call_later,
-            rng=random.Random(1),
+            tps=[("t", p) for p in range(partitions)],
         )
-        for p in range(partitions):
-            self.core.assign("t", p, 0, "")
         self.next = [0] * partitions
 
     def produce(self, keys: str, partition: int = 0) -> None:
@@ -151,7 +139,8 @@ class Harness:
 
     def take(self) -> list[Delivery]:
         """Every delivery emitted so far, each begun (a worker took it)."""
-        taken, self.ready[:] = list(self.ready), []
+        taken = list(self.ready)
+        self.ready.clear()
         for delivery in taken:
             assert self.core.begin(delivery)
         return taken

@@ -16,14 +16,13 @@ from pydantic import ValidationError
 from consumer_proxy import cli
 from consumer_proxy.config import (
     BackoffConfig,
-    CircuitBreakerConfig,
     DeliveryConfig,
     GroupConfig,
     RetryTopicConfig,
 )
 from consumer_proxy.core.decision import Action, Evidence, Policy, decide, unblock
 from consumer_proxy.core.outcomes import Classification, Classifier
-from consumer_proxy.core.partitions import SOURCE_RETRY, Delivery, PartitionSet, backlog_bound
+from consumer_proxy.core.partitions import SOURCE_RETRY, backlog_bound
 from consumer_proxy.core.records import (
     H_ATTEMPT,
     H_DUE_AT,
@@ -34,10 +33,9 @@ from consumer_proxy.core.records import (
     retry_headers,
     split_headers,
 )
-from consumer_proxy.flow import Breaker
 from consumer_proxy.handler import Message
 from consumer_proxy.proto.v1 import handler_pb2
-from tests.support.clock import Clock
+from tests.support.core import WALL_CLOCK_START, CoreRig
 
 C = grpc.StatusCode
 CLASSIFY = Classifier()
@@ -178,16 +176,11 @@ class TierRecord:
         return None
 
 
-class Rig:
+class Rig(CoreRig):
     """A PartitionSet with tiers of 2 s and 5 s, in_memory_attempts 1, on a virtual clock."""
 
     def __init__(self, **delivery: Any) -> None:
-        self.clock = Clock()
-        self.clock.now = 1_000_000.0  # epoch seconds: tier due times are wall-clock
-        self.ready: list[Delivery] = []
-        self.breaker = Breaker("g", CircuitBreakerConfig(), clock=self.clock)
-        self.core = PartitionSet(
-            "g",
+        super().__init__(
             DeliveryConfig(
                 **{
                     "max_attempts": 5,
@@ -199,22 +192,13 @@ class Rig:
                     **delivery,
                 }
             ),
-            "g.redrive",
-            self.breaker,
-            emit=self.ready.append,
-            schedule=self.clock.call_later,
-            rng=random.Random(1),
+            tps=(("t", 0), ("g.retry.1", 0)),
             retry_topics=["g.retry.1", "g.retry.2"],
-            clock=self.clock,
+            start=WALL_CLOCK_START,  # tier due times are wall-clock
         )
-        self.core.assign("t", 0, 0, "")
-        self.core.assign("g.retry.1", 0, 0, "")
 
     def push(self, result: Classification) -> Any:
-        delivery = self.ready.pop(0)
-        assert self.core.begin(delivery)
-        self.breaker.record(result.service_failure, probe=False)
-        return delivery, self.core.finish(delivery, result, probe=False)
+        return self.finish_next(result)
 
     def committable(self, topic: str) -> int:
         tracker = self.core.parts[(topic, 0)].tracker
@@ -272,12 +256,12 @@ def test_a_tier_record_waits_until_due_with_its_partition_paused() -> None:
     # Given a record of tier 1 due in 2 s
     rig.core.intake(_tier_record(0, now_ms + 2000))
     # Then it is not emitted yet and its partition pauses
-    assert rig.ready == []
+    assert not rig.ready
     plan = rig.core.pause_plan()
     assert plan.pause == [("g.retry.1", 0)]
     # When its due time comes (a timer, no polling), Then it is emitted with its origin
     rig.clock.run_until(rig.clock.now + 1.999)
-    assert rig.ready == []
+    assert not rig.ready
     rig.clock.run_until(rig.clock.now + 0.002)
     [delivery] = rig.ready
     assert delivery.source == SOURCE_RETRY and delivery.attempt == 2 and delivery.tier == 1
@@ -335,7 +319,7 @@ def test_a_revoked_tier_partition_drops_its_waiting_records() -> None:
     rig.core.intake(_tier_record(0, int(rig.clock.now * 1000) + 5000))
     rig.core.forget(rig.core.parts[("g.retry.1", 0)])
     rig.clock.run_until(rig.clock.now + 10)
-    assert rig.ready == []
+    assert not rig.ready
 
 
 # ----------------------------------------------------------------------------- unblocking
@@ -346,7 +330,7 @@ def test_a_hung_head_moves_to_the_next_tier_after_head_block_ms() -> None:
     rig = Rig(head_block_ms=2000)
     for offset in range(3):
         rig.core.intake(TierRecord("t", offset))
-    hung = rig.ready.pop(0)
+    hung = rig.ready.popleft()
     assert rig.core.begin(hung)
     rig.push(ACK)
     rig.push(ACK)
@@ -390,18 +374,18 @@ def test_a_head_waiting_for_an_in_memory_retry_moves_and_its_timer_is_cancelled(
     [(moved, decision)] = rig.core.unblock(1.0)
     assert decision.action is Action.TIER and moved.offset == 0
     rig.clock.run_until(rig.clock.now + 120)
-    assert rig.ready == []  # the in-memory retry does not come any more
+    assert not rig.ready  # the in-memory retry does not come any more
 
 
 def test_a_hung_head_during_an_outage_never_moves() -> None:
     # Given a hung head and an acked message behind it, then the service stops answering
     rig = Rig(head_block_ms=1000)
     rig.core.intake(TierRecord("t", 0))
-    hung = rig.ready.pop(0)
+    hung = rig.ready.popleft()
     assert rig.core.begin(hung)
     rig.core.intake(TierRecord("t", 1))
     rig.core.intake(TierRecord("t", 2))
-    late = rig.ready.pop(0)
+    late = rig.ready.popleft()
     assert rig.core.begin(late)  # the service hangs from here on: nothing answers
     rig.core.finish(late, ACK, probe=False)  # (an answer the breaker did not count)
     rig.core.unblock(0.0)
@@ -417,7 +401,7 @@ def test_unblocking_is_bounded_per_partition_per_minute() -> None:
     rig = Rig(head_block_ms=1000, max_unblock_per_minute=1)
     for offset in range(4):
         rig.core.intake(TierRecord("t", offset))
-    first, second = rig.ready.pop(0), rig.ready.pop(0)
+    first, second = rig.ready.popleft(), rig.ready.popleft()
     assert rig.core.begin(first) and rig.core.begin(second)
     rig.push(ACK)
     rig.push(ACK)
