@@ -92,7 +92,7 @@ class BatchPush(Push):
                 if whole and linger_s and len(ready.items) < limits.max_messages:
                     await asyncio.sleep(linger_s)
                 # From here to begin() nothing awaits: a taken message is always begun.
-                batch = take(ready.items, limits if whole else self._one, self.drop_stale)
+                batch = take(ready.items, limits if whole else self._one, partitions.drop_stale)
                 if ready.items:
                     ready.wake()  # more is ready than this call takes: another slot goes
                 began = partitions.begin_batch(batch)

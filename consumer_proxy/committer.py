@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 from confluent_kafka import KafkaException, TopicPartition
@@ -64,13 +64,9 @@ class Committer:
         delivery: DeliveryConfig,
         partitions: PartitionSet,
         metrics: ProxyMetrics,
-        room_freed: Callable[[], None],
     ) -> None:
-        """``source`` (the group's consumer) and ``clock`` are set when the group runs;
-        ``room_freed`` is told after each commit that went through (it may have shrunk an ack
-        state over its budget, or freed a window held while commits failed)."""
+        """``source`` (the group's consumer) and ``clock`` are set when the group runs."""
         self.name = name
-        self._room_freed = room_freed
         self._interval_s = delivery.commit_interval_ms / 1000.0
         self._budget_bytes = delivery.metadata_budget_bytes
         self._partitions = partitions
@@ -180,7 +176,6 @@ class Committer:
             partitions.commit_confirmed(True)
             self._metrics.commits.labels(self.name, "ok").inc()
             kept: list[Commit] = partitions.committed(plan)
-            self._room_freed()
             for c in kept:
                 labels = (self.name, c.part.topic, str(c.part.partition))
                 self._metrics.committed_offset.labels(*labels).set(c.offset)

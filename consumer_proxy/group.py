@@ -111,7 +111,7 @@ class GroupRunner:
             clock=wall,
             rng=rng,
         )
-        self.committer = Committer(self.name, d, self.partitions, metrics, self._call_ended.set)
+        self.committer = Committer(self.name, d, self.partitions, metrics)
         self._parking = Parking(
             group, self.partitions, metrics, self._spawn, self._call_ended, self.committer.wake
         )

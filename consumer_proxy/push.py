@@ -104,14 +104,6 @@ class Push:
         self._m_push = parts.metrics.push_duration.labels(parts.name)
         self._m_in_flight = parts.metrics.in_flight.labels(parts.name)
 
-    def drop_stale(self, delivery: Delivery) -> bool:
-        """``PartitionSet.drop_stale``, and a stale message's bytes given back end the
-        intake's wait for room (``call_ended``), as a call's answer does."""
-        if self.partitions.drop_stale(delivery):
-            self._call_ended.set()
-            return True
-        return False
-
     def _tier_delivered(self, delivery: Delivery) -> None:
         self._metrics.retry_tier_deliveries.labels(self.name, str(delivery.tier)).inc()
 
@@ -217,7 +209,7 @@ class UnaryPush(Push):
         tracer = self._tracer
         while not self.draining:
             delivery = await ready.get()
-            if self.drop_stale(delivery):
+            if partitions.drop_stale(delivery):
                 continue
             if self.rate is not None:
                 await self.rate.acquire()

@@ -42,11 +42,10 @@ WAITING_POLL_S = 0.05
 way to room freed meanwhile while little is ready: :func:`gives_way`)."""
 ROOM_WAIT_S = 0.2
 """The longest the intake waits for room without a consume (:func:`room_wait`): a rebalance,
-served only inside a consume, waits at most this long, as long as one ordinary poll
-(``FETCH_WAIT_S``). Whatever frees room ends the wait at once: a call, a DLQ or tier write, a
-commit (it may shrink an ack state, or free a window held while commits failed), a stale
-message dropped. (At 50 ms, the consumes of a group blocked for minutes on slow calls were a
-fifth of the simulation's polls.)"""
+served only inside a consume, or room freed by anything but a call or a write (a commit that
+shrank an ack state, a stale message dropped) waits at most this long, as long as behind one
+ordinary poll (``FETCH_WAIT_S``). (At 50 ms, the consumes of groups blocked on slow calls
+were a fifth of the simulation's polls.)"""
 
 
 def quiet_polls(before: int, busy: bool) -> int:
@@ -82,8 +81,8 @@ def room_wait(
 def gives_way(*, waiting: bool, ready_low: bool, fetching: bool) -> bool:
     """Whether the intake's next consume gives way to room freed while it waits (arguments
     as for :func:`poll_wait`): a partition is paused for room, another fetches, and the
-    workers are about to run dry. Each call or DLQ or tier write that ends meanwhile (each
-    commit, each stale message dropped) gets a pause plan at once, and a change of it is
+    workers are about to run dry. Each call or DLQ or tier write that ends meanwhile gets a
+    pause plan at once, and a change of it is
     queued on the consumer thread, which ends the consume's wait after its slice
     (``fetcher.wait_chunk``): the partition resumes then, not at the end of the wait."""
     return waiting and ready_low and fetching
