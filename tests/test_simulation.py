@@ -404,15 +404,7 @@ def test_a_partition_waiting_for_room_resumes_as_soon_as_a_call_frees_it(
     # Given one partition with a window of 4 and eight workers (while it waits for room the
     # workers run dry), far more records than its backlog holds, and every 20th record
     # timing out once: a 1 s call that holds the window's head while the others are acked
-    sim = ShellSim(5, partitions=1).plain()
-    sim.max_in_flight, sim.concurrency, sim.budget = 4, 8, 4000
-    tp = sim.tps[0]
-    for n in range(400):
-        behaviour = "timeout:1" if n % 20 == 10 else "ok"
-        msg = Msg(sim.next_ident, behaviour)
-        sim.next_ident += 1
-        sim.truth.behaviour[msg.ident] = behaviour
-        sim.logs[tp].append(msg)
+    sim, tp = _waiting_for_room(partitions=1)
     seen = _RoomWatch(monkeypatch, tp)
 
     async def body() -> None:
@@ -449,15 +441,7 @@ def test_a_partition_waiting_for_room_beside_a_fetching_one_resumes_within_a_sli
     # and every 20th record timing out once (a 1 s call holds the window's head while the
     # others are acked), the other fetching with nothing to fetch; eight workers (while the
     # first waits for room they run dry)
-    sim = ShellSim(5, partitions=2).plain()
-    sim.max_in_flight, sim.concurrency, sim.budget = 4, 8, 4000
-    tp = sim.tps[0]
-    for n in range(400):
-        behaviour = "timeout:1" if n % 20 == 10 else "ok"
-        msg = Msg(sim.next_ident, behaviour)
-        sim.next_ident += 1
-        sim.truth.behaviour[msg.ident] = behaviour
-        sim.logs[tp].append(msg)
+    sim, tp = _waiting_for_room(partitions=2)
     seen = _RoomWatch(monkeypatch, tp)
 
     async def body() -> None:
@@ -478,6 +462,23 @@ def test_a_partition_waiting_for_room_beside_a_fetching_one_resumes_within_a_sli
         seen.paused_s,
         seen.pauses,
     )
+
+
+def _waiting_for_room(partitions: int) -> tuple[ShellSim, tuple[str, int]]:
+    """A schedule whose first partition waits for room again and again: a window of 4 and
+    eight workers (while it waits the workers run dry), far more records than its backlog
+    holds, and every 20th record timing out once (a 1 s call holds the window's head while
+    the others are acked); its other partitions have nothing to fetch."""
+    sim = ShellSim(5, partitions=partitions).plain()
+    sim.max_in_flight, sim.concurrency, sim.budget = 4, 8, 4000
+    tp = sim.tps[0]
+    for n in range(400):
+        behaviour = "timeout:1" if n % 20 == 10 else "ok"
+        msg = Msg(sim.next_ident, behaviour)
+        sim.next_ident += 1
+        sim.truth.behaviour[msg.ident] = behaviour
+        sim.logs[tp].append(msg)
+    return sim, tp
 
 
 class _RoomWatch:
