@@ -299,11 +299,11 @@ def test_the_schedules_find_each_fix_reverted(
     # put back to the old behaviour
     revert(monkeypatch)
     # When the seeds of the test above of the kind the fix is about (long-running, batch,
-    # retry tiers, or any) run, Then one of them breaks an invariant (measured: after 28, 6,
-    # 1, 1, 1 seeds; 10, 1, 1, 55 of their kind; 85, 2, 1, 1, 1 and 1; each may take up to
-    # ``budget`` times the seeds of the test above: a stale position reading needs a cut
-    # between two readings, and was found after 190 seeds once the intake waited for room
-    # and the committer's gap could end early)
+    # retry tiers, or any) run, Then one of them breaks an invariant (measured once the
+    # intake's consume gave way to room freed: after 28, 2, 2, 19, 27 seeds; 2, 1, 1, 68 of
+    # their kind; 19, 2, 2, 1, 1 and 1; each may take up to ``budget`` times the seeds of the
+    # test above: a stale position reading needs a cut between two readings, and was found
+    # after 190 seeds while the intake polled every 5 ms beside a partition waiting for room)
     seeds = [seed for seed in range(10_000, 10_000 + 4 * SCHEDULES) if kind(ShellSim(seed))]
     with pytest.raises(InvariantViolation):
         for seed in seeds[: budget * SCHEDULES]:
