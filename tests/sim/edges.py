@@ -172,7 +172,9 @@ class SimSource:
             # (``fetcher.wait_chunk``): a call queued behind one waits longer here than there,
             # and the intake meets the same empty returns either way. (Modelled as slices, the
             # schedules found one of the reverted fixes only after 198 batch seeds: re-tune
-            # them before following the fetcher.)
+            # them before following the fetcher.) But for a pause call queued while the
+            # consume runs (the intake's consume gave way to room freed): the consume ends
+            # at the end of the slice it was queued in (``set_paused``), as ``Fetcher``'s.
             messages = await self._take(max_messages, min(timeout_s, CONSUME_CHUNK_S))
             assert self.thread is not None
             while not messages and not self._rebalanced and not self.thread.waiting():
