@@ -7,7 +7,7 @@
 #                 chart tests, the Spark standalone cluster), for a quicker local run
 #   make bench  - the benchmarks in bench/ (not part of the test suite)
 #   make simulate - the long soak of the deterministic simulation: the real shell on a
-#                 virtual-time loop (1M steps, some 6 minutes; SIM_STEPS=100000 for a short one)
+#                 virtual-time loop (1M steps, some 4 minutes; SIM_STEPS=100000 for a short one)
 
 PYTHON ?= python3
 VENV   := .venv
@@ -56,7 +56,7 @@ bench: install
 	$(PY) -m bench.run_all
 
 # The long soak of the deterministic simulation: GroupRunner and the real core on a virtual-time
-# loop, 1M steps by default in one process per CPU (about 1,300 steps a second each: some 6
+# loop, 1M steps by default in one process per CPU (about 2,200 steps a second each: some 4
 # minutes on these shared 2-core machines; SIM_STEPS=100000 for a short one). A failure prints its
 # seed, replayed with: .venv/bin/python -m tests.sim --seed N
 simulate: install

@@ -24,7 +24,7 @@ from confluent_kafka import KafkaError, KafkaException
 
 from .committer import Committer
 from .config import DeliveryConfig
-from .core.cadence import FETCH_WAIT_S, poll_wait, quiet_polls, room_wait
+from .core.cadence import FETCH_WAIT_S, gives_way, poll_wait, quiet_polls, room_wait
 from .core.decision import HEAD_BLOCKED, Action
 from .core.partitions import Record
 from .ports import Clock, MessageSource
@@ -69,6 +69,7 @@ class Intake:
         batch = self._fetch_batch
         paused = self._metrics.partitions_paused.labels(self.name)
         timeout_s = FETCH_WAIT_S
+        give_way = False  # the consume gives way to room freed meanwhile
         room_s: float | None = None  # wait for room this long instead of a consume
         polled = 0.0  # when the last consume returned
         quiet = 0  # polls in a row that found the group holding nothing
@@ -77,7 +78,10 @@ class Intake:
         while not stopping.is_set():
             messages: list[Any] = []
             if room_s is None:
-                messages = await source.consume(batch, timeout_s)
+                if give_way:
+                    messages = await self._consume_giving_way(batch, timeout_s)
+                else:
+                    messages = await source.consume(batch, timeout_s)
                 polled = self._clock()
             else:
                 await self._await_room(room_s)
@@ -125,6 +129,7 @@ class Intake:
                 fetching=fetching,
                 since_poll_s=self._clock() - polled,
             )
+            give_way = gives_way(waiting=waiting, ready_low=ready_low, fetching=fetching)
             timeout_s = poll_wait(
                 waiting=waiting,
                 ready_low=ready_low,
@@ -133,6 +138,39 @@ class Intake:
                 quiet=quiet,
                 commits_failing=partitions.commits_failing,
             )
+
+    async def _consume_giving_way(self, batch: int, timeout_s: float) -> list[Any]:
+        """A consume that gives way to room freed while it waits (``cadence.gives_way``):
+        after each call or write that ends meanwhile, the pause plan; a change of it is
+        queued on the consumer thread at once, which ends the consume's wait after its slice,
+        and is applied right after it (as after any consume: only then are the records of a
+        partition it pauses handed over no more)."""
+        source = self._source
+        room = self._room
+        consume = asyncio.ensure_future(source.consume(batch, timeout_s))
+        change: asyncio.Future[None] | None = None
+        try:
+            while change is None and not consume.done():
+                room.clear()
+                woken = asyncio.ensure_future(room.wait())
+                try:
+                    await asyncio.wait((consume, woken), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    woken.cancel()
+                if consume.done() or not room.is_set():
+                    break
+                plan = self._partitions.pause_plan()
+                if plan.pause or plan.resume:
+                    change = asyncio.ensure_future(source.set_paused(plan.pause, plan.resume))
+            messages: list[Any] = await consume
+        except BaseException:  # cancelled (shutdown), or the consume failed
+            consume.cancel()  # (the calls themselves run on: the consumer thread's)
+            if change is not None:
+                change.cancel()
+            raise
+        if change is not None:
+            await change
+        return messages
 
     async def _await_room(self, cap_s: float) -> None:
         """Wait until a call or a DLQ or tier write ends, at most ``cap_s``. Its result is in

@@ -13,6 +13,7 @@ from consumer_proxy.core.cadence import (
     STARVED_POLL_S,
     WAITING_POLL_S,
     CommitCadence,
+    gives_way,
     poll_wait,
     quiet_polls,
     room_wait,
@@ -40,11 +41,22 @@ def wait(
 
 
 def test_a_partition_waiting_for_its_window_is_polled_briefly() -> None:
-    # Given a partition paused for its window: the poll is short, shortest while little is ready
-    assert wait(waiting=True, ready_low=True) == STARVED_POLL_S
+    # Given a partition paused for its window while another fetches: the poll is short
     assert wait(waiting=True, ready_low=False) == WAITING_POLL_S
+    assert wait(waiting=True, ready_low=True) == WAITING_POLL_S
     # and that wins over an idle group's long wait
     assert wait(waiting=True, quiet=5) == WAITING_POLL_S
+
+
+def test_while_little_is_ready_a_consume_gives_way_to_room_freed() -> None:
+    # Given a partition paused for room, another fetching, and the workers about to run
+    # dry: the consume gives way to room freed while it waits (no 5 ms polls)
+    assert gives_way(waiting=True, ready_low=True, fetching=True)
+    # Not with enough ready (room freed is not needed at once), nothing paused for room, or
+    # every partition paused (the intake waits for room without a consume: room_wait)
+    assert not gives_way(waiting=True, ready_low=False, fetching=True)
+    assert not gives_way(waiting=False, ready_low=True, fetching=True)
+    assert not gives_way(waiting=True, ready_low=True, fetching=False)
 
 
 def test_with_every_partition_paused_the_intake_waits_for_room_instead_of_polling() -> None:

@@ -21,12 +21,13 @@ import pytest
 
 from consumer_proxy.core import batching, heartbeat
 from consumer_proxy.core.batching import PROTOCOL_ERROR, BatchOutcome
-from consumer_proxy.core.cadence import ROOM_WAIT_S, STARVED_POLL_S
+from consumer_proxy.core.cadence import ROOM_WAIT_S, STARVED_POLL_S, WAITING_POLL_S
 from consumer_proxy.core.decision import Action, Decision
 from consumer_proxy.core.heartbeat import CallWatch, Expiry, Limits
 from consumer_proxy.core.outcomes import Classification, Classifier, Outcome
 from consumer_proxy.core.partitions import Delivery, PartitionSet, PartitionState
 from consumer_proxy.core.tracker import PartitionTracker
+from consumer_proxy.fetcher import CONSUME_SLICE_S
 from consumer_proxy.parking import Parking
 from tests.sim import world
 from tests.sim.edges import SimSource
@@ -298,11 +299,11 @@ def test_the_schedules_find_each_fix_reverted(
     # put back to the old behaviour
     revert(monkeypatch)
     # When the seeds of the test above of the kind the fix is about (long-running, batch,
-    # retry tiers, or any) run, Then one of them breaks an invariant (measured: after 28, 6,
-    # 1, 1, 1 seeds; 10, 1, 1, 55 of their kind; 85, 2, 1, 1, 1 and 1; each may take up to
-    # ``budget`` times the seeds of the test above: a stale position reading needs a cut
-    # between two readings, and was found after 190 seeds once the intake waited for room
-    # and the committer's gap could end early)
+    # retry tiers, or any) run, Then one of them breaks an invariant (measured once the
+    # intake's consume gave way to room freed: after 28, 2, 2, 19, 27 seeds; 2, 1, 1, 68 of
+    # their kind; 19, 2, 2, 1, 1 and 1; each may take up to ``budget`` times the seeds of the
+    # test above: a stale position reading needs a cut between two readings, and was found
+    # after 190 seeds while the intake polled every 5 ms beside a partition waiting for room)
     seeds = [seed for seed in range(10_000, 10_000 + 4 * SCHEDULES) if kind(ShellSim(seed))]
     with pytest.raises(InvariantViolation):
         for seed in seeds[: budget * SCHEDULES]:
@@ -403,15 +404,7 @@ def test_a_partition_waiting_for_room_resumes_as_soon_as_a_call_frees_it(
     # Given one partition with a window of 4 and eight workers (while it waits for room the
     # workers run dry), far more records than its backlog holds, and every 20th record
     # timing out once: a 1 s call that holds the window's head while the others are acked
-    sim = ShellSim(5, partitions=1).plain()
-    sim.max_in_flight, sim.concurrency, sim.budget = 4, 8, 4000
-    tp = sim.tps[0]
-    for n in range(400):
-        behaviour = "timeout:1" if n % 20 == 10 else "ok"
-        msg = Msg(sim.next_ident, behaviour)
-        sim.next_ident += 1
-        sim.truth.behaviour[msg.ident] = behaviour
-        sim.logs[tp].append(msg)
+    sim, tp = _waiting_for_room(partitions=1)
     seen = _RoomWatch(monkeypatch, tp)
 
     async def body() -> None:
@@ -439,6 +432,53 @@ def test_a_partition_waiting_for_room_resumes_as_soon_as_a_call_frees_it(
     assert len(at_once) >= 0.75 * len(delays), [round(d, 4) for d in delays]
     assert seen.polls_paused <= seen.paused_s / ROOM_WAIT_S + seen.pauses, seen.polls_paused
     assert seen.rebalance_wait <= ROOM_WAIT_S + STARVED_POLL_S + 0.001, seen.rebalance_wait
+
+
+def test_a_partition_waiting_for_room_beside_a_fetching_one_resumes_within_a_slice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given two partitions: one with a window of 4, far more records than its backlog holds
+    # and every 20th record timing out once (a 1 s call holds the window's head while the
+    # others are acked), the other fetching with nothing to fetch; eight workers (while the
+    # first waits for room they run dry)
+    sim, tp = _waiting_for_room(partitions=2)
+    seen = _RoomWatch(monkeypatch, tp)
+
+    async def body() -> None:
+        # When the member works through them
+        await _for(sim, 25.0)
+
+    _run(sim, body)
+    # Then when a call's answer freed room, the partition resumed within one slice of the
+    # consumer thread's wait (the consume gave way to the resume), and the intake polled
+    # the consumer about every WAITING_POLL_S while it waited, not every 5 ms (a poll that
+    # gave way is followed by a resume)
+    delays = seen.delays
+    assert len(delays) > 12 and seen.paused_s > 10.0, (len(delays), seen.paused_s)
+    within = [d for d in delays if d <= CONSUME_SLICE_S + 0.001]
+    assert len(within) >= 0.75 * len(delays), [round(d, 4) for d in delays]
+    assert seen.polls_paused <= seen.paused_s / WAITING_POLL_S + 2 * seen.pauses, (
+        seen.polls_paused,
+        seen.paused_s,
+        seen.pauses,
+    )
+
+
+def _waiting_for_room(partitions: int) -> tuple[ShellSim, tuple[str, int]]:
+    """A schedule whose first partition waits for room again and again: a window of 4 and
+    eight workers (while it waits the workers run dry), far more records than its backlog
+    holds, and every 20th record timing out once (a 1 s call holds the window's head while
+    the others are acked); its other partitions have nothing to fetch."""
+    sim = ShellSim(5, partitions=partitions).plain()
+    sim.max_in_flight, sim.concurrency, sim.budget = 4, 8, 4000
+    tp = sim.tps[0]
+    for n in range(400):
+        behaviour = "timeout:1" if n % 20 == 10 else "ok"
+        msg = Msg(sim.next_ident, behaviour)
+        sim.next_ident += 1
+        sim.truth.behaviour[msg.ident] = behaviour
+        sim.logs[tp].append(msg)
+    return sim, tp
 
 
 class _RoomWatch:

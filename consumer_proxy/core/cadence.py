@@ -20,6 +20,7 @@ __all__ = [
     "STARVED_POLL_S",
     "WAITING_POLL_S",
     "CommitCadence",
+    "gives_way",
     "poll_wait",
     "quiet_polls",
     "room_wait",
@@ -35,13 +36,16 @@ which end early for a commit, a rebalance or shutdown: see ``Fetcher.consume``).
 QUIET_TICKS = 10
 """A group that held nothing for two commit intervals ticks every this many intervals."""
 STARVED_POLL_S = 0.005
-"""... while a partition is paused for its window or the byte budget and little is ready."""
+"""... while a commit is due or on its way to the consumer thread."""
 WAITING_POLL_S = 0.05
-"""... while a partition is paused so, and the workers have enough ready for now."""
-ROOM_WAIT_S = 0.05
+"""... while a partition is paused for its window or the byte budget (a consume that gives
+way to room freed meanwhile while little is ready: :func:`gives_way`)."""
+ROOM_WAIT_S = 0.2
 """The longest the intake waits for room without a consume (:func:`room_wait`): a rebalance,
 served only inside a consume, or room freed by anything but a call or a write (a commit that
-shrank an ack state, a stale message dropped) waits at most this long."""
+shrank an ack state, a stale message dropped) waits at most this long, as long as behind one
+ordinary poll (``FETCH_WAIT_S``). (At 50 ms, the consumes of groups blocked on slow calls
+were a fifth of the simulation's polls.)"""
 
 
 def quiet_polls(before: int, busy: bool) -> int:
@@ -74,6 +78,16 @@ def room_wait(
     return None
 
 
+def gives_way(*, waiting: bool, ready_low: bool, fetching: bool) -> bool:
+    """Whether the intake's next consume gives way to room freed while it waits (arguments
+    as for :func:`poll_wait`): a partition is paused for room, another fetches, and the
+    workers are about to run dry. Each call or DLQ or tier write that ends meanwhile gets a
+    pause plan at once, and a change of it is
+    queued on the consumer thread, which ends the consume's wait after its slice
+    (``fetcher.wait_chunk``): the partition resumes then, not at the end of the wait."""
+    return waiting and ready_low and fetching
+
+
 def poll_wait(
     *,
     waiting: bool,
@@ -102,9 +116,13 @@ def poll_wait(
         # workload 15% (0.80 -> 0.94 of a bare loop at 50 ms).
         if not ready_low:
             return WAITING_POLL_S
+        # While the workers run dry and another partition fetches, the consume gives way
+        # (:func:`gives_way`): room freed while it waits ends it as soon as the consumer
+        # thread sees the resume queued. (It polled every 5 ms instead: half the
+        # simulation's polls, each a hop to the consumer thread and a pause plan.)
         # With every partition paused, the consume that ends a wait for room (room_wait)
         # can bring only a rebalance or an error: waiting in it would hold up a resume.
-        return STARVED_POLL_S if fetching else 0.0
+        return WAITING_POLL_S if fetching else 0.0
     if commit_due:
         # A commit is due or on its way to the consumer thread: a long poll ahead of it would
         # hold it up (measured: a group's last commit 0.3-0.4 s late).

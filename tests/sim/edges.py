@@ -6,6 +6,7 @@ act on the world and report to the ``ShellSim`` that made them (``tests/sim/shel
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from consumer_proxy.core.heartbeat import CallWatch
 from consumer_proxy.core.outcomes import Classification
 from consumer_proxy.core.records import CP_PREFIX
 from consumer_proxy.dispatcher import read_stream
-from consumer_proxy.fetcher import CONSUME_CHUNK_S, POSITIONS_INTERVAL_S
+from consumer_proxy.fetcher import CONSUME_CHUNK_S, CONSUME_SLICE_S, POSITIONS_INTERVAL_S
 from consumer_proxy.ports import RebalanceListener
 from consumer_proxy.proto.v1 import handler_pb2
 from tests.sim.truth import InvariantViolation
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
 
 GROUP = "g"
 TIER_PREFIX = f"{GROUP}.retry."
+DLQ_RETRY_S = 0.2
+"""How often the DLQ's producer tries a write again while the DLQ is down."""
 
 
 Call = tuple[str, Callable[[], Awaitable[Any]], "asyncio.Future[Any]", float]
@@ -138,6 +141,8 @@ class SimSource:
         self.crashed = False
         self.idle = False  # a consume is waiting longer than a normal poll
         self.idle_while_due = False  # ... and it began while a commit was due
+        self._consuming_since: float | None = None  # when the running consume began
+        self._give_way_at = math.inf  # ... when it gives way to a pause call queued
 
     def _run(self, what: str, fn: Callable[[], Awaitable[Any]]) -> Awaitable[Any]:
         assert self.thread is not None
@@ -161,12 +166,15 @@ class SimSource:
         self.idle = timeout_s > FETCH_WAIT_S
         self.idle_while_due = self.idle and due
         self.sim.stats.idle_polls += self.idle
+        self._consuming_since, self._give_way_at = loop.time(), math.inf
         try:
             # Short waits are served whole here, where ``Fetcher`` serves them in slices
             # (``fetcher.wait_chunk``): a call queued behind one waits longer here than there,
             # and the intake meets the same empty returns either way. (Modelled as slices, the
             # schedules found one of the reverted fixes only after 198 batch seeds: re-tune
-            # them before following the fetcher.)
+            # them before following the fetcher.) But for a pause call queued while the
+            # consume runs (the intake's consume gave way to room freed): the consume ends
+            # at the end of the slice it was queued in (``set_paused``), as ``Fetcher``'s.
             messages = await self._take(max_messages, min(timeout_s, CONSUME_CHUNK_S))
             assert self.thread is not None
             while not messages and not self._rebalanced and not self.thread.waiting():
@@ -176,6 +184,7 @@ class SimSource:
                 messages = await self._take(max_messages, min(left, CONSUME_CHUNK_S))
         finally:
             self.idle = False
+            self._consuming_since = None
         now = loop.time()
         if now >= self._positions_due:
             self._positions_due = now + POSITIONS_INTERVAL_S
@@ -198,7 +207,7 @@ class SimSource:
             records = self.consumer.fetch(self.sim.rng, max_messages)
             if records:
                 return records
-            left = end - loop.time()
+            left = min(end, self._give_way_at) - loop.time()
             if left <= 0:
                 return []
             if not await self.arrived.wait(left):
@@ -267,6 +276,18 @@ class SimSource:
         self.consumer.revoke(tps)
 
     async def set_paused(self, pause: Sequence[TP], resume: Sequence[TP]) -> None:
+        since = self._consuming_since
+        if since is not None:
+            # Queued while a consume waits (the intake's consume gives way to room freed):
+            # ``Fetcher`` serves a short wait in slices and ends it after the slice in which
+            # a call was queued. (Other calls still wait out a short wait here: see
+            # ``_consume``.)
+            slices = max(
+                1, math.ceil((asyncio.get_running_loop().time() - since) / CONSUME_SLICE_S)
+            )
+            self._give_way_at = since + slices * CONSUME_SLICE_S
+            self.arrived.set()
+
         async def apply() -> None:
             self.consumer.set_paused(list(pause), list(resume))
             self.sim.stats.pauses += len(pause)
@@ -453,10 +474,19 @@ class SimSink:
         sim = self.sim
         fields = dict(headers)
         ident = int(fields["id"])
-        while sim.dlq_down:  # the DLQ and the tiers share the producer: tier writes fail too
+        loop = asyncio.get_running_loop()
+        # The DLQ and the tiers share the producer: tier writes fail too. The producer tries
+        # every DLQ_RETRY_S; each failed try is told. (Waited out in one wait for the DLQ to
+        # come back, then up to the first try after that: polling every try was a tenth of
+        # the simulation's cost.)
+        while sim.dlq_down:
+            failed_at = loop.time()
+            await sim.dlq_back()
+            tries = max(1, math.ceil((loop.time() - failed_at) / DLQ_RETRY_S))
             if on_failure is not None:
-                on_failure(KafkaException(KafkaError(KafkaError._TRANSPORT, "dlq down")))
-            await asyncio.sleep(0.2)
+                for _ in range(tries):  # the one at failed_at, and those before the DLQ was back
+                    on_failure(KafkaException(KafkaError(KafkaError._TRANSPORT, "dlq down")))
+            await asyncio.sleep(failed_at + tries * DLQ_RETRY_S - loop.time())
         await asyncio.sleep(sim.rng.uniform(0.001, 0.02))
         if topic.startswith(TIER_PREFIX):
             extra = tuple(

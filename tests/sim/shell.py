@@ -250,7 +250,8 @@ class ShellSim:
         self.step_no = 0
         self.outage: str | None = None
         self.bad_deploy = False  # the service rejects every message (it answers)
-        self.dlq_down = False
+        self._dlq_down = False
+        self._dlq_back: list[asyncio.Future[None]] = []  # writes waiting for the DLQ
         self.commits_down = False
         self.crashing = False
         self.failure: InvariantViolation | None = None
@@ -269,6 +270,27 @@ class ShellSim:
         self.rebalanced_at = -1.0  # when the consumer thread last served a rebalance
         self._operator_at = float("inf")  # the drain: when an operator releases the guard
         self._recoverable_since: float | None = None
+
+    @property
+    def dlq_down(self) -> bool:
+        """The DLQ (and the retry tiers' topics) cannot be written."""
+        return self._dlq_down
+
+    @dlq_down.setter
+    def dlq_down(self, down: bool) -> None:
+        self._dlq_down = down
+        if not down:
+            waiting, self._dlq_back = self._dlq_back, []
+            for future in waiting:
+                if not future.done():
+                    future.set_result(None)
+
+    async def dlq_back(self) -> None:
+        """Return once the DLQ can be written again (at once when it can)."""
+        if self._dlq_down:
+            future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._dlq_back.append(future)
+            await future
 
     def _topology(self) -> None:
         partitions = len(self.tps)
@@ -526,9 +548,14 @@ class ShellSim:
         # A commit with a leader epoch is read back from where that epoch ends when the log
         # was cut below it since (KIP-320): it passes only what lies below that.
         passes = offset if epoch is None else min(offset, log.epoch_end(epoch))
-        for o, msg in log.records.items():
-            if o < passes and msg.ident not in done:
+        # (Records below ``log.done_below`` were checked done by an earlier commit, and a
+        # record that is done stays done while it is in the log.)
+        records = log.records
+        for o in range(log.done_below, passes):
+            msg = records.get(o)
+            if msg is not None and msg.ident not in done:
                 self.fail(f"commit {tp}@{offset} passes offset {o} (message {msg.ident} not done)")
+        log.done_below = max(log.done_below, passes)
         if metadata:
             state = decode(metadata)
             for o in range(state.base, state.end):

@@ -92,6 +92,8 @@ class Log:
     end: int = 0  # the next offset to be written
     epoch: int = 0  # the leader epoch new records are written in
     epochs: dict[int, int] = field(default_factory=dict)
+    done_below: int = 0
+    """Every record below this offset is done (the simulation's check of commits)."""
 
     def append(self, msg: Msg, gap: int = 0) -> None:
         self.end += gap  # offsets skipped: compaction or transaction markers
@@ -107,6 +109,7 @@ class Log:
         self.epochs = {o: e for o, e in self.epochs.items() if o < offset}
         self.end = offset
         self.epoch += 1
+        self.done_below = min(self.done_below, offset)
         return gone
 
     def epoch_end(self, epoch: int) -> int:
