@@ -16,7 +16,21 @@ books), each run a fresh group reading from the start:
   ``max_messages`` 100, 100 calls, a 1,000 window, commits every second): what a new user
   gets.
 
-Interleaved rounds (floor, proxy, proxy defaults; the order rotates each round). The rate is
+Both consume with the same librdkafka settings: the floor takes the proxy's consumer settings
+(``floor_client``: its defaults, a batch group's ``fetch.wait.max.ms``, ``--proxy-client``),
+but for group membership and commits.
+
+What the default figure measures: librdkafka stops fetching a partition for
+``fetch.queue.backoff.ms`` (1,000 ms by default) once its prefetch queue holds
+``queued.min.messages`` (100,000). Both sides fill it within the first ~0.2 s, drain it, and
+then wait for the backoff: about half of each run (measured 2026-11-26: the floor consumed
+50 % of the records by ~350 ms and 75 % at ~1,200 ms). The shared wait pulls the ratio
+towards 1 and adds most of its noise. ``--proxy-client fetch.queue.backoff.ms=10`` (both
+sides take it) measures the consume-push-commit path alone: floor ~380,000 msg/s, proxy
+~165,000, ratio 0.42-0.44 in five of five rounds.
+
+Interleaved rounds (floor, proxy, proxy defaults; the order rotates each round) after a
+warm-up round that is not counted (``--warmup``). The rate is
 committed msg/s: N / (first arrival at the handler -> every offset committed), read on one
 client. Target: **proxy >= 0.9 x floor**, the median of per-round ratios. Also CPU
 microseconds per message (first arrival -> N-th) of each. ``--workers N`` runs the proxy as N
@@ -41,6 +55,8 @@ from bench.offsets import CommittedReader
 from bench.options import ROOT, BenchOptions, broker, client_settings
 from bench.producing import produce_bulk, sized_value
 from bench.proxy import BenchProxy, bench_config, drain, drain_figures
+from consumer_proxy.adapters import group_consumer_config
+from consumer_proxy.config import ProxyConfig
 from tests.support.kafka import create_topic, unique_name
 
 OPTIONS = BenchOptions(handler=True, proxy_client=True)
@@ -60,6 +76,31 @@ PROXY_DELIVERY = {
 }
 CONTENDERS = ("floor", "proxy", "proxy_defaults")
 BASELINE = "baseline"  # the proxy of another checkout (--baseline-root), the proxy's settings
+
+
+FLOOR_OWN = (
+    "bootstrap.servers",
+    "group.id",
+    "enable.auto.commit",
+    "enable.auto.offset.store",
+    "partition.assignment.strategy",
+)
+"""The proxy's consumer settings the floor does not take: its group membership and how it
+commits (the floor commits what was answered, by itself)."""
+
+
+def floor_client(config: dict[str, Any]) -> list[str]:
+    """The librdkafka settings of the proxy's consumer for ``config`` (its defaults, a batch
+    group's additions, ``--proxy-client``) as the floor's ``--client`` arguments: the same
+    fetch path on both sides (the floor took librdkafka's defaults before: another prefetch
+    bound and fetch long-poll)."""
+    proxy = ProxyConfig.model_validate(config)
+    settings = group_consumer_config(proxy.kafka, proxy.groups[0])
+    return [
+        f"{key}={str(value).lower() if isinstance(value, bool) else value}"
+        for key, value in settings.items()
+        if key not in FLOOR_OWN
+    ]
 
 
 def run_one(
@@ -82,6 +123,8 @@ def run_one(
         args = ["--bootstrap", bootstrap, "--topic", topic, "--group", group]
         args += ["--address", handler.address, "-n", str(n), "--max-messages", str(MAX_MESSAGES)]
         args += ["--concurrency", str(CALLS), "--commit-interval-ms", str(COMMIT_INTERVAL_MS)]
+        proxy = bench_config(bootstrap, group, [topic], [handler.address], PROXY_DELIVERY, client)
+        args += ["--client", *floor_client(proxy)]
         process = FloorProcess("throughput", *args)
     else:
         delivery = (
@@ -110,20 +153,25 @@ def throughput_rounds(
     workers: int = 1,
     baseline_root: Path | None = None,
     fetch_batch: int = FETCH_BATCH,
+    warmup: int = 1,
 ) -> dict[str, list[dict[str, Any]]]:
-    """Interleaved rounds of every contender over the same records."""
+    """Interleaved rounds of every contender over the same records, after ``warmup`` rounds
+    that are not counted (the first run on a fresh broker and handler is slower, and it was
+    always the floor's: round 1's ratio came out 0.03-0.08 above the others)."""
     contenders = CONTENDERS + ((BASELINE,) if baseline_root is not None else ())
     runs: dict[str, list[dict[str, Any]]] = {who: [] for who in contenders}
-    for round_ in range(rounds):
+    for round_ in range(-warmup, rounds):
         shift = round_ % len(contenders)
         order = contenders[shift:] + contenders[:shift]
         for who in order:
             run = run_one(
                 who, bootstrap, handler, topic, n, client, workers, baseline_root, fetch_batch
             )
-            runs[who].append(run)
+            if round_ >= 0:
+                runs[who].append(run)
             print(
-                f"  round {round_ + 1} {who:<14}: committed {run['committed_rate']:,.0f} msg/s "
+                f"  {f'round {round_ + 1}' if round_ >= 0 else 'warm-up':<8} {who:<14}: "
+                f"committed {run['committed_rate']:,.0f} msg/s "
                 f"(seen {run['seen_rate']:,.0f}), CPU {run['client_cpu_us_per_msg']:.1f} "
                 f"us/msg, {run['calls']} calls (mean {run['mean_batch']:.0f}), "
                 f"duplicates {run['duplicates']:.0f}",
@@ -136,6 +184,9 @@ def main() -> int:
     parser = OPTIONS.parser(__doc__.splitlines()[1])
     parser.add_argument("-n", type=int, default=200_000, help="records")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    parser.add_argument(
+        "--warmup", type=int, default=1, help="rounds run first and not counted (--quick: 0)"
+    )
     parser.add_argument(
         "--workers",
         type=int,
@@ -159,12 +210,14 @@ def main() -> int:
     args = parser.parse_args()
     n = 40_000 if args.quick else args.n
     rounds = 1 if args.quick else args.rounds
+    warmup = 0 if args.quick else args.warmup
     client = client_settings(args.proxy_client)
     result = Result(
         "bench_throughput",
         params={
             "n": n,
             "rounds": rounds,
+            "warmup": warmup,
             "handler": args.handler,
             "proxy": {**PROXY_DELIVERY, "fetch_batch": args.fetch_batch},
             "client": client,
@@ -187,6 +240,7 @@ def main() -> int:
                 args.workers,
                 args.baseline_root,
                 args.fetch_batch,
+                warmup,
             )
     for who in runs:
         result.figure(f"{who}.committed_msgs_per_s", med(r["committed_rate"] for r in runs[who]))

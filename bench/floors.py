@@ -9,7 +9,8 @@ service as the proxy it is compared with:
   records) as soon as a record is there: the first record with a blocking wait, then whatever
   librdkafka already holds. No tracking, no commit of its own (auto commit, in the
   background). What a proxy adds to produce -> handler latency is measured against it.
-- ``throughput``: consumes (a fresh group, from the start), pushes batches of up to
+- ``throughput``: consumes (a fresh group, from the start; ``--client``: the librdkafka
+  settings of the proxy it is compared with), pushes batches of up to
   ``max_messages`` with ``concurrency`` calls in flight, and commits the positions of the
   calls answered so far every ``commit_interval_ms`` and at the end. No windows, no per-message
   state: calls are reaped oldest first, so what is committed was answered.
@@ -95,9 +96,14 @@ class _Stop:
         self.asked = True
 
 
-def _consumer(bootstrap: str, group: str, topic: str, auto_commit: bool) -> Consumer:
+def _consumer(
+    bootstrap: str, group: str, topic: str, auto_commit: bool, client: dict[str, str] | None = None
+) -> Consumer:
+    """``client``: librdkafka settings (the proxy's, for the same fetch path); the floor's own
+    group, start and commit settings win."""
     consumer = Consumer(
         {
+            **(client or {}),
             "bootstrap.servers": bootstrap,
             "group.id": group,
             "auto.offset.reset": "earliest",
@@ -155,7 +161,8 @@ def latency_floor(args: argparse.Namespace) -> int:
 def throughput_floor(args: argparse.Namespace) -> int:
     """Consume ``n`` records, push them in batches, commit what was answered."""
     stop = _Stop()
-    consumer = _consumer(args.bootstrap, args.group, args.topic, auto_commit=False)
+    client = dict(pair.split("=", 1) for pair in args.client)
+    consumer = _consumer(args.bootstrap, args.group, args.topic, auto_commit=False, client=client)
     in_flight: collections.deque[tuple[Any, dict[tuple[str, int], int]]] = collections.deque()
     answered: dict[tuple[str, int], int] = {}
     interval_s = args.commit_interval_ms / 1000.0
@@ -265,6 +272,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--commit-interval-ms", type=int, default=100)
     parser.add_argument("-n", type=int, default=0, help="throughput: records to consume")
     parser.add_argument("--stages", help="latency: write when each record was consumed here")
+    parser.add_argument(
+        "--client",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="throughput: librdkafka settings of the consumer (the proxy's: bench_throughput)",
+    )
     args = parser.parse_args(argv)
     return latency_floor(args) if args.kind == "latency" else throughput_floor(args)
 

@@ -27,6 +27,29 @@ BATCH_FETCH_WAIT_MS = 20
 """Batch groups' default long-poll of a fetch request (librdkafka's default: 500 ms)."""
 
 
+def group_consumer_config(
+    kafka: KafkaConfig, group: GroupConfig, overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The librdkafka settings of ``group``'s consumer (``fetcher.consumer_config`` with the
+    group's own additions; ``overrides``: the process's, e.g. the tests' short session), before
+    its statistics and error callbacks are attached. The throughput bench's floor reads the
+    same settings (``bench/bench_throughput.py``)."""
+    added = dict(overrides or {})
+    batch = group.delivery.batch
+    if batch is not None and batch.mode == "always" and BATCH_FETCH_WAIT not in kafka.client:
+        # A paused partition (its backlog at its bound) is resumed while the consumer's
+        # fetch request long-polls the group's other (often empty: the redrive topic)
+        # partitions; librdkafka's 500 ms default then starves the batch path (measured
+        # when a full window paused: 1 partition, 20 ms batches of 50, 200 window: 1,000
+        # msg/s at 500 ms, 4,456 at 10 ms). kafka.client overrides it. Not for ``auto``,
+        # every group's default, which keeps up without it since a full window no longer
+        # pauses (partitions.BACKLOG_WINDOWS): an idle consumer fetches 50 times a second
+        # at 20 ms (bench_idle, 10 groups: 2.6% of a core instead of 0.6%, librdkafka's
+        # broker thread 22.8 ms/s instead of 1.7).
+        added.setdefault(BATCH_FETCH_WAIT, BATCH_FETCH_WAIT_MS)
+    return consumer_config(kafka, group.name, added)
+
+
 class RealEdges:
     """Builds each group's Kafka consumer, gRPC pusher and DLQ writer (``ports.OpenEdges``)."""
 
@@ -72,20 +95,7 @@ class RealEdges:
                 self._producers.get(producer_conf, loop) if self._producers is not None else None
             ),
         )
-        overrides = dict(self._consumer_overrides)
-        batch = group.delivery.batch
-        if batch is not None and batch.mode == "always" and BATCH_FETCH_WAIT not in kafka.client:
-            # A paused partition (its backlog at its bound) is resumed while the consumer's
-            # fetch request long-polls the group's other (often empty: the redrive topic)
-            # partitions; librdkafka's 500 ms default then starves the batch path (measured
-            # when a full window paused: 1 partition, 20 ms batches of 50, 200 window: 1,000
-            # msg/s at 500 ms, 4,456 at 10 ms). kafka.client overrides it. Not for ``auto``,
-            # every group's default, which keeps up without it since a full window no longer
-            # pauses (partitions.BACKLOG_WINDOWS): an idle consumer fetches 50 times a second
-            # at 20 ms (bench_idle, 10 groups: 2.6% of a core instead of 0.6%, librdkafka's
-            # broker thread 22.8 ms/s instead of 1.7).
-            overrides.setdefault(BATCH_FETCH_WAIT, BATCH_FETCH_WAIT_MS)
-        conf = consumer_config(kafka, name, overrides)
+        conf = group_consumer_config(kafka, group, self._consumer_overrides)
         link = hooks.link
         link.attach(conf)
 

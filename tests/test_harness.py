@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bench.bench_throughput import PROXY_DELIVERY, floor_client
 from bench.proxy import bench_config
 from consumer_proxy.config import ProxyConfig, load_config
 from tests.support.proxy import FAST_CONSUMER, ProxyProcess, config_dict, make_config, write_config
@@ -38,6 +39,22 @@ def test_the_bench_config_keeps_the_proxys_delivery_defaults() -> None:
     assert bench.groups[0].service.timeout_ms == 30000
     assert bench.shutdown_grace_s == 10
     assert not bench.metrics.enabled
+
+
+def test_the_throughput_floor_consumes_with_the_proxys_librdkafka_settings() -> None:
+    # Given the throughput bench's proxy, with a librdkafka setting from --proxy-client
+    config = bench_config(*ARGS, PROXY_DELIVERY, {"fetch.queue.backoff.ms": "10"})
+
+    # When the floor's consumer settings are derived from it
+    settings = dict(pair.split("=", 1) for pair in floor_client(config))
+
+    # Then the floor fetches as the proxy does: its prefetch bound, a batch group's short
+    # fetch long-poll, the passthrough; but joins and commits as the bare loop it is
+    assert settings["queued.max.messages.kbytes"] == "16384"
+    assert settings["fetch.wait.max.ms"] == "20"
+    assert settings["fetch.queue.backoff.ms"] == "10"
+    assert settings["enable.partition.eof"] == "false"
+    assert not {"group.id", "bootstrap.servers", "enable.auto.commit"} & settings.keys()
 
 
 def test_a_proxy_process_that_was_never_started_stops_as_a_no_op(tmp_path: Path) -> None:
