@@ -16,7 +16,7 @@ from confluent_kafka.admin import AdminClient
 
 from consumer_proxy.committer import shielded
 from consumer_proxy.config import KafkaConfig
-from consumer_proxy.fetcher import Fetcher, consumer_config
+from consumer_proxy.fetcher import FETCH_QUEUE_BACKOFF_MS, Fetcher, consumer_config
 from tests.support.kafka import Broker, admin, create_topic, produce, unique_name
 from tests.support.proxy import FAST_CONSUMER
 from tests.support.waiting import async_wait_until
@@ -162,3 +162,18 @@ def test_a_partition_assigned_again_reports_no_position_of_its_previous_assignme
         assert resumed.offset == 61
     finally:
         consumer.close()
+
+
+def test_a_full_prefetch_queue_fetches_again_within_a_tenth_of_a_second_unless_set() -> None:
+    # Given a group's consumer settings, by default and with kafka.client setting the backoff
+    default = consumer_config(KafkaConfig(bootstrap_servers="b:9092"), "g")
+    own = consumer_config(
+        KafkaConfig(bootstrap_servers="b:9092", client={"fetch.queue.backoff.ms": 1000}), "g"
+    )
+    # Then a partition whose prefetch queue is full waits 50 ms before it fetches again, not
+    # librdkafka's second (on a backlog the proxy waited out most of it: bench_throughput),
+    # and an operator's own value wins
+    assert default["fetch.queue.backoff.ms"] == FETCH_QUEUE_BACKOFF_MS <= 100
+    assert own["fetch.queue.backoff.ms"] == 1000
+    # And librdkafka takes the setting
+    Consumer(default).close()
