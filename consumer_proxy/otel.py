@@ -67,7 +67,7 @@ from .core.tracecontext import (
     tracestate_header,
 )
 from .otlp import Encoded, encode_span, request_of
-from .spans import ProxyTracer
+from .spans import ProxySpan, ProxyTracer
 
 SCOPE = "consumer_proxy"
 RPC_SERVICE = "consumerproxy.v1.MessageHandler"
@@ -193,12 +193,18 @@ class OtelMessage:
     def __init__(self, tracer: Any, span: Span) -> None:
         self._tracer = tracer
         self.span = span
-        self.sampled = span.is_recording()
-        context = span.get_span_context()
-        self.traceparent = format_traceparent(
-            context.trace_id, context.span_id, context.trace_flags
-        )
-        state = context.trace_state
+        state: TraceState | None
+        if type(span) is ProxySpan:  # (sampled, recording: started just now)
+            self.sampled = True
+            self.traceparent = span.traceparent()
+            state = span.trace_state
+        else:
+            self.sampled = span.is_recording()
+            context = span.get_span_context()
+            self.traceparent = format_traceparent(
+                context.trace_id, context.span_id, context.trace_flags
+            )
+            state = context.trace_state
         self.tracestate = state.to_header() if state else ""
         self._ctx: Context | None = None
         self._what = "dead_letter"
@@ -335,6 +341,9 @@ class OtelTracer:
         self._link_producer = link_producer
         self._ratio = ratio
         self._draw = random.random
+        # The proxy's own spans: a new root and a batch call's span are made without
+        # OpenTelemetry objects (``ProxyTracer.root_span``).
+        self._own = tracer if isinstance(tracer, ProxyTracer) else None
 
     def begin(self, delivery: Delivery, held_s: float) -> OtelMessage | _Unsampled:
         trace = delivery.trace
@@ -390,12 +399,17 @@ class OtelTracer:
             attributes["consumer_proxy.origin.topic"] = origin.topic
             attributes["consumer_proxy.origin.partition"] = origin.partition
             attributes["consumer_proxy.origin.offset"] = origin.offset
-        span = self._tracer.start_span(
-            f"{part.topic} process",
-            context=context,
-            kind=SpanKind.CONSUMER,
-            attributes=attributes,
-            links=links,
+        own = self._own
+        span = (
+            own.root_span(f"{part.topic} process", SpanKind.CONSUMER, attributes)
+            if own is not None and remote is None
+            else self._tracer.start_span(
+                f"{part.topic} process",
+                context=context,
+                kind=SpanKind.CONSUMER,
+                attributes=attributes,
+                links=links,
+            )
         )
         message = OtelMessage(self._tracer, span)
         delivery.trace = message
@@ -428,26 +442,36 @@ class OtelTracer:
     def batch_call(
         self, batch: Sequence[Delivery], carried: Sequence[int], method: str, target: str
     ) -> tuple[object, Metadata | None]:
-        links = [
-            Link(trace.span.get_span_context())
+        spans = [
+            trace.span
             for i in carried
             if (trace := batch[i].trace) is not None and trace.sampled
         ]
-        if not links:
+        if not spans:
             return None, None
+        attributes: dict[str, str | int] = {
+            "rpc.system": "grpc",
+            "rpc.service": RPC_SERVICE,
+            "rpc.method": method,
+            "server.address": target,
+            "messaging.batch.message_count": len(batch),
+            "messaging.consumer.group.name": self._group,
+        }
+        own = self._own
+        if own is not None:  # (then every process span is one of its own)
+            root = own.root_span(
+                f"{RPC_SERVICE}/{method}",
+                SpanKind.CLIENT,
+                attributes,
+                [(span.trace_id, span.span_id) for span in spans],
+            )
+            return root, ((TRACEPARENT, root.traceparent()),)
         span = self._tracer.start_span(
             f"{RPC_SERVICE}/{method}",
             context=_ROOT,
             kind=SpanKind.CLIENT,
-            links=links,
-            attributes={
-                "rpc.system": "grpc",
-                "rpc.service": RPC_SERVICE,
-                "rpc.method": method,
-                "server.address": target,
-                "messaging.batch.message_count": len(batch),
-                "messaging.consumer.group.name": self._group,
-            },
+            links=[Link(span.get_span_context()) for span in spans],
+            attributes=attributes,
         )
         return span, _metadata(span.get_span_context())
 
@@ -521,7 +545,8 @@ class EncodedBatches(SpanProcessor):
         self._max_queue = max_queue
         self._batch = batch
         self._interval_s = interval_s
-        self._queue: deque[Encoded] = deque()
+        # An SDK span's bytes, or one of the proxy's own spans with its encoder (``defer``).
+        self._queue: deque[tuple[Any, Callable[[Any], Encoded] | None]] = deque()
         self._cond = threading.Condition()
         self._flush_asked = 0
         self._flush_done = 0
@@ -543,11 +568,32 @@ class EncodedBatches(SpanProcessor):
         self.add(span, encode_span)
 
     def add(self, span: Any, encode: Callable[[Any], Encoded]) -> None:
-        """Queue ``encode(span)``, a finished sampled span (``spans.ProxyTracer``'s too)."""
+        """Queue ``encode(span)``, a finished sampled span of the SDK's."""
         if len(self._queue) >= self._max_queue:  # (read without the lock: the GIL's)
             self.dropped += 1  # not encoded only to be thrown away
             return
-        entry = encode(span)
+        self._put((encode(span), None))
+
+    def defer(self, span: Any, encode: Callable[[Any], Encoded]) -> None:
+        """Queue a finished span of the proxy's own (``spans.ProxyTracer``'s sink), to be
+        encoded by the export thread. Encoding it here, as it ends, ran cold on the event
+        loop (between a hundred messages' worth of other work, in batch mode at 1 %) at
+        several times the cost of encoding a queue of them in a row; and such a span is a
+        slotted record of a few objects (its attribute dict, of plain values, is not even
+        tracked by the collector), not the SDK span's dozen."""
+        queue = self._queue
+        if len(queue) >= self._max_queue:
+            self.dropped += 1
+            return
+        # Without the lock: only the event loop appends, and the export thread takes from
+        # the left (deque's append and popleft are atomic). Waking it takes the lock, so a
+        # wake-up is never lost between its check of the queue and its wait.
+        queue.append((span, encode))
+        if len(queue) == self._batch:
+            with self._cond:
+                self._cond.notify()
+
+    def _put(self, entry: tuple[Any, Callable[[Any], Encoded] | None]) -> None:
         with self._cond:
             if len(self._queue) >= self._max_queue:
                 self.dropped += 1
@@ -566,8 +612,8 @@ class EncodedBatches(SpanProcessor):
                 ):
                     self._cond.wait(self._interval_s)
                 stopping, asked = self._stopping, self._flush_asked
-                taken = list(self._queue)
-                self._queue.clear()
+                queue = self._queue
+                taken = [queue.popleft() for _ in range(len(queue))]  # (see ``defer``)
                 dropped = self.dropped
             for start in range(0, len(taken), self._batch):
                 if stopping and time.monotonic() > self._deadline:
@@ -583,9 +629,10 @@ class EncodedBatches(SpanProcessor):
                 if stopping and not self._queue:
                     return
 
-    def _export(self, chunk: list[Encoded]) -> None:
+    def _export(self, chunk: list[tuple[Any, Callable[[Any], Encoded] | None]]) -> None:
         try:
-            self._exporter.export(chunk)  # type: ignore[arg-type]
+            encoded = [span if encode is None else encode(span) for span, encode in chunk]
+            self._exporter.export(encoded)  # type: ignore[arg-type]
         except Exception:  # the exporter logs its own failures; never let the thread die
             log.debug("span export failed", exc_info=True)
 
@@ -684,7 +731,7 @@ class OtelTracing:
             # Sampling is decided before any span, and the spans go out as OTLP bytes: the
             # proxy's own spans, a fraction of the SDK's cost (``spans``).
             self._tracer = ProxyTracer(
-                resource, InstrumentationScope(SCOPE), self._processor.add, SpanLimits()
+                resource, InstrumentationScope(SCOPE), self._processor.defer, SpanLimits()
             )
 
     def describe(self) -> str:
