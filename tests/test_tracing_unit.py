@@ -668,6 +668,35 @@ def test_encoded_batches_keep_bytes_not_spans_and_bound_the_queue() -> None:
     provider.shutdown()
 
 
+def test_the_proxys_own_spans_are_encoded_by_the_export_thread_and_the_queue_is_bounded() -> (
+    None
+):
+    # Given the gRPC path's processor with room for 3 spans, fed by the proxy's own tracer
+    exporter, processor, provider = _encoding(max_queue=3, batch=100)
+    own = ProxyTracer(provider.resource, InstrumentationScope("t"), processor.defer)
+    encoded_on: list[str] = []
+    encode = own._encode
+
+    def recording(span: Any) -> Encoded:
+        encoded_on.append(threading.current_thread().name)
+        return encode(span)
+
+    own._encode = recording  # type: ignore[method-assign]
+    # When 5 spans end
+    for i in range(5):
+        own.start_span(f"s{i}").end()
+    # Then none was encoded as it ended (on the event loop's thread): 3 wait, 2 are dropped
+    assert encoded_on == []
+    assert processor.dropped == 2
+    # and the export thread encodes the 3 that waited when it exports them
+    assert processor.force_flush(10_000)
+    assert encoded_on == ["otlp-export"] * 3
+    sent = [entry for chunk in exporter.chunks for entry in chunk]
+    request = ExportTraceServiceRequest.FromString(request_of(sent))
+    assert [s.name for s in request.resource_spans[0].scope_spans[0].spans] == ["s0", "s1", "s2"]
+    provider.shutdown()
+
+
 class _RecordOnly(Sampler):
     """Records every span without sampling it (the SDK then still ends it in processors)."""
 
