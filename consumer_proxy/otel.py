@@ -3,9 +3,10 @@ when tracing is on; it needs the ``tracing`` extra).
 
 The SDK's ``TracerProvider`` with the standard ``OTEL_*`` variables (service name, resource
 attributes, sampler), a batch processor with a bounded queue (spans beyond it are dropped and
-counted, never waited for) and an OTLP exporter over gRPC or HTTP. Over gRPC a span is encoded
-as it ends (``EncodedBatches``, ``otlp``): the queue holds bytes, so a span's objects never
-outlive it into the collector's older generations. The spans follow the
+counted, never waited for) and an OTLP exporter over gRPC or HTTP. Over gRPC the queue
+(``EncodedBatches``, ``otlp``) holds an SDK span's bytes, encoded as it ends, so its objects
+never outlive it into the collector's older generations, or one of the proxy's own spans (a
+slotted record of a few objects), encoded by the export thread. The spans follow the
 OpenTelemetry messaging and RPC semantic conventions; see ``tracing`` for which exist.
 
 Sampling is decided before any span exists when the sampler is parent-based with a ratio for
@@ -17,9 +18,10 @@ read without OpenTelemetry objects), which is what keeps 1 % sampling cheap in b
 With any other sampler the SDK decides for every message.
 
 Sampling decided first and export over gRPC (the default): the spans are the proxy's own
-(``spans.ProxyTracer``, a slotted record each, encoded as it ends) rather than the SDK's,
-a third of the cost of a sampled message; the SDK still reads the configuration, builds the
-resource and the exporter. Over HTTP, or with a sampler of the SDK's, the SDK makes them.
+(``spans.ProxyTracer``, a slotted record each, encoded by the export thread) rather than
+the SDK's, a fraction of the cost of a sampled message; the SDK still reads the
+configuration, builds the resource and the exporter. Over HTTP, or with a sampler of the
+SDK's, the SDK makes them.
 """
 
 from __future__ import annotations
@@ -527,13 +529,14 @@ def _exporter(config: TracingConfig) -> SpanExporter:
 
 class EncodedBatches(SpanProcessor):
     """A batch span processor whose queue holds encoded spans (``otlp.encode_span``, as each
-    ends), exported by one thread every ``interval_s`` or once ``batch`` are queued.
+    ends), or the proxy's own spans to be encoded (``defer``), exported by one thread every
+    ``interval_s`` or once ``batch`` are queued.
 
     The SDK's ``BatchSpanProcessor`` keeps each span object (its attributes, events, links,
     context) until the export: at the proxy's rates they live long enough to reach the
     garbage collector's oldest generation, and its full passes over them were the largest
-    part of what 1 % sampling cost in batch mode. Here a span is garbage as it ends; the
-    bytes are not tracked by the collector. Bounded: at most ``max_queue`` spans wait; more
+    part of what 1 % sampling cost in batch mode. Here an SDK span is garbage as it ends;
+    the bytes are not tracked by the collector. Bounded: at most ``max_queue`` spans wait; more
     are dropped, counted and logged at most once a minute, never waited for; shutdown waits
     at most ``SHUTDOWN_TIMEOUT_S`` for the export of what is queued.
     """
