@@ -58,6 +58,7 @@ from .config import TracingConfig
 from .core.decision import Action, Decision
 from .core.outcomes import Classification
 from .core.partitions import Delivery
+from .core.records import Origin
 from .core.tracecontext import (
     TRACEPARENT,
     TRACESTATE,
@@ -349,24 +350,66 @@ def _call_ended(span: Span, status: str) -> None:
         span.set_status(Status(StatusCode.ERROR, status))
 
 
+Facts = tuple[str, int, int, str, int, int, bytes | None, Origin]
+"""What a process span says of its message: topic, partition, offset, group, delivery
+attempt, value size, key, origin."""
+
+
+def _facts(delivery: Delivery, group: str) -> Facts:
+    part = delivery.part
+    return (
+        part.topic,
+        part.partition,
+        delivery.offset,
+        group,
+        delivery.attempt,
+        len(delivery.value or b""),
+        delivery.key,
+        delivery.origin,
+    )
+
+
+def _process_attributes(facts: Facts) -> dict[str, str | int]:
+    """A process span's attributes (the messaging semantic conventions')."""
+    topic, partition, offset, group, attempt, size, key, origin = facts
+    attributes: dict[str, str | int] = {
+        "messaging.system": "kafka",
+        "messaging.operation.type": "process",
+        "messaging.operation.name": "process",
+        "messaging.destination.name": topic,
+        "messaging.destination.partition.id": str(partition),
+        "messaging.kafka.offset": offset,
+        "messaging.consumer.group.name": group,
+        "messaging.message.delivery_attempt": attempt,
+        "messaging.message.body.size": size,
+    }
+    text = _text_key(key)
+    if text is not None:
+        attributes["messaging.kafka.message.key"] = text
+    if origin.topic != topic or origin.offset != offset:
+        attributes["consumer_proxy.origin.topic"] = origin.topic
+        attributes["consumer_proxy.origin.partition"] = origin.partition
+        attributes["consumer_proxy.origin.offset"] = origin.offset
+    return attributes
+
+
 class _OwnProcess(OtelMessage):
     """A process span of the proxy's own (``ProxyTracer``) for a message of a batch call,
     made only once something other than its end happens to it (an attempt, an event: then
     it is ``span``, made on the spot). A message acked with the rest of its call, nearly
-    every one, is a record on the event loop (its ids, start, attributes, end and outcome)
-    that the export thread makes into the span and encodes (``built``).
+    every one, is a record on the event loop (its ids, start, facts, end and outcome) that
+    the export thread makes into the span and encodes (``built``).
 
     What a sampled message costs in batch mode at 1 % is mostly this code run cold, between
     a hundred messages' worth of other work: the less of it on the event loop, the better.
     """
 
-    __slots__ = ("_attributes", "_end", "_name", "_start", "span_id", "trace_id")
+    __slots__ = ("_end", "_facts", "_start", "span_id", "trace_id")
 
-    def __init__(self, tracer: ProxyTracer, name: str, attributes: dict[str, str | int]) -> None:
+    def __init__(self, tracer: ProxyTracer, facts: Facts) -> None:
         self._tracer = tracer
         self._span = None
-        self._name = name
-        self._attributes = attributes
+        self._facts = facts
         self._end: tuple[int, str] | None = None
         self.trace_id = trace_id = random.getrandbits(128) or 1
         self.span_id = span_id = random.getrandbits(64) or 1
@@ -380,7 +423,10 @@ class _OwnProcess(OtelMessage):
 
     def _made(self) -> ProxySpan:
         tracer: ProxyTracer = self._tracer
-        span = tracer.root_span(self._name, SpanKind.CONSUMER, dict(self._attributes))
+        facts = self._facts
+        span = tracer.root_span(
+            f"{facts[0]} process", SpanKind.CONSUMER, _process_attributes(facts)
+        )
         span.trace_id, span.span_id, span.start_time = self.trace_id, self.span_id, self._start
         return span
 
@@ -409,31 +455,36 @@ class _OwnProcess(OtelMessage):
         return span
 
 
+CallFacts = tuple[str, str, int, str]
+"""What a batch call's span says of it: method, target, message count, group."""
+
+
+def _call_attributes(facts: CallFacts) -> dict[str, str | int]:
+    """A batch call's attributes (the RPC semantic conventions', and the batch's)."""
+    method, target, count, group = facts
+    return {
+        "rpc.system": "grpc",
+        "rpc.service": RPC_SERVICE,
+        "rpc.method": method,
+        "server.address": target,
+        "messaging.batch.message_count": count,
+        "messaging.consumer.group.name": group,
+    }
+
+
 class _OwnCall:
     """A batch call's CLIENT span of the proxy's own, a record until the export thread makes
     it into the span and encodes it (``built``), as ``_OwnProcess``."""
 
-    __slots__ = ("_attributes", "_end", "_ids", "_links", "_name", "_start", "_tracer")
+    __slots__ = ("_end", "_facts", "_links", "_start", "_tracer", "ids")
 
-    def __init__(
-        self,
-        tracer: ProxyTracer,
-        name: str,
-        attributes: dict[str, str | int],
-        links: list[tuple[int, int]],
-    ) -> None:
+    def __init__(self, tracer: ProxyTracer, facts: CallFacts, links: list[tuple[int, int]]) -> None:
         self._tracer = tracer
-        self._name = name
-        self._attributes = attributes
+        self._facts = facts
         self._links = links
         self._end: tuple[int, str] | None = None
         self._start = time.time_ns()
-        self._ids = (random.getrandbits(128) or 1, random.getrandbits(64) or 1)
-
-    @property
-    def traceparent(self) -> str:
-        trace_id, span_id = self._ids
-        return f"00-{trace_id:032x}-{span_id:016x}-01"
+        self.ids = (random.getrandbits(128) or 1, random.getrandbits(64) or 1)
 
     def done(self, status: str) -> None:
         if self._end is None:
@@ -442,8 +493,11 @@ class _OwnCall:
 
     def built(self) -> ProxySpan:
         assert self._end is not None
-        span = self._tracer.root_span(self._name, SpanKind.CLIENT, self._attributes, self._links)
-        (span.trace_id, span.span_id), span.start_time = self._ids, self._start
+        facts = self._facts
+        span = self._tracer.root_span(
+            f"{RPC_SERVICE}/{facts[0]}", SpanKind.CLIENT, _call_attributes(facts), self._links
+        )
+        (span.trace_id, span.span_id), span.start_time = self.ids, self._start
         _call_ended(span, self._end[1])
         span.end_time = self._end[0]
         return span
@@ -501,6 +555,10 @@ class OtelTracer:
     ) -> OtelMessage:
         """``delivery``'s process span (sampled, or for the SDK's sampler to decide);
         ``in_batch``: a message of a batch call (``begin_batch``)."""
+        own = self._own
+        if own is not None and remote is None and in_batch:
+            delivery.trace = lean = _OwnProcess(own, _facts(delivery, self._group))
+            return lean
         context: Context | None = None
         links: Sequence[Link] = ()
         if remote is not None:
@@ -512,29 +570,7 @@ class OtelTracer:
         else:
             context = _ROOT
         part = delivery.part
-        origin = delivery.origin
-        attributes: dict[str, str | int] = {
-            "messaging.system": "kafka",
-            "messaging.operation.type": "process",
-            "messaging.operation.name": "process",
-            "messaging.destination.name": part.topic,
-            "messaging.destination.partition.id": str(part.partition),
-            "messaging.kafka.offset": delivery.offset,
-            "messaging.consumer.group.name": self._group,
-            "messaging.message.delivery_attempt": delivery.attempt,
-            "messaging.message.body.size": len(delivery.value or b""),
-        }
-        key = _text_key(delivery.key)
-        if key is not None:
-            attributes["messaging.kafka.message.key"] = key
-        if origin.topic != part.topic or origin.offset != delivery.offset:
-            attributes["consumer_proxy.origin.topic"] = origin.topic
-            attributes["consumer_proxy.origin.partition"] = origin.partition
-            attributes["consumer_proxy.origin.offset"] = origin.offset
-        own = self._own
-        if own is not None and remote is None and in_batch:
-            delivery.trace = lean = _OwnProcess(own, f"{part.topic} process", attributes)
-            return lean
+        attributes = _process_attributes(_facts(delivery, self._group))
         span = (
             own.root_span(f"{part.topic} process", SpanKind.CONSUMER, attributes)
             if own is not None and remote is None
@@ -582,29 +618,18 @@ class OtelTracer:
         ]
         if not traces:
             return None, None
-        attributes: dict[str, str | int] = {
-            "rpc.system": "grpc",
-            "rpc.service": RPC_SERVICE,
-            "rpc.method": method,
-            "server.address": target,
-            "messaging.batch.message_count": len(batch),
-            "messaging.consumer.group.name": self._group,
-        }
+        facts = (method, target, len(batch), self._group)
         own = self._own
         if own is not None:  # (then every process span is one of its own)
-            call = _OwnCall(
-                own,
-                f"{RPC_SERVICE}/{method}",
-                attributes,
-                [_ids(trace) for trace in traces],
-            )
-            return call, ((TRACEPARENT, call.traceparent),)
+            call = _OwnCall(own, facts, [_ids(trace) for trace in traces])
+            trace_id, span_id = call.ids
+            return call, ((TRACEPARENT, f"00-{trace_id:032x}-{span_id:016x}-01"),)
         span = self._tracer.start_span(
             f"{RPC_SERVICE}/{method}",
             context=_ROOT,
             kind=SpanKind.CLIENT,
             links=[Link(trace.span.get_span_context()) for trace in traces],
-            attributes=attributes,
+            attributes=_call_attributes(facts),
         )
         return span, _metadata(span.get_span_context())
 
