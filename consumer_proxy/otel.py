@@ -613,9 +613,7 @@ class OtelTracer:
     def batch_call(
         self, batch: Sequence[Delivery], carried: Sequence[int], method: str, target: str
     ) -> tuple[object, Metadata | None]:
-        traces = [
-            trace for i in carried if (trace := batch[i].trace) is not None and trace.sampled
-        ]
+        traces = [trace for i in carried if (trace := batch[i].trace) is not None and trace.sampled]
         if not traces:
             return None, None
         facts = (method, target, len(batch), self._group)

@@ -678,9 +678,7 @@ def test_encoded_batches_keep_bytes_not_spans_and_bound_the_queue() -> None:
     provider.shutdown()
 
 
-def test_the_proxys_own_spans_are_encoded_by_the_export_thread_and_the_queue_is_bounded() -> (
-    None
-):
+def test_the_proxys_own_spans_are_encoded_by_the_export_thread_and_the_queue_is_bounded() -> None:
     # Given the gRPC path's processor with room for 3 spans, fed by the proxy's own tracer
     exporter, processor, provider = _encoding(max_queue=3, batch=100)
     own = ProxyTracer(provider.resource, InstrumentationScope("t"), processor.defer)
