@@ -678,18 +678,30 @@ def test_encoded_batches_keep_bytes_not_spans_and_bound_the_queue() -> None:
     provider.shutdown()
 
 
+def _own_spans(max_queue: int) -> tuple[_Chunks, EncodedBatches, TracerProvider, ProxyTracer]:
+    """``_encoding``'s processor fed by the proxy's own tracer."""
+    exporter, processor, provider = _encoding(max_queue=max_queue, batch=100)
+    own = ProxyTracer(provider.resource, InstrumentationScope("t"), processor.defer)
+    return exporter, processor, provider, own
+
+
+def _callers(obj: Any, method: str) -> list[str]:
+    """The names of the threads that call ``obj``'s ``method`` from now on, in order."""
+    threads: list[str] = []
+    original = getattr(obj, method)
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return original(*args, **kwargs)
+
+    setattr(obj, method, recording)
+    return threads
+
+
 def test_the_proxys_own_spans_are_encoded_by_the_export_thread_and_the_queue_is_bounded() -> None:
     # Given the gRPC path's processor with room for 3 spans, fed by the proxy's own tracer
-    exporter, processor, provider = _encoding(max_queue=3, batch=100)
-    own = ProxyTracer(provider.resource, InstrumentationScope("t"), processor.defer)
-    encoded_on: list[str] = []
-    encode = own._encode
-
-    def recording(span: Any) -> Encoded:
-        encoded_on.append(threading.current_thread().name)
-        return encode(span)
-
-    own._encode = recording  # type: ignore[method-assign]
+    exporter, processor, provider, own = _own_spans(max_queue=3)
+    encoded_on = _callers(own, "_encode")
     # When 5 spans end
     for i in range(5):
         own.start_span(f"s{i}").end()
@@ -707,16 +719,8 @@ def test_the_proxys_own_spans_are_encoded_by_the_export_thread_and_the_queue_is_
 
 def test_a_batch_calls_spans_are_made_by_the_export_thread_from_records() -> None:
     # Given the proxy's own tracer feeding the gRPC path's processor
-    exporter, processor, provider = _encoding(max_queue=100, batch=100)
-    own = ProxyTracer(provider.resource, InstrumentationScope("t"), processor.defer)
-    made_on: list[str] = []
-    root_span = own.root_span
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        made_on.append(threading.current_thread().name)
-        return root_span(*args, **kwargs)
-
-    own.root_span = recording  # type: ignore[method-assign]
+    exporter, processor, provider, own = _own_spans(max_queue=100)
+    made_on = _callers(own, "root_span")
     tracer = OtelTracer(own, "g", link_producer=False, ratio=1.0)
     # When two messages are begun for a batch call, the call is made and they are acked
     batch = [delivery([]), delivery([])]
