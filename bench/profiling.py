@@ -1,7 +1,8 @@
 """Profiling the proxy from its first delivery to its N-th: ``python -m bench.profiling
-profile-proxy cprofile|pyinstrument OUT ARGS...`` runs ``consumer-proxy ARGS`` with a profiler
-that SIGUSR1 starts and SIGUSR2 stops (``BenchProxy(profile=...)`` sends them), and
-:func:`summarise_cprofile` reads a dump as shares of the event loop's busy time.
+profile-proxy cprofile|pyinstrument|threads|stages OUT ARGS...`` runs ``consumer-proxy ARGS``
+with a profiler that SIGUSR1 starts and SIGUSR2 stops (``BenchProxy(profile=...)`` sends
+them), and :func:`summarise_cprofile` reads a dump as shares of the event loop's busy time
+(``threads``: each thread's CPU and the collector's passes, :func:`threads_proxy_main`).
 """
 
 from __future__ import annotations
@@ -317,4 +318,7 @@ def summarise_cprofile(path: Path, n: int, top: int = 20) -> list[str]:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["profile-proxy"] and len(sys.argv) > 4:
         sys.exit(profiled_proxy_main(sys.argv[2], sys.argv[3], sys.argv[4:]))
-    sys.exit("usage: python -m bench.profiling profile-proxy cprofile|pyinstrument OUT ARGS...")
+    sys.exit(
+        "usage: python -m bench.profiling profile-proxy cprofile|pyinstrument|threads|stages "
+        "OUT ARGS..."
+    )
