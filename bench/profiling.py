@@ -1,7 +1,8 @@
 """Profiling the proxy from its first delivery to its N-th: ``python -m bench.profiling
-profile-proxy cprofile|pyinstrument OUT ARGS...`` runs ``consumer-proxy ARGS`` with a profiler
-that SIGUSR1 starts and SIGUSR2 stops (``BenchProxy(profile=...)`` sends them), and
-:func:`summarise_cprofile` reads a dump as shares of the event loop's busy time.
+profile-proxy cprofile|pyinstrument|threads|stages OUT ARGS...`` runs ``consumer-proxy ARGS``
+with a profiler that SIGUSR1 starts and SIGUSR2 stops (``BenchProxy(profile=...)`` sends
+them), and :func:`summarise_cprofile` reads a dump as shares of the event loop's busy time
+(``threads``: each thread's CPU and the collector's passes, :func:`threads_proxy_main`).
 """
 
 from __future__ import annotations
@@ -153,6 +154,62 @@ def staged_proxy_main(out: str, argv: list[str]) -> int:
     return code
 
 
+def _thread_cpu_ns() -> dict[str, int]:
+    """Each thread's CPU nanoseconds so far (``/proc``'s schedstat), by its name: the Python
+    name of a Python thread (the main one: the event loop), else the OS's (librdkafka's,
+    gRPC's); threads of the same name summed."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    found: dict[str, int] = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            ns = int((task / "schedstat").read_text().split()[0])
+            name = names.get(int(task.name)) or (task / "comm").read_text().strip()
+        except (OSError, ValueError):
+            continue  # (a thread that ended meanwhile)
+        found[name] = found.get(name, 0) + ns
+    return found
+
+
+def threads_proxy_main(out: str, argv: list[str]) -> int:
+    """``consumer-proxy`` that writes, between SIGUSR1 and SIGUSR2, each thread's CPU
+    nanoseconds and the garbage collector's passes per generation (count, ns) to ``out`` as
+    JSON (where a difference in the process's CPU goes, by thread)."""
+    import gc
+
+    from consumer_proxy.cli import main as cli_main
+
+    passes: dict[int, list[int]] = {0: [0, 0], 1: [0, 0], 2: [0, 0]}
+    pass_started = [0]
+    first: dict[str, int] = {}
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            pass_started[0] = time.perf_counter_ns()
+        else:
+            book = passes[info["generation"]]
+            book[0] += 1
+            book[1] += time.perf_counter_ns() - pass_started[0]
+
+    def start(_signum: int, _frame: object) -> None:
+        for book in passes.values():
+            book[:] = [0, 0]
+        first.update(_thread_cpu_ns())
+        gc.callbacks.append(on_gc)
+
+    def stop(_signum: int, _frame: object) -> None:
+        gc.callbacks.remove(on_gc)
+        cpu = {name: ns - first.get(name, 0) for name, ns in _thread_cpu_ns().items()}
+        Path(out).write_text(json.dumps({"thread_cpu_ns": cpu, "gc": passes}))
+        Path(f"{out}.done").touch()
+
+    signal.signal(signal.SIGUSR1, start)
+    signal.signal(signal.SIGUSR2, stop)
+    code: int = cli_main(argv)
+    return code
+
+
 def profiled_proxy_main(kind: str, out: str, argv: list[str]) -> int:
     """``consumer-proxy`` with a profiler that SIGUSR1 starts and SIGUSR2 stops and saves
     (``kind`` "stages": :func:`staged_proxy_main` instead).
@@ -162,6 +219,8 @@ def profiled_proxy_main(kind: str, out: str, argv: list[str]) -> int:
     """
     if kind == "stages":
         return staged_proxy_main(out, argv)
+    if kind == "threads":
+        return threads_proxy_main(out, argv)
     from consumer_proxy.cli import main as cli_main
 
     profiler: Any = None
@@ -259,4 +318,7 @@ def summarise_cprofile(path: Path, n: int, top: int = 20) -> list[str]:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["profile-proxy"] and len(sys.argv) > 4:
         sys.exit(profiled_proxy_main(sys.argv[2], sys.argv[3], sys.argv[4:]))
-    sys.exit("usage: python -m bench.profiling profile-proxy cprofile|pyinstrument OUT ARGS...")
+    sys.exit(
+        "usage: python -m bench.profiling profile-proxy cprofile|pyinstrument|threads|stages "
+        "OUT ARGS..."
+    )

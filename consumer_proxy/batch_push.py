@@ -154,7 +154,7 @@ class BatchPush(Push):
         finally:
             self._m_in_flight.dec()
             self._call_ended.set()
-            if tracer is not None:
+            if span is not None and tracer is not None:  # (a call with a sampled message)
                 tracer.batch_done(span, status, count)
         if outcome.unimplemented and self.auto:
             # The instance serves HandleMessage only (the pusher now knows): the same

@@ -500,7 +500,8 @@ def every_kind_of_span(spans: Any, heartbeats: int = 1) -> None:
     """Spans of every kind the proxy makes, through ``spans`` (a tracer's ``start_span``):
     process spans (a producer's child with a tracestate, a linked root, a root; breaker,
     retry and DLQ events; error statuses), attempts with heartbeats, cancelled or failed, a
-    DLQ write, a batch call with links; 32 spans."""
+    DLQ write, a batch call with links; messages begun for a batch call (acked, dead-lettered,
+    retried) and their call; 40 spans."""
     for link_producer in (False, True):
         tracer = OtelTracer(spans, "g", link_producer, ratio=1.0)
         batch = []
@@ -522,6 +523,15 @@ def every_kind_of_span(spans: Any, heartbeats: int = 1) -> None:
                 trace.decided(Decision(Action.ACK), "OK")
         span, _ = tracer.batch_call(batch, range(6), "HandleMessageBatch", "127.0.0.1:1")
         tracer.batch_done(span, "UNAVAILABLE", len(batch))
+        # (begun for a batch call: the proxy's own make the span only for what needs one)
+        batch = [delivery([], key=b"k"), delivery([], key=None), delivery([])]
+        carried = tracer.begin_batch(batch)
+        span, _ = tracer.batch_call(batch, carried, "HandleMessageBatch", "127.0.0.1:1")
+        batch[2].trace.decided(Decision(Action.RETRY, delay_s=0.1, counted=True), "INTERNAL")
+        tracer.batch_done(span, "OK", len(batch))
+        for d, outcome in zip(batch, ("ack", "dead_letter", "ack"), strict=True):
+            d.trace.end(outcome)
+        end_trace(batch[0], "revoked")  # (ended already: nothing more)
 
 
 def test_the_exporters_request_is_what_the_otlp_encoder_builds_for_every_kind_of_span(
@@ -537,7 +547,7 @@ def test_the_exporters_request_is_what_the_otlp_encoder_builds_for_every_kind_of
     request = _exporter(config)._translate_data(encoded)  # type: ignore[attr-defined]
     # Then it is field for field what the OTLP exporter's own encoder builds
     assert request == encode_spans(spans)
-    assert len(request.resource_spans[0].scope_spans[0].spans) == len(spans) == 32
+    assert len(request.resource_spans[0].scope_spans[0].spans) == len(spans) == 40
 
 
 def _numbered(request: ExportTraceServiceRequest) -> ExportTraceServiceRequest:
@@ -587,7 +597,7 @@ def test_the_proxys_own_spans_are_exported_as_the_sdks_spans_of_the_same_work(
     # attributes, events, statuses, and what the limits dropped
     assert request == expected
     spans = request.resource_spans[0].scope_spans[0].spans
-    assert len(spans) == 32
+    assert len(spans) == 40
     if limits.max_events == 2:
         assert any(span.dropped_events_count for span in spans)
         assert any(span.dropped_links_count for span in spans)
@@ -665,6 +675,80 @@ def test_encoded_batches_keep_bytes_not_spans_and_bound_the_queue() -> None:
     request = ExportTraceServiceRequest.FromString(request_of(sent))
     names = [s.name for s in request.resource_spans[0].scope_spans[0].spans]
     assert names == ["one", "s0", "s1", "s2", "s3"]
+    provider.shutdown()
+
+
+def _own_spans(max_queue: int) -> tuple[_Chunks, EncodedBatches, TracerProvider, ProxyTracer]:
+    """``_encoding``'s processor fed by the proxy's own tracer."""
+    exporter, processor, provider = _encoding(max_queue=max_queue, batch=100)
+    own = ProxyTracer(provider.resource, InstrumentationScope("t"), processor.defer)
+    return exporter, processor, provider, own
+
+
+def _callers(obj: Any, method: str) -> list[str]:
+    """The names of the threads that call ``obj``'s ``method`` from now on, in order."""
+    threads: list[str] = []
+    original = getattr(obj, method)
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return original(*args, **kwargs)
+
+    setattr(obj, method, recording)
+    return threads
+
+
+def test_the_proxys_own_spans_are_encoded_by_the_export_thread_and_the_queue_is_bounded() -> None:
+    # Given the gRPC path's processor with room for 3 spans, fed by the proxy's own tracer
+    exporter, processor, provider, own = _own_spans(max_queue=3)
+    encoded_on = _callers(own, "_encode")
+    # When 5 spans end
+    for i in range(5):
+        own.start_span(f"s{i}").end()
+    # Then none was encoded as it ended (on the event loop's thread): 3 wait, 2 are dropped
+    assert encoded_on == []
+    assert processor.dropped == 2
+    # and the export thread encodes the 3 that waited when it exports them
+    assert processor.force_flush(10_000)
+    assert encoded_on == ["otlp-export"] * 3
+    sent = [entry for chunk in exporter.chunks for entry in chunk]
+    request = ExportTraceServiceRequest.FromString(request_of(sent))
+    assert [s.name for s in request.resource_spans[0].scope_spans[0].spans] == ["s0", "s1", "s2"]
+    provider.shutdown()
+
+
+def test_a_batch_calls_spans_are_made_by_the_export_thread_from_records() -> None:
+    # Given the proxy's own tracer feeding the gRPC path's processor
+    exporter, processor, provider, own = _own_spans(max_queue=100)
+    made_on = _callers(own, "root_span")
+    tracer = OtelTracer(own, "g", link_producer=False, ratio=1.0)
+    # When two messages are begun for a batch call, the call is made and they are acked
+    batch = [delivery([]), delivery([])]
+    carried = tracer.begin_batch(batch)
+    call, metadata = tracer.batch_call(batch, carried, "HandleMessageBatch", "127.0.0.1:1")
+    tracer.batch_done(call, "OK", len(batch))
+    for d in batch:
+        d.trace.end("ack")
+    # Then no span was made on the event loop's thread, only records with their contexts
+    assert made_on == []
+    assert processor.force_flush(10_000)
+    # and the export thread made the three spans, with the contexts the service was given
+    assert made_on == ["otlp-export"] * 3
+    sent = [entry for chunk in exporter.chunks for entry in chunk]
+    spans = ExportTraceServiceRequest.FromString(request_of(sent)).resource_spans[0]
+    batch_call, process_a, process_b = spans.scope_spans[0].spans  # (in the order they ended)
+
+    def traceparent(span: Any) -> str:
+        return f"00-{span.trace_id.hex()}-{span.span_id.hex()}-01"
+
+    assert [d.trace.traceparent for d in batch] == [traceparent(process_a), traceparent(process_b)]
+    assert metadata == (("traceparent", traceparent(batch_call)),)
+    assert [(link.trace_id, link.span_id) for link in batch_call.links] == [
+        (process_a.trace_id, process_a.span_id),
+        (process_b.trace_id, process_b.span_id),
+    ]
+    assert process_a.start_time_unix_nano <= batch_call.start_time_unix_nano
+    assert batch_call.end_time_unix_nano <= process_a.end_time_unix_nano
     provider.shutdown()
 
 
