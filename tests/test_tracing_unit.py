@@ -10,13 +10,11 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import random
 import subprocess
 import sys
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -38,14 +36,13 @@ from consumer_proxy import otlp
 from consumer_proxy.batch_push import BatchPush
 from consumer_proxy.config import (
     BackoffConfig,
-    CircuitBreakerConfig,
     DeliveryConfig,
     TracingConfig,
 )
 from consumer_proxy.core.batching import BatchLimits, BatchOutcome
 from consumer_proxy.core.decision import Action, Decision
 from consumer_proxy.core.outcomes import Classification, Outcome
-from consumer_proxy.core.partitions import Delivery, PartitionSet, PartitionState
+from consumer_proxy.core.partitions import Delivery, PartitionState
 from consumer_proxy.core.records import Origin
 from consumer_proxy.core.tracecontext import (
     MAX_TRACEPARENT_BYTES,
@@ -54,7 +51,7 @@ from consumer_proxy.core.tracecontext import (
     parse_traceparent,
     parse_tracestate,
 )
-from consumer_proxy.flow import Breaker, StaticLimiter
+from consumer_proxy.flow import StaticLimiter
 from consumer_proxy.metrics import ProxyMetrics
 from consumer_proxy.otel import EncodedBatches, OtelTracer, OtelTracing, _exporter
 from consumer_proxy.otlp import Encoded, encode_span, request_of
@@ -66,7 +63,7 @@ from consumer_proxy.readyq import ReadyDeque
 from consumer_proxy.spans import ProxyTracer
 from consumer_proxy.tracing import end_trace, start_tracing
 from consumer_proxy.wire import batch_request
-from tests.support.clock import Clock
+from tests.support.core import CoreRig
 from tests.support.records import Rec
 
 VALID = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -350,26 +347,16 @@ def test_a_batch_request_carries_each_messages_traceparent_and_tracestate(
     assert (second.traceparent, second.tracestate) == ((VALID[:-2] + b"00").decode(), "other=1")
 
 
-class TracedCore:
+class TracedCore(CoreRig):
     """The pure core (a ``PartitionSet`` on a virtual clock) with tracing's ``gone`` hook, as
     the group wires it when tracing is on; each message is traced when it is pushed."""
 
     def __init__(self, provider: TracerProvider, **delivery_config: Any) -> None:
-        self.clock = Clock()
-        self.ready: deque[Delivery] = deque()
-        self.breaker = Breaker("g", CircuitBreakerConfig(), clock=self.clock)
-        self.core = PartitionSet(
-            "g",
-            DeliveryConfig(backoff=BackoffConfig(initial_ms=1000, jitter=0.0), **delivery_config),
-            "g.redrive",
-            self.breaker,
-            emit=self.ready.append,
-            schedule=self.clock.call_later,
-            rng=random.Random(1),
+        super().__init__(
+            DeliveryConfig(backoff=BackoffConfig(initial_ms=1000, jitter=0.0), **delivery_config)
         )
         self.core.gone = end_trace
         self.tracer = OtelTracer(provider.get_tracer("t"), "g", link_producer=False)
-        self.core.assign("t", 0, 0, "")
         self.part = self.core.parts[("t", 0)]
 
     def fetch_and_fail(self, offset: int) -> Delivery:
