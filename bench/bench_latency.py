@@ -124,12 +124,16 @@ def paired_run(
             handler.reset()
         cpu = {who: process.cpu_seconds() for who, process in processes.items()}
         n = produce_at_rate(bootstrap, topic, per_s, seconds)
-        found = {}
+        found, stats = {}, {}
         for who, handler in handlers.items():
             handler.wait_seen(n, 120, interval_s=0.02)
             cpu[who] = processes[who].cpu_seconds() - cpu[who]
             processes[who].check_alive()
-            found[who] = figures(who, n, handler.stats(), cpu[who])
+            stats[who] = handler.stats()
+            found[who] = figures(who, n, stats[who], cpu[who])
+        for who in handlers:
+            if who != "floor":
+                found[who]["per_record"] = per_record_added(stats["floor"], stats[who])
         for process in processes.values():  # the stage files are written on the way out
             if isinstance(process, FloorProcess):
                 process.terminate()
@@ -201,6 +205,28 @@ def tail_figures(at: dict[str, dict[int, float]], floor: dict[int, float]) -> di
         "worst_mean_added_ms": {stage: ms / len(worst) for stage, ms in added.items()},
         "polled_late_share": late / len(offsets),
     }
+
+
+def per_record_added(floor: dict[str, Any], side: dict[str, Any]) -> dict[str, float]:
+    """Percentiles of what a side added to each record: its latency minus the floor's for the
+    same record (same offset of the one partition, read by both at the same time). A stall
+    upstream (producer, broker, the machine) delays a record for both alike and drops out,
+    where it decides both sides' own p99 (the floor's moved between 12 and 800 ms from one
+    round to the next on this machine)."""
+    floor_at = dict(zip(floor["latency_offsets"], floor["latency_ms"], strict=True))
+    added = [
+        ms - floor_at[offset]
+        for offset, ms in zip(side["latency_offsets"], side["latency_ms"], strict=True)
+        if offset in floor_at
+    ]
+    if not added:
+        raise RuntimeError("no record seen by both the floor and the side")
+    found: dict[str, float] = {}
+    for q in (50, 99, 99.9):
+        value = percentile(added, q)
+        assert value is not None
+        found[f"p{q:g}".replace(".", "")] = value
+    return found
 
 
 def figures(who: str, n: int, stats: dict[str, Any], cpu_s: float) -> dict[str, Any]:
@@ -304,6 +330,13 @@ def main() -> int:
                         f"CPU {run['cpu_us_per_msg']:.0f} us/msg",
                         flush=True,
                     )
+                    if "per_record" in run:
+                        each = run["per_record"]
+                        print(
+                            f"      added per record (its latency - the floor's): p50 "
+                            f"{each['p50']:+.2f} ms, p99 {each['p99']:+.2f}, "
+                            f"p99.9 {each['p999']:+.2f}"
+                        )
                     print_stages(run)
             for who in sides:
                 for q in ("p50", "p99", "p999"):
@@ -313,11 +346,23 @@ def main() -> int:
                     med(r["cpu_us_per_msg"] for r in runs[who]),
                     "us",
                 )
+            for who in sides[1:]:
+                for q in ("p50", "p99", "p999"):
+                    result.figure(
+                        f"{name}.{who}_per_record_added_{q}_ms",
+                        med(r["per_record"][q] for r in runs[who]),
+                        "ms",
+                    )
             added = [p["p99"] - f["p99"] for f, p in zip(runs["floor"], runs["proxy"], strict=True)]
             result.figures[f"{name}.p99_added_ms_per_round"] = [round(a, 3) for a in added]
             result.figures[f"{name}.runs"] = runs
             target = TARGET_ADDED_P99_MS if per_s <= 1000 else None
             result.ratio(f"{name}.p99_added_ms", med(added), target, higher_is_better=False)
+            result.ratio(
+                f"{name}.per_record_p99_added_ms",
+                med(r["per_record"]["p99"] for r in runs["proxy"]),
+                higher_is_better=False,
+            )
             result.ratio(
                 f"{name}.proxy_p99_over_floor_p99",
                 med(p["p99"] / f["p99"] for f, p in zip(runs["floor"], runs["proxy"], strict=True)),

@@ -49,7 +49,9 @@ class HandlerSpec:
     Every call sleeps ``delay_ms`` (none when 0: a no-op handler answers straight away), or
     ``slow_ms`` when the message value starts with :data:`SLOW_MARKER`. The answer is always
     an ack. ``latency``: record every first attempt's latency (receipt wall clock minus the
-    record's timestamp), unary and batch alike, in ``stats()["latency_ms"]``. ``count_only``:
+    record's timestamp), unary and batch alike, in ``stats()["latency_ms"]``, and its offset in
+    ``stats()["latency_offsets"]`` (same order: one partition's records compared one by one
+    between two consumers of the same topic). ``count_only``:
     the cheap books (see the module docstring).
     """
 
@@ -79,6 +81,7 @@ class _Recorder:
         self.latency_fast_ms: list[float] = []
         self.latency_slow_ms: list[float] = []
         self.latency_ms: list[float] = []  # ``latency``: every first attempt's
+        self.latency_offsets: list[int] = []  # ... and its offset, in the same order
         self.partitions: dict[int, int] = {}
 
     def arrived(self, count: int, batch: bool = False) -> None:
@@ -107,6 +110,7 @@ class _Recorder:
             "latency_fast_ms": self.latency_fast_ms,
             "latency_slow_ms": self.latency_slow_ms,
             "latency_ms": self.latency_ms,
+            "latency_offsets": self.latency_offsets,
             "partitions": self.partitions,
             "sizes": self.sizes,
             "peak_calls": self.peak_in_flight,
@@ -138,6 +142,7 @@ class _Servicer(handler_pb2_grpc.MessageHandlerServicer):
                 (books.latency_slow_ms if slow else books.latency_fast_ms).append(latency)
                 if self._latency and msg.attempt == 1:
                     books.latency_ms.append(latency)
+                    books.latency_offsets.append(msg.offset)
         delay = self._slow_s if slow else self._delay_s
         if delay > 0:
             await asyncio.sleep(delay)
@@ -176,6 +181,7 @@ class _Servicer(handler_pb2_grpc.MessageHandlerServicer):
                 books.partitions[msg.partition] = books.partitions.get(msg.partition, 0) + 1
                 if self._latency and msg.attempt == 1:
                     books.latency_ms.append(time.time() * 1000.0 - msg.timestamp_ms)
+                    books.latency_offsets.append(msg.offset)
             delay = max(delay, self._slow_s if msg.value.startswith(SLOW_MARKER) else self._delay_s)
         if delay > 0:
             await asyncio.sleep(delay)
@@ -198,7 +204,9 @@ def _counting_handlers(spec: HandlerSpec, books: _Recorder) -> grpc.GenericRpcHa
         books.arrived(count, batch=True)
         if spec.latency:
             wall_ms = time.time() * 1000.0
-            books.latency_ms += [wall_ms - m.timestamp_ms for m in messages if m.attempt == 1]
+            first = [m for m in messages if m.attempt == 1]
+            books.latency_ms += [wall_ms - m.timestamp_ms for m in first]
+            books.latency_offsets += [m.offset for m in first]
         if delay_s:
             books.in_flight += 1
             books.peak_in_flight = max(books.peak_in_flight, books.in_flight)
@@ -215,6 +223,7 @@ def _counting_handlers(spec: HandlerSpec, books: _Recorder) -> grpc.GenericRpcHa
             message = parse_one(request).message
             if message.attempt == 1:
                 books.latency_ms.append(time.time() * 1000.0 - message.timestamp_ms)
+                books.latency_offsets.append(message.offset)
         if delay_s:
             await asyncio.sleep(delay_s)
         return b""  # the empty response: ack

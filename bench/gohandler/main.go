@@ -67,6 +67,7 @@ type books struct {
 	latencyFast         []float64 // unary first deliveries: wall ms - record timestamp
 	latencySlow         []float64
 	latencyFirst        []float64 // -latency only: first attempts (unary and batch)
+	latencyOffsets      []int64   // ... and their offsets, in the same order
 	partitions          map[int32]int
 	sizes               map[int]int
 	inFlight, peakCalls int
@@ -115,6 +116,7 @@ func (h *handler) arrived(msgs []*cpv1.Message, batch bool) time.Duration {
 		b.partitions[m.GetPartition()]++
 		if h.latency && m.GetAttempt() == 1 {
 			b.latencyFirst = append(b.latencyFirst, wallMs-float64(m.GetTimestampMs()))
+			b.latencyOffsets = append(b.latencyOffsets, m.GetOffset())
 		}
 		if !batch && m.GetTimestampMs() > 0 {
 			if slow {
@@ -164,9 +166,9 @@ func (h *handler) HandleMessageBatch(
 	return &cpv1.HandleMessageBatchResponse{Results: results}, nil
 }
 
-func orNull(f []float64) []float64 {
+func orNull[T any](f []T) []T {
 	if f == nil {
-		return []float64{}
+		return []T{}
 	}
 	return f
 }
@@ -203,6 +205,7 @@ func (h *handler) answer(command string) any {
 			"calls": b.calls, "deliveries": b.deliveries, "distinct": len(b.seen),
 			"first_seen": orNull(b.firstSeen), "latency_fast_ms": orNull(b.latencyFast),
 			"latency_slow_ms": orNull(b.latencySlow), "latency_ms": orNull(b.latencyFirst),
+			"latency_offsets": orNull(b.latencyOffsets),
 			"partitions": partitions, "sizes": sizes, "peak_calls": b.peakCalls,
 		}
 	}
