@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bench.bench_latency import per_record_added
 from bench.bench_throughput import PROXY_DELIVERY, floor_client
 from bench.proxy import bench_config
 from consumer_proxy.config import ProxyConfig, load_config
@@ -63,3 +64,21 @@ def test_a_proxy_process_that_was_never_started_stops_as_a_no_op(tmp_path: Path)
     assert proxy.stop() is None
     assert not proxy.alive()
     assert proxy.log_tail() == ""
+
+
+def test_the_latency_a_side_added_is_taken_record_by_record_against_the_floor() -> None:
+    # Given a floor and a side that read the same records, a stall upstream delaying records
+    # 10..19 by 100 ms for both, and the side 1 ms behind the floor on every record but one
+    offsets = list(range(200))
+    stall = [100.0 if 10 <= o < 20 else 0.0 for o in offsets]
+    floor = {"latency_offsets": offsets, "latency_ms": [2.0 + s for s in stall]}
+    late = {o: 1.0 for o in offsets} | {150: 40.0}
+    side = {
+        "latency_offsets": offsets[::-1],  # the order each side's handler saw them in
+        "latency_ms": [2.0 + stall[o] + late[o] for o in offsets[::-1]],
+    }
+    # Then what it added is the side's own delay, not the stall both saw
+    added = per_record_added(floor, side)
+    assert added["p50"] == 1.0
+    assert added["p99"] == 1.0
+    assert added["p999"] == 40.0
