@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import multiprocessing
 import os
@@ -292,17 +293,29 @@ def _find_go() -> str:
     raise RuntimeError("building a Go service needs the go command (set GO or put go on PATH)")
 
 
+def sources_digest(sources: Sequence[Path]) -> str:
+    """A short digest of every file under ``sources`` (their paths and contents)."""
+    digest = hashlib.sha256()
+    for d in sources:
+        for f in sorted(p for p in d.rglob("*") if p.is_file()):
+            digest.update(str(f.relative_to(d)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def go_binary(package: Path, name: str) -> Path:
-    """The Go command in ``package``, built into the cache as ``name`` when missing or older
-    than its sources or the generated stubs (grpc-go comes from the Go module proxy the first
-    time)."""
-    binary = cache_dir() / name
-    if not stale(binary, (package, ROOT / "examples" / "go" / "gen")):
+    """The Go command in ``package``, built into the cache as ``name-<digest of its sources
+    and the generated stubs>`` when missing (grpc-go comes from the Go module proxy the first
+    time). The digest, not a modification time, names it: the checkouts of one machine share
+    the cache, and one with other sources must neither take nor replace another's build."""
+    sources = (package, ROOT / "examples" / "go" / "gen")
+    binary = cache_dir() / f"{name}-{sources_digest(sources)}"
+    if binary.exists():
         return binary
     print(f"building {package.relative_to(ROOT)} ...", flush=True)
     binary.parent.mkdir(parents=True, exist_ok=True)
+    building = binary.with_name(f"{binary.name}.{os.getpid()}.tmp")
     proc = subprocess.run(
-        [_find_go(), "build", "-o", str(binary), "."],
+        [_find_go(), "build", "-o", str(building), "."],
         cwd=package,
         capture_output=True,
         text=True,
@@ -312,6 +325,7 @@ def go_binary(package: Path, name: str) -> Path:
     )
     if proc.returncode != 0:
         raise RuntimeError(f"building {package} failed:\n{proc.stdout}{proc.stderr}")
+    building.replace(binary)  # whole or not at all, for a checkout building it at once
     return binary
 
 
