@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 
 from bench.bench_throughput import PROXY_DELIVERY
-from bench.measure import RESULTS_DIR, Result, rate, wait_for
+from bench.measure import RESULTS_DIR, Result, rate, rotated, wait_for
 from bench.offsets import CommittedReader
 from bench.options import BenchOptions, broker
 from bench.producing import produce_bulk, sized_value
@@ -147,7 +147,7 @@ def main() -> int:
         produce_bulk(bootstrap, topic, n, partitions=4, value=sized_value)
         with go_example_service() as go, sdk_service() as sdk:
             for round_ in range(rounds):
-                order = systems[round_ % len(systems) :] + systems[: round_ % len(systems)]
+                order = rotated(systems, round_)
                 for system in order:
                     if system == "pc":
                         run = run_pc(bootstrap, topic, n)

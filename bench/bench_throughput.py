@@ -50,7 +50,7 @@ from typing import Any
 
 from bench.floors import FloorProcess
 from bench.handlers import HandlerServer, HandlerSpec
-from bench.measure import Result
+from bench.measure import Result, rotated
 from bench.offsets import CommittedReader
 from bench.options import ROOT, BenchOptions, broker, client_settings
 from bench.producing import produce_bulk, sized_value
@@ -161,8 +161,7 @@ def throughput_rounds(
     contenders = CONTENDERS + ((BASELINE,) if baseline_root is not None else ())
     runs: dict[str, list[dict[str, Any]]] = {who: [] for who in contenders}
     for round_ in range(-warmup, rounds):
-        shift = round_ % len(contenders)
-        order = contenders[shift:] + contenders[:shift]
+        order = rotated(contenders, round_)
         for who in order:
             run = run_one(
                 who, bootstrap, handler, topic, n, client, workers, baseline_root, fetch_batch

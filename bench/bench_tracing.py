@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.handlers import HandlerServer, HandlerSpec
-from bench.measure import Result
+from bench.measure import Result, rotated
 from bench.options import BenchOptions, broker
 from bench.producing import produce_bulk
 from bench.proxy import proxy_backlog_run
@@ -86,7 +86,7 @@ def main() -> int:
             produce_bulk(bootstrap, topic, n, partitions=PARTITIONS)
             runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
             for round_ in range(rounds):
-                order = list(MODES)[round_ % 3 :] + list(MODES)[: round_ % 3]
+                order = rotated(list(MODES), round_)
                 for mode in order:
                     run = proxy_backlog_run(
                         bootstrap,

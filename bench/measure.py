@@ -15,11 +15,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
 from bench.options import ROOT
+
+T = TypeVar("T")
 
 RESULTS_DIR = ROOT / "bench" / "results"
 
@@ -99,6 +101,13 @@ def wait_for(
             raise TimeoutError(f"timed out after {timeout_s:g}s waiting for {what or condition}")
         time.sleep(interval_s)
     return time.monotonic()
+
+
+def rotated(items: Sequence[T], round_: int) -> list[T]:
+    """``items`` in the order of interleaved round ``round_`` (each round starts one later), so
+    that no contender always runs first on a fresh broker and handler, or last on a warm one."""
+    shift = round_ % len(items)
+    return [*items[shift:], *items[:shift]]
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

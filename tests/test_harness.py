@@ -6,6 +6,7 @@ from pathlib import Path
 
 from bench.bench_latency import per_record_added
 from bench.bench_throughput import PROXY_DELIVERY, floor_client
+from bench.measure import rotated
 from bench.proxy import bench_config
 from consumer_proxy.config import ProxyConfig, load_config
 from tests.support.proxy import FAST_CONSUMER, ProxyProcess, config_dict, make_config, write_config
@@ -82,3 +83,11 @@ def test_the_latency_a_side_added_is_taken_record_by_record_against_the_floor() 
     assert added["p50"] == 1.0
     assert added["p99"] == 1.0
     assert added["p999"] == 40.0
+
+
+def test_interleaved_rounds_let_each_contender_run_first_once_in_as_many_rounds() -> None:
+    # Given three contenders over three rounds (and a warm-up round, numbered -1)
+    orders = [rotated(["floor", "proxy", "defaults"], r) for r in range(-1, 3)]
+    # Then each round runs all of them, and each runs first once in the three counted rounds
+    assert all(sorted(order) == ["defaults", "floor", "proxy"] for order in orders)
+    assert sorted(order[0] for order in orders[1:]) == ["defaults", "floor", "proxy"]
