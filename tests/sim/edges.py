@@ -481,10 +481,12 @@ class SimSink:
         # the simulation's cost.)
         while sim.dlq_down:
             failed_at = loop.time()
+            if on_failure is not None:  # the try at failed_at, told as it fails
+                on_failure(KafkaException(KafkaError(KafkaError._TRANSPORT, "dlq down")))
             await sim.dlq_back()
             tries = max(1, math.ceil((loop.time() - failed_at) / DLQ_RETRY_S))
             if on_failure is not None:
-                for _ in range(tries):  # the one at failed_at, and those before the DLQ was back
+                for _ in range(tries - 1):  # those after it, before the DLQ was back
                     on_failure(KafkaException(KafkaError(KafkaError._TRANSPORT, "dlq down")))
             await asyncio.sleep(failed_at + tries * DLQ_RETRY_S - loop.time())
         await asyncio.sleep(sim.rng.uniform(0.001, 0.02))

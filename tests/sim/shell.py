@@ -555,7 +555,7 @@ class ShellSim:
             msg = records.get(o)
             if msg is not None and msg.ident not in done:
                 self.fail(f"commit {tp}@{offset} passes offset {o} (message {msg.ident} not done)")
-        log.done_below = max(log.done_below, passes)
+        log.done_below = max(log.done_below, min(passes, log.end))  # (none unwritten)
         if metadata:
             state = decode(metadata)
             for o in range(state.base, state.end):
