@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 from bench.bench_latency import per_record_added
 from bench.bench_throughput import PROXY_DELIVERY, floor_client
+from bench.handlers import BUILD_KEEP_S, prune_builds
 from bench.measure import rotated
 from bench.proxy import bench_config
 from consumer_proxy.config import ProxyConfig, load_config
@@ -91,3 +94,22 @@ def test_interleaved_rounds_let_each_contender_run_first_once_in_as_many_rounds(
     # Then each round runs all of them, and each runs first once in the three counted rounds
     assert all(sorted(order) == ["defaults", "floor", "proxy"] for order in orders)
     assert sorted(order[0] for order in orders[1:]) == ["defaults", "floor", "proxy"]
+
+
+def test_builds_of_other_source_versions_unused_for_a_week_are_pruned(tmp_path: Path) -> None:
+    now = time.time()
+    week = BUILD_KEEP_S
+    current = tmp_path / "bench-gohandler-0123456789abcdef"
+    old = tmp_path / "bench-gohandler-fedcba9876543210"
+    recent = tmp_path / "bench-gohandler-00000000000000aa"
+    half_written = tmp_path / "bench-gohandler-0123456789abcdef.123.tmp"
+    other_command = tmp_path / "bench-gohandler-x-fedcba9876543210"
+    for path in (current, old, recent, half_written, other_command):
+        path.write_bytes(b"binary")
+        os.utime(path, (now - 2 * week, now - 2 * week))
+    os.utime(recent, (now - week / 2, now - week / 2))
+
+    assert prune_builds(current, now) == [old]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        p.name for p in (current, recent, half_written, other_command)
+    )
