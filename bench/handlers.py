@@ -37,6 +37,7 @@ from grpc import aio
 
 from bench.options import ROOT
 from consumer_proxy.proto.v1 import handler_pb2, handler_pb2_grpc
+from tests.support.cache import cache_dir, prune, used
 
 SLOW_MARKER = b"slow"
 SERVICE = "consumerproxy.v1.MessageHandler"
@@ -275,11 +276,6 @@ async def _serve(spec: HandlerSpec, conn: Connection) -> None:
 GO_HANDLER_DIR = ROOT / "bench" / "gohandler"
 
 
-def cache_dir() -> Path:
-    """Where the benches keep what they build: ``~/.cache/consumer-proxy`` (XDG)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "consumer-proxy"
-
-
 def stale(target: Path, sources: Sequence[Path]) -> bool:
     """Whether ``target`` is missing or older than a file under ``sources``."""
     newest = max(f.stat().st_mtime for d in sources for f in d.rglob("*") if f.is_file())
@@ -310,8 +306,7 @@ def go_binary(package: Path, name: str) -> Path:
     sources = (package, ROOT / "examples" / "go" / "gen")
     binary = cache_dir() / f"{name}-{sources_digest(sources)}"
     if binary.exists():
-        os.utime(binary)  # used: kept by ``prune_builds`` for another BUILD_KEEP_S
-        return binary
+        return used(binary)
     print(f"building {package.relative_to(ROOT)} ...", flush=True)
     binary.parent.mkdir(parents=True, exist_ok=True)
     building = binary.with_name(f"{binary.name}.{os.getpid()}.tmp")
@@ -327,31 +322,8 @@ def go_binary(package: Path, name: str) -> Path:
     if proc.returncode != 0:
         raise RuntimeError(f"building {package} failed:\n{proc.stdout}{proc.stderr}")
     building.replace(binary)  # whole or not at all, for a checkout building it at once
-    prune_builds(binary)
+    prune(binary)
     return binary
-
-
-_HEX = "0123456789abcdef"
-BUILD_KEEP_S = 7 * 24 * 3600.0
-"""How long a build of another source version stays in the cache after its last use."""
-
-
-def prune_builds(binary: Path, now: float | None = None) -> list[Path]:
-    """Remove the builds of ``binary``'s command (``<name>-<digest>`` beside it) that no
-    checkout used for :data:`BUILD_KEEP_S` (one per source version would pile up otherwise);
-    returns what was removed. Half-written builds (``.tmp``) and ``binary`` itself stay."""
-    name = binary.name.rsplit("-", 1)[0]
-    cutoff = (time.time() if now is None else now) - BUILD_KEEP_S
-    removed = []
-    for other in binary.parent.glob(f"{name}-*"):
-        digest = other.name[len(name) + 1 :]
-        if other == binary or len(digest) != 16 or digest.strip(_HEX):
-            continue  # (not a build of this command: another's, or half-written)
-        with contextlib.suppress(FileNotFoundError):  # (another checkout pruned it first)
-            if other.stat().st_mtime < cutoff:
-                other.unlink()
-                removed.append(other)
-    return removed
 
 
 class GoHandlerProcess:

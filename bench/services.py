@@ -27,9 +27,10 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from bench.handlers import cache_dir, go_binary, stale
+from bench.handlers import go_binary, stale
 from bench.measure import Child
 from bench.options import ROOT
+from tests.support.cache import cache_dir
 
 PC_DIR = ROOT / "bench" / "parallelconsumer"
 PC_VERSION = "0.5.3.2"

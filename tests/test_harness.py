@@ -8,10 +8,10 @@ from pathlib import Path
 
 from bench.bench_latency import per_record_added
 from bench.bench_throughput import PROXY_DELIVERY, floor_client
-from bench.handlers import BUILD_KEEP_S, prune_builds
 from bench.measure import rotated
 from bench.proxy import bench_config
 from consumer_proxy.config import ProxyConfig, load_config
+from tests.support.cache import KEEP_S, prune, used
 from tests.support.proxy import FAST_CONSUMER, ProxyProcess, config_dict, make_config, write_config
 
 ARGS = ("127.0.0.1:9092", "orders", ["orders"], ["127.0.0.1:50051"])
@@ -98,18 +98,21 @@ def test_interleaved_rounds_let_each_contender_run_first_once_in_as_many_rounds(
 
 def test_builds_of_other_source_versions_unused_for_a_week_are_pruned(tmp_path: Path) -> None:
     now = time.time()
-    week = BUILD_KEEP_S
     current = tmp_path / "bench-gohandler-0123456789abcdef"
     old = tmp_path / "bench-gohandler-fedcba9876543210"
+    old_dir = tmp_path / "bench-gohandler-fedcba98765432aa"  # (the collector's are directories)
     recent = tmp_path / "bench-gohandler-00000000000000aa"
     half_written = tmp_path / "bench-gohandler-0123456789abcdef.123.tmp"
     other_command = tmp_path / "bench-gohandler-x-fedcba9876543210"
+    old_dir.mkdir()
+    (old_dir / "otelcol").write_bytes(b"binary")
     for path in (current, old, recent, half_written, other_command):
         path.write_bytes(b"binary")
-        os.utime(path, (now - 2 * week, now - 2 * week))
-    os.utime(recent, (now - week / 2, now - week / 2))
+    for path in (current, old, old_dir, half_written, other_command):
+        os.utime(path, (now - 2 * KEEP_S, now - 2 * KEEP_S))
+    used(recent)
 
-    assert prune_builds(current, now) == [old]
+    assert sorted(prune(current, now)) == sorted([old, old_dir])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         p.name for p in (current, recent, half_written, other_command)
     )

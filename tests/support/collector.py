@@ -30,12 +30,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from .cache import cache_dir, prune, used
 from .goexample import find_go, go
 from .waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULE = ROOT / "tests" / "support" / "otelcol"
-CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "consumer-proxy"
 PORT_ATTEMPTS = 3  # starts on fresh ports after a port was taken by another process
 BUILD_TIMEOUT_S = 1200  # cold: downloads and compiles the collector's core and two components
 
@@ -64,13 +64,14 @@ def binary_path() -> Path:
     digest = hashlib.sha256()
     for name in ("go.sum", "main.go"):
         digest.update((MODULE / name).read_bytes())
-    return CACHE / f"otelcol-{digest.hexdigest()[:12]}" / "otelcol"
+    return cache_dir() / f"otelcol-{digest.hexdigest()[:12]}" / "otelcol"
 
 
 def build() -> Path:
     """The collector binary, built unless cached; one build at a time across processes."""
     target = binary_path()
     if target.exists():
+        used(target.parent)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / ".lock", "w") as lock:
@@ -81,6 +82,7 @@ def build() -> Path:
         build_cmd = ("build", "-trimpath", "-o", str(partial), ".")
         go(find_go(), *build_cmd, module=MODULE, timeout_s=BUILD_TIMEOUT_S)
         os.replace(partial, target)
+    prune(target.parent)  # other versions' builds no checkout used for a week
     return target
 
 
