@@ -227,6 +227,7 @@ def drain_figures(n: int, drained: dict[str, Any], started_at: float) -> dict[st
         "startup_s": first - started_at,
         "duplicates": float(stats["deliveries"] - distinct),
         "client_cpu_us_per_msg": 1e6 * drained["cpu_s"] / n,
+        "window_msgs": drained["window_msgs"],
         "window_cpu_us_per_msg": 1e6 * drained["cpu_s"] / max(drained["window_msgs"], 1),
         "handler_cpu_us_per_msg": 1e6 * drained["handler_cpu_s"] / n,
         "calls": calls,
