@@ -40,6 +40,8 @@ _FLAGS_REMOTE = _FIXED32(_FLAGS_HAS_IS_REMOTE | _FLAGS_IS_REMOTE)
 def _varint(n: int) -> bytes:
     if 0 <= n < 0x80:
         return _BYTES[n]
+    if 0 < n < 0x4000:  # (a span's length in a request, a small offset)
+        return bytes(((n & 0x7F) | 0x80, n >> 7))
     if n < 0:
         n += 1 << 64  # int64: two's complement, ten bytes
     out = bytearray()
