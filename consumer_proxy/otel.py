@@ -483,7 +483,13 @@ class _OwnProcess(OtelMessage):
             return self.built().encoded()
         end, outcome = self._end
         topic, partition, offset, group, attempt, size, key, origin = self._facts
-        fixed = _process_fixed(topic, partition)
+        fixed = _PARTITIONS.get((topic, partition)) or _fixed(
+            _PARTITIONS,
+            (topic, partition),
+            f"{topic} process",
+            SpanKind.CONSUMER,
+            _partition_attributes(topic, partition),
+        )
         parts = [
             span_head(self.trace_id, self.span_id, fixed[0], self._start, end),
             fixed[1],
@@ -523,17 +529,18 @@ _TARGETS: dict[tuple[str, str], tuple[bytes, bytes]] = {}
 _ATTRIBUTES: dict[tuple[str, str], bytes] = {}
 
 
-def _process_fixed(topic: str, partition: int) -> tuple[bytes, bytes]:
-    """A process span's name and kind, and its attributes before the offset, encoded once a
-    partition."""
-    fixed = _PARTITIONS.get((topic, partition))
-    if fixed is None:
-        fixed = (
-            name_and_kind(f"{topic} process", SpanKind.CONSUMER.value),
-            span_attributes(_partition_attributes(topic, partition)),
-        )
-        if len(_PARTITIONS) < MAX_CACHED:
-            _PARTITIONS[(topic, partition)] = fixed
+def _fixed(
+    cache: dict[Any, tuple[bytes, bytes]],
+    key: object,
+    name: str,
+    kind: SpanKind,
+    attributes: dict[str, str | int],
+) -> tuple[bytes, bytes]:
+    """A span's name and kind, and its first ``attributes``, encoded and kept under ``key``
+    (a partition's process spans, a target's batch calls)."""
+    fixed = (name_and_kind(name, kind.value), span_attributes(attributes))
+    if len(cache) < MAX_CACHED:
+        cache[key] = fixed
     return fixed
 
 
@@ -614,14 +621,13 @@ class _OwnCall:
             return self.built().encoded()
         end, status = self._end
         method, target, count, group = self._facts
-        fixed = _TARGETS.get((method, target))
-        if fixed is None:
-            fixed = (
-                name_and_kind(f"{RPC_SERVICE}/{method}", SpanKind.CLIENT.value),
-                span_attributes(_target_attributes(method, target)),
-            )
-            if len(_TARGETS) < MAX_CACHED:
-                _TARGETS[(method, target)] = fixed
+        fixed = _TARGETS.get((method, target)) or _fixed(
+            _TARGETS,
+            (method, target),
+            f"{RPC_SERVICE}/{method}",
+            SpanKind.CLIENT,
+            _target_attributes(method, target),
+        )
         trace_id, span_id = self.ids
         parts = [
             span_head(trace_id, span_id, fixed[0], self._start, end),
