@@ -262,6 +262,8 @@ def proxy_backlog_run(
     ``duplicates`` (deliveries beyond the first per message) and CPU microseconds per message
     of the proxy (all its processes) and of the handler, from the first delivery to the n-th.
     With ``log_level="info"``, ``assignments``: {worker pid: partitions ever assigned}.
+    ``window_from``: see :func:`drain` (``window_cpu_us_per_msg``: the CPU per message of that
+    window, over the messages that arrived in it).
 
     ``produce_after_join``: the topic starts empty; the proxy starts, and once every one of
     its ``workers`` processes owns partitions, together they own all of ``topic``'s and no
