@@ -163,6 +163,7 @@ def drain(
     deadline: float,
     on_first: Callable[[int], None] | None = None,
     on_last: Callable[[], object] | None = None,
+    window_from: int = 1,
 ) -> dict[str, Any]:
     """Wait while ``process`` pushes ``n`` messages to ``handler`` and commits them all.
 
@@ -170,18 +171,24 @@ def drain(
     ``committed_at``, the CPU seconds of the process and of the handler from the first arrival
     to the n-th (start-up left out), and the handler's ``stats``. ``on_first(seen)`` runs at the
     first arrival, ``on_last()`` at the n-th (a profiler's start and stop).
+
+    ``window_from``: the CPU clock starts once that many messages arrived instead (a steady
+    window: the start-up's one-time costs left out too); ``window_msgs`` is how many arrived
+    between the two CPU readings (the handler's count as read just before each), the divisor
+    of a CPU per message that does not depend on how late the first reading came.
     """
     cpu_first = cpu_last = handler_cpu_first = handler_cpu_last = 0.0
+    seen_first = seen_last = 0
     started = False
     while True:
         seen, _calls, first, last, handler_cpu = handler.progress()
-        if first is not None and not started:
+        if first is not None and not started and seen >= window_from:
             started = True
-            cpu_first, handler_cpu_first = process.cpu_seconds(), handler_cpu
+            cpu_first, handler_cpu_first, seen_first = process.cpu_seconds(), handler_cpu, seen
             if on_first is not None:
                 on_first(seen)
         if seen >= n:
-            cpu_last, handler_cpu_last = process.cpu_seconds(), handler_cpu
+            cpu_last, handler_cpu_last, seen_last = process.cpu_seconds(), handler_cpu, seen
             if on_last is not None:
                 on_last()
             break
@@ -201,6 +208,7 @@ def drain(
         "committed_at": time.monotonic(),
         "cpu_s": cpu_last - cpu_first,
         "handler_cpu_s": handler_cpu_last - handler_cpu_first,
+        "window_msgs": seen_last - seen_first,
         "stats": handler.stats(),
     }
 
@@ -219,6 +227,8 @@ def drain_figures(n: int, drained: dict[str, Any], started_at: float) -> dict[st
         "startup_s": first - started_at,
         "duplicates": float(stats["deliveries"] - distinct),
         "client_cpu_us_per_msg": 1e6 * drained["cpu_s"] / n,
+        "window_msgs": drained["window_msgs"],
+        "window_cpu_us_per_msg": 1e6 * drained["cpu_s"] / max(drained["window_msgs"], 1),
         "handler_cpu_us_per_msg": 1e6 * drained["handler_cpu_s"] / n,
         "calls": calls,
         "mean_batch": stats["deliveries"] / max(calls, 1),
@@ -242,6 +252,7 @@ def proxy_backlog_run(
     produce_after_join: Callable[[], None] | None = None,
     group: str | None = None,
     sections: dict[str, Any] | None = None,
+    window_from: int = 1,
 ) -> dict[str, Any]:
     """Run ``consumer-proxy run`` with a fresh group over a topic holding ``n`` messages.
 
@@ -251,6 +262,8 @@ def proxy_backlog_run(
     ``duplicates`` (deliveries beyond the first per message) and CPU microseconds per message
     of the proxy (all its processes) and of the handler, from the first delivery to the n-th.
     With ``log_level="info"``, ``assignments``: {worker pid: partitions ever assigned}.
+    ``window_from``: see :func:`drain` (``window_cpu_us_per_msg``: the CPU per message of that
+    window, over the messages that arrived in it).
 
     ``produce_after_join``: the topic starts empty; the proxy starts, and once every one of
     its ``workers`` processes owns partitions, together they own all of ``topic``'s and no
@@ -311,6 +324,7 @@ def proxy_backlog_run(
             deadline,
             on_first=profile_from if profile else None,
             on_last=proxy.profile_stop if profile else None,
+            window_from=window_from,
         )
     finally:
         reader.__exit__()

@@ -33,6 +33,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 from opentelemetry.context import Context
@@ -69,11 +70,24 @@ from .core.tracecontext import (
     trace_headers,
     tracestate_header,
 )
-from .otlp import Encoded, encode_span, request_of
+from .otlp import (
+    MAX_CACHED,
+    Encoded,
+    attribute_key,
+    encode_span,
+    int_attribute,
+    local_link,
+    name_and_kind,
+    request_of,
+    root_tail,
+    span_attributes,
+    span_head,
+)
 from .spans import ProxySpan, ProxyTracer
 
 SCOPE = "consumer_proxy"
 RPC_SERVICE = "consumerproxy.v1.MessageHandler"
+EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 MAX_KEY_CHARS = 256
 """A record key longer than this is not put on the span (nor one that is not UTF-8 text)."""
 MAX_TEXT_CHARS = 256
@@ -369,20 +383,26 @@ def _facts(delivery: Delivery, group: str) -> Facts:
     )
 
 
-def _process_attributes(facts: Facts) -> dict[str, str | int]:
-    """A process span's attributes (the messaging semantic conventions')."""
-    topic, partition, offset, group, attempt, size, key, origin = facts
-    attributes: dict[str, str | int] = {
+def _partition_attributes(topic: str, partition: int) -> dict[str, str | int]:
+    """A process span's first attributes, the same for every message of a partition."""
+    return {
         "messaging.system": "kafka",
         "messaging.operation.type": "process",
         "messaging.operation.name": "process",
         "messaging.destination.name": topic,
         "messaging.destination.partition.id": str(partition),
-        "messaging.kafka.offset": offset,
-        "messaging.consumer.group.name": group,
-        "messaging.message.delivery_attempt": attempt,
-        "messaging.message.body.size": size,
     }
+
+
+def _process_attributes(facts: Facts) -> dict[str, str | int]:
+    """A process span's attributes (the messaging semantic conventions'); ``_OwnProcess``'s
+    ``encoded`` writes them in the same order."""
+    topic, partition, offset, group, attempt, size, key, origin = facts
+    attributes = _partition_attributes(topic, partition)
+    attributes["messaging.kafka.offset"] = offset
+    attributes["messaging.consumer.group.name"] = group
+    attributes["messaging.message.delivery_attempt"] = attempt
+    attributes["messaging.message.body.size"] = size
     text = _text_key(key)
     if text is not None:
         attributes["messaging.kafka.message.key"] = text
@@ -398,7 +418,8 @@ class _OwnProcess(OtelMessage):
     made only once something other than its end happens to it (an attempt, an event: then
     it is ``span``, made on the spot). A message acked with the rest of its call, nearly
     every one, is a record on the event loop (its ids, start, facts, end and outcome) that
-    the export thread makes into the span and encodes (``built``).
+    the export thread encodes (``encoded``: the bytes ``built().encoded()`` would be, written
+    from the record with what repeats from span to span encoded once).
 
     What a sampled message costs in batch mode at 1 % is mostly this code run cold, between
     a hundred messages' worth of other work: the less of it on the event loop, the better.
@@ -447,29 +468,115 @@ class _OwnProcess(OtelMessage):
             self._tracer.defer(self)
 
     def built(self) -> ProxySpan:
-        """The ended span (the export thread's: ``ProxyTracer.defer``)."""
+        """The ended span."""
         assert self._end is not None
         span = self._made()
         _ended_as(span, self._end[1])
         span.end_time = self._end[0]
         return span
 
+    def encoded(self, tracer: ProxyTracer) -> bytes:
+        """The ended span's OTLP bytes (the export thread's: ``ProxyTracer.defer``), byte for
+        byte ``built().encoded()``; made that way when the span limits would cut it."""
+        assert self._end is not None
+        if tracer.max_attributes < MAX_PROCESS_ATTRIBUTES or tracer.max_span_length is not None:
+            return self.built().encoded()
+        end, outcome = self._end
+        topic, partition, offset, group, attempt, size, key, origin = self._facts
+        fixed = _PARTITIONS.get((topic, partition)) or _fixed(
+            _PARTITIONS,
+            (topic, partition),
+            f"{topic} process",
+            SpanKind.CONSUMER,
+            _partition_attributes(topic, partition),
+        )
+        parts = [
+            span_head(self.trace_id, self.span_id, fixed[0], self._start, end),
+            fixed[1],
+            int_attribute(_OFFSET, offset),
+            _cached_attribute("messaging.consumer.group.name", group),
+            int_attribute(_ATTEMPT, attempt),
+            int_attribute(_SIZE, size),
+        ]
+        text = _text_key(key)
+        if text is not None:
+            parts.append(span_attributes({"messaging.kafka.message.key": text}))
+        if origin.topic != topic or origin.offset != offset:
+            parts.append(
+                span_attributes(
+                    {
+                        "consumer_proxy.origin.topic": origin.topic,
+                        "consumer_proxy.origin.partition": origin.partition,
+                        "consumer_proxy.origin.offset": origin.offset,
+                    }
+                )
+            )
+        parts.append(_cached_attribute("consumer_proxy.outcome", outcome))
+        parts.append(_DEAD_LETTERED if outcome == "dead_letter" else _UNSET)
+        return b"".join(parts)
+
+
+MAX_PROCESS_ATTRIBUTES = 14
+"""The most attributes a process span has (``_process_attributes`` and its outcome)."""
+_OFFSET = attribute_key("messaging.kafka.offset")
+_ATTEMPT = attribute_key("messaging.message.delivery_attempt")
+_SIZE = attribute_key("messaging.message.body.size")
+_COUNT = attribute_key("messaging.batch.message_count")
+_UNSET = root_tail(0, None)
+_DEAD_LETTERED = root_tail(StatusCode.ERROR.value, "dead-lettered")
+_PARTITIONS: dict[tuple[str, int], tuple[bytes, bytes]] = {}
+_TARGETS: dict[tuple[str, str], tuple[bytes, bytes]] = {}
+_ATTRIBUTES: dict[tuple[str, str], bytes] = {}
+
+
+def _fixed(
+    cache: dict[Any, tuple[bytes, bytes]],
+    key: object,
+    name: str,
+    kind: SpanKind,
+    attributes: dict[str, str | int],
+) -> tuple[bytes, bytes]:
+    """A span's name and kind, and its first ``attributes``, encoded and kept under ``key``
+    (a partition's process spans, a target's batch calls)."""
+    fixed = (name_and_kind(name, kind.value), span_attributes(attributes))
+    if len(cache) < MAX_CACHED:
+        cache[key] = fixed
+    return fixed
+
+
+def _cached_attribute(key: str, value: str) -> bytes:
+    """A text attribute of the proxy's own (a group, an outcome, a status), encoded once."""
+    encoded = _ATTRIBUTES.get((key, value))
+    if encoded is None:
+        encoded = span_attributes({key: value})
+        if len(_ATTRIBUTES) < MAX_CACHED:
+            _ATTRIBUTES[(key, value)] = encoded
+    return encoded
+
 
 CallFacts = tuple[str, str, int, str]
 """What a batch call's span says of it: method, target, message count, group."""
 
 
-def _call_attributes(facts: CallFacts) -> dict[str, str | int]:
-    """A batch call's attributes (the RPC semantic conventions', and the batch's)."""
-    method, target, count, group = facts
+def _target_attributes(method: str, target: str) -> dict[str, str | int]:
+    """A batch call's first attributes (the RPC semantic conventions'), the same for every
+    call of a method to a target."""
     return {
         "rpc.system": "grpc",
         "rpc.service": RPC_SERVICE,
         "rpc.method": method,
         "server.address": target,
-        "messaging.batch.message_count": count,
-        "messaging.consumer.group.name": group,
     }
+
+
+def _call_attributes(facts: CallFacts) -> dict[str, str | int]:
+    """A batch call's attributes (and the batch's); ``_OwnCall.encoded`` writes them in the
+    same order."""
+    method, target, count, group = facts
+    attributes = _target_attributes(method, target)
+    attributes["messaging.batch.message_count"] = count
+    attributes["messaging.consumer.group.name"] = group
+    return attributes
 
 
 class _OwnCall:
@@ -501,6 +608,41 @@ class _OwnCall:
         _call_ended(span, self._end[1])
         span.end_time = self._end[0]
         return span
+
+    def encoded(self, tracer: ProxyTracer) -> bytes:
+        """As ``_OwnProcess.encoded``: byte for byte ``built().encoded()``."""
+        assert self._end is not None
+        links = self._links
+        if (
+            tracer.max_attributes < MAX_CALL_ATTRIBUTES
+            or tracer.max_span_length is not None
+            or len(links) > tracer.max_links
+        ):
+            return self.built().encoded()
+        end, status = self._end
+        method, target, count, group = self._facts
+        fixed = _TARGETS.get((method, target)) or _fixed(
+            _TARGETS,
+            (method, target),
+            f"{RPC_SERVICE}/{method}",
+            SpanKind.CLIENT,
+            _target_attributes(method, target),
+        )
+        trace_id, span_id = self.ids
+        parts = [
+            span_head(trace_id, span_id, fixed[0], self._start, end),
+            fixed[1],
+            int_attribute(_COUNT, count),
+            _cached_attribute("messaging.consumer.group.name", group),
+            _cached_attribute("rpc.grpc.status", status),
+        ]
+        parts += [local_link(linked_trace, linked_span) for linked_trace, linked_span in links]
+        parts.append(_UNSET if status == "OK" else root_tail(StatusCode.ERROR.value, status))
+        return b"".join(parts)
+
+
+MAX_CALL_ATTRIBUTES = 7
+"""The most attributes a batch call's span has (``_call_attributes`` and its status)."""
 
 
 def _ids(trace: OtelMessage) -> tuple[int, int]:
@@ -664,15 +806,29 @@ def _exporter(config: TracingConfig) -> SpanExporter:
         OTLPSpanExporter as GrpcExporter,
     )
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-        ExportTraceServiceRequest,
+        ExportTraceServiceResponse,
     )
 
     class EncodedGrpcExporter(GrpcExporter):
-        """The gRPC exporter of spans already encoded (``otlp.Encoded``): its request is
-        parsed from bytes (in C) instead of built object by object in Python."""
+        """The gRPC exporter of spans already encoded (``otlp.Encoded``): its request is the
+        bytes ``request_of`` writes, sent as they are (no request object is built in Python,
+        nor parsed from them only to be serialised again)."""
 
-        def _translate_data(self, data: Sequence[Any]) -> ExportTraceServiceRequest:
-            return ExportTraceServiceRequest.FromString(request_of(data))
+        def _initialize_channel_and_stub(self) -> None:
+            super()._initialize_channel_and_stub()  # type: ignore[no-untyped-call]
+            # (called again on reconnection: the stub goes with its channel)
+            channel: Any = self._channel
+            client: Any = SimpleNamespace(
+                Export=channel.unary_unary(
+                    EXPORT_METHOD,
+                    request_serializer=None,  # bytes as they are
+                    response_deserializer=ExportTraceServiceResponse.FromString,
+                )
+            )
+            self._client = client
+
+        def _translate_data(self, data: Sequence[Any]) -> bytes:  # type: ignore[override]
+            return request_of(data)
 
     insecure = None
     endpoint = config.endpoint

@@ -301,12 +301,13 @@ class ProxyTracer:
         self._sink(span, self._encode)
 
     def defer(self, record: Any) -> None:
-        """Queue ``record``, whose ``built()`` makes its ended span in the export thread (a
-        span the event loop did not make: ``otel._OwnProcess``, ``otel._OwnCall``)."""
-        self._sink(record, self._encode_built)
+        """Queue ``record``, whose ``encoded(tracer)`` writes its ended span's bytes in the
+        export thread (a span the event loop did not make: ``otel._OwnProcess``,
+        ``otel._OwnCall``)."""
+        self._sink(record, self._encode_record)
 
-    def _encode_built(self, record: Any) -> Encoded:
-        return self._encode(record.built())
+    def _encode_record(self, record: Any) -> Encoded:
+        return (self._resource, self._scope, record.encoded(self))
 
     def _encode(self, span: ProxySpan) -> Encoded:
         return (self._resource, self._scope, span.encoded())

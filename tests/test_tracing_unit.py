@@ -531,7 +531,9 @@ def test_the_exporters_request_is_what_the_otlp_encoder_builds_for_every_kind_of
     # When the proxy's exporter builds its request
     config = TracingConfig(enabled=True, endpoint="http://127.0.0.1:4317")
     encoded = [encode_span(span) for span in spans]
-    request = _exporter(config)._translate_data(encoded)  # type: ignore[attr-defined]
+    request = ExportTraceServiceRequest.FromString(
+        _exporter(config)._translate_data(encoded)  # type: ignore[attr-defined]
+    )
     # Then it is field for field what the OTLP exporter's own encoder builds
     assert request == encode_spans(spans)
     assert len(request.resource_spans[0].scope_spans[0].spans) == len(spans) == 40
@@ -708,6 +710,7 @@ def test_a_batch_calls_spans_are_made_by_the_export_thread_from_records() -> Non
     # Given the proxy's own tracer feeding the gRPC path's processor
     exporter, processor, provider, own = _own_spans(max_queue=100)
     made_on = _callers(own, "root_span")
+    encoded_on = _callers(own, "_encode_record")
     tracer = OtelTracer(own, "g", link_producer=False, ratio=1.0)
     # When two messages are begun for a batch call, the call is made and they are acked
     batch = [delivery([]), delivery([])]
@@ -717,10 +720,11 @@ def test_a_batch_calls_spans_are_made_by_the_export_thread_from_records() -> Non
     for d in batch:
         d.trace.end("ack")
     # Then no span was made on the event loop's thread, only records with their contexts
-    assert made_on == []
+    assert made_on == encoded_on == []
     assert processor.force_flush(10_000)
-    # and the export thread made the three spans, with the contexts the service was given
-    assert made_on == ["otlp-export"] * 3
+    # and the export thread wrote the three spans from the records (no span object made at
+    # all), with the contexts the service was given
+    assert encoded_on == ["otlp-export"] * 3 and made_on == []
     sent = [entry for chunk in exporter.chunks for entry in chunk]
     spans = ExportTraceServiceRequest.FromString(request_of(sent)).resource_spans[0]
     batch_call, process_a, process_b = spans.scope_spans[0].spans  # (in the order they ended)
@@ -737,6 +741,51 @@ def test_a_batch_calls_spans_are_made_by_the_export_thread_from_records() -> Non
     assert process_a.start_time_unix_nano <= batch_call.start_time_unix_nano
     assert batch_call.end_time_unix_nano <= process_a.end_time_unix_nano
     provider.shutdown()
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [
+        SpanLimits(),
+        SpanLimits(max_span_attributes=9, max_links=2),
+        SpanLimits(max_attribute_length=3),
+    ],
+    ids=["default-limits", "few-attributes-and-links", "short-values"],
+)
+def test_a_batch_calls_records_are_written_byte_for_byte_as_their_spans(
+    limits: SpanLimits,
+) -> None:
+    # Given the records of batch calls' messages and calls, of every shape: keys of text, of
+    # bytes, none or too long; a redriven message (its origin elsewhere); each outcome; calls
+    # that failed or linked more messages than the limits keep
+    records: list[Any] = []
+    own = ProxyTracer(
+        TracerProvider().resource,
+        InstrumentationScope("t"),
+        lambda record, encode: records.append(record),
+        limits,
+    )
+    tracer = OtelTracer(own, "g", link_producer=False, ratio=1.0)
+    keys = [b"k", None, b"\xff\xfe", b"x" * 300, "é".encode()]
+    outcomes = ["ack", "dead_letter", "drop", "revoked", "retry_tier"]
+    for size, status in ((1, "OK"), (3, "UNAVAILABLE"), (5, "OK")):
+        batch = []
+        for i in range(size):
+            d = delivery([], key=keys[i])
+            d.offset, d.attempt = 2**40 + i, 1 + i
+            if i == 2:
+                d.origin = Origin("orders.retry", 0, 7, 0, 0)
+            batch.append(d)
+        carried = tracer.begin_batch(batch)
+        call, _ = tracer.batch_call(batch, carried, "HandleMessageBatch", "10.0.0.1:50051")
+        tracer.batch_done(call, status, len(batch))
+        for d, outcome in zip(batch, outcomes, strict=False):
+            d.trace.end(outcome)
+    # When the export thread writes each record's span
+    # Then it is byte for byte what the span built from the record encodes to
+    assert len(records) == 12
+    for record in records:
+        assert record.encoded(own) == record.built().encoded()
 
 
 class _RecordOnly(Sampler):
