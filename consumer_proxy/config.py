@@ -775,6 +775,13 @@ class TracingConfig(BaseModel):
         description="The process span is a new root linked to the record's trace context, "
         "instead of its child.",
     )
+    batch_sampling: Literal["call", "message"] = Field(
+        "call",
+        description="Batch mode, messages that start a trace: call: sampled a call at a "
+        "time (a call drawn in traces them all, its span links each; the share traced is "
+        "still the ratio, and an unsampled call costs no span); message: each on its own "
+        "(most calls then carry a sampled message and make a span).",
+    )
     max_queue_size: int = Field(
         2048,
         ge=1,

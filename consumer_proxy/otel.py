@@ -33,7 +33,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from types import SimpleNamespace
 from typing import Any
 
 from opentelemetry.context import Context
@@ -87,7 +86,6 @@ from .spans import ProxySpan, ProxyTracer
 
 SCOPE = "consumer_proxy"
 RPC_SERVICE = "consumerproxy.v1.MessageHandler"
-EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 MAX_KEY_CHARS = 256
 """A record key longer than this is not put on the span (nor one that is not UTF-8 text)."""
 MAX_TEXT_CHARS = 256
@@ -656,21 +654,36 @@ def _ids(trace: OtelMessage) -> tuple[int, int]:
 
 class OtelTracer:
     """One group's tracer (``tracing.Tracer``). ``ratio``: the share of new traces sampled,
-    decided here before any span (None: the SDK's sampler decides every message)."""
+    decided here before any span (None: the SDK's sampler decides every message).
+    ``by_call``: in a batch call (``begin_batch``) that ratio is drawn once for the call's
+    messages without a sampled or unsampled parent (``tracing.batch_sampling: call``)."""
 
     def __init__(
-        self, tracer: Any, group: str, link_producer: bool, ratio: float | None = None
+        self,
+        tracer: Any,
+        group: str,
+        link_producer: bool,
+        ratio: float | None = None,
+        by_call: bool = False,
     ) -> None:
         self._tracer = tracer
         self._group = group
         self._link_producer = link_producer
         self._ratio = ratio
+        self._by_call = by_call
         self._draw = random.random
         # The proxy's own spans: a new root and a batch call's span are made without
         # OpenTelemetry objects (``ProxyTracer.root_span``).
         self._own = tracer if isinstance(tracer, ProxyTracer) else None
 
     def begin(self, delivery: Delivery, held_s: float) -> OtelMessage | _Unsampled:
+        return self._begin(delivery, held_s, None)
+
+    def _begin(
+        self, delivery: Delivery, held_s: float, drawn: bool | None
+    ) -> OtelMessage | _Unsampled:
+        """``begin``; ``drawn``: whether its call was drawn into the sample (``by_call``),
+        None: a draw of its own when it needs one."""
         trace = delivery.trace
         if trace is not None:
             return trace  # type: ignore[no-any-return]
@@ -687,7 +700,7 @@ class OtelTracer:
                     )
                     unsampled = delivery.trace = _Unsampled(parent, tracestate_header(remote[3]))
                     return unsampled
-            elif ratio < 1.0 and self._draw() >= ratio:
+            elif ratio < 1.0 and not (self._draw() < ratio if drawn is None else drawn):
                 delivery.trace = NOT_SAMPLED
                 return NOT_SAMPLED
         return self._process(delivery, remote, held_s)
@@ -736,14 +749,18 @@ class OtelTracer:
         ratio = self._ratio
         draws = ratio is not None and ratio < 1.0
         draw = self._draw
-        begin = self.begin
+        # ``by_call``: one draw for the call; a call drawn in traces each such message of it
+        # (the share of them traced is still the ratio), and one drawn out costs no more
+        # than an attribute a message.
+        drawn = draw() < ratio if draws and self._by_call else None  # type: ignore[operator]
+        begin = self._begin
         carried = []
         for i, delivery in enumerate(batch):
             trace = delivery.trace
             if trace is None:
                 if delivery.headers:
-                    trace = begin(delivery, 0.0)
-                elif draws and draw() >= ratio:  # type: ignore[operator]
+                    trace = begin(delivery, 0.0, drawn)
+                elif draws and not (draw() < ratio if drawn is None else drawn):  # type: ignore[operator]
                     delivery.trace = NOT_SAMPLED
                     continue
                 else:  # (as ``begin`` would, for a record without a context)
@@ -806,29 +823,17 @@ def _exporter(config: TracingConfig) -> SpanExporter:
         OTLPSpanExporter as GrpcExporter,
     )
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-        ExportTraceServiceResponse,
+        ExportTraceServiceRequest,
     )
 
     class EncodedGrpcExporter(GrpcExporter):
-        """The gRPC exporter of spans already encoded (``otlp.Encoded``): its request is the
-        bytes ``request_of`` writes, sent as they are (no request object is built in Python,
-        nor parsed from them only to be serialised again)."""
+        """The gRPC exporter of spans already encoded (``otlp.Encoded``): its request is
+        parsed from the bytes ``request_of`` writes (in C) instead of built object by object
+        in Python. (Sending the bytes as they are would mean replacing the exporter's private
+        channel and stub: one upgrade of the SDK away from exports that fail.)"""
 
-        def _initialize_channel_and_stub(self) -> None:
-            super()._initialize_channel_and_stub()  # type: ignore[no-untyped-call]
-            # (called again on reconnection: the stub goes with its channel)
-            channel: Any = self._channel
-            client: Any = SimpleNamespace(
-                Export=channel.unary_unary(
-                    EXPORT_METHOD,
-                    request_serializer=None,  # bytes as they are
-                    response_deserializer=ExportTraceServiceResponse.FromString,
-                )
-            )
-            self._client = client
-
-        def _translate_data(self, data: Sequence[Any]) -> bytes:  # type: ignore[override]
-            return request_of(data)
+        def _translate_data(self, data: Sequence[Any]) -> ExportTraceServiceRequest:
+            return ExportTraceServiceRequest.FromString(request_of(data))
 
     insecure = None
     endpoint = config.endpoint
@@ -1056,11 +1061,14 @@ class OtelTracing:
         )
         return (
             f"service {self.resource.attributes.get(SERVICE_NAME)}, sampler {sampler}, "
-            f"link_producer {self._config.link_producer}"
+            f"link_producer {self._config.link_producer}, "
+            f"batch_sampling {self._config.batch_sampling}"
         )
 
     def tracer(self, group: str) -> OtelTracer:
-        return OtelTracer(self._tracer, group, self._config.link_producer, self.ratio)
+        config = self._config
+        by_call = config.batch_sampling == "call"
+        return OtelTracer(self._tracer, group, config.link_producer, self.ratio, by_call)
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Export what is queued now (tests and shutdown)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import random
 import subprocess
 import sys
 import threading
@@ -326,6 +327,82 @@ def test_new_traces_are_sampled_at_the_ratio(
         assert carried == [i for i, d in enumerate(deliveries) if d.trace.sampled]
 
 
+def test_in_batch_mode_a_call_is_sampled_as_one_and_a_producers_decision_still_holds(
+    exported: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    # Given a tracer sampling half of new traces a call at a time (batch_sampling: call)
+    provider, _ = exported
+    tracer = OtelTracer(provider.get_tracer("t"), "g", False, ratio=0.5, by_call=True)
+    draws = iter([0.1, 0.9])  # the first call is drawn in, the second out
+    asked: list[float] = []
+
+    def draw() -> float:
+        asked.append(next(draws))
+        return asked[-1]
+
+    tracer._draw = draw
+    calls = []
+    for _ in range(2):
+        # and calls of 3 messages without a trace context, 1 with other headers only,
+        # 1 whose producer sampled it and 1 whose producer did not
+        batch = [delivery([]) for _ in range(3)]
+        batch.append(delivery([("x-team", b"billing")]))
+        batch.append(delivery([("traceparent", VALID)]))
+        batch.append(delivery([("traceparent", VALID[:-2] + b"00")]))
+        calls.append((batch, tracer.begin_batch(batch)))
+    # Then each call took one draw
+    assert asked == [0.1, 0.9]
+    # and the call drawn in traces every message that starts a trace, the one drawn out none
+    (drawn_in, carried_in), (drawn_out, carried_out) = calls
+    assert [d.trace.sampled for d in drawn_in] == [True, True, True, True, True, False]
+    assert [d.trace.sampled for d in drawn_out] == [False, False, False, False, True, False]
+    # while the producers' decisions hold in both (their contexts are carried either way)
+    assert carried_in == [0, 1, 2, 3, 4, 5] and carried_out == [4, 5]
+    # and the call span links what its call traced
+    assert tracer.batch_call(drawn_out[:4], [], "HandleMessageBatch", "t:1") == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("by_call", "calls_with_a_span"),
+    [(True, (5, 15)), (False, (590, 680))],
+    ids=["call", "message"],
+)
+def test_sampled_a_call_at_a_time_the_share_traced_is_the_ratio_and_few_calls_make_a_span(
+    exported: tuple[TracerProvider, InMemorySpanExporter],
+    by_call: bool,
+    calls_with_a_span: tuple[int, int],
+) -> None:
+    # Given 1 % sampling, by call or by message (a seeded draw), and 1,000 calls of 100
+    # messages without a trace context
+    provider, _ = exported
+    tracer = OtelTracer(provider.get_tracer("t"), "g", False, ratio=0.01, by_call=by_call)
+    tracer._draw = random.Random(7).random
+    traced = calls = 0
+    for _ in range(1000):
+        carried = tracer.begin_batch([delivery([]) for _ in range(100)])
+        traced += len(carried)
+        calls += bool(carried)
+    # Then about 1 % of the messages are traced either way (by call, 100 a call drawn in)
+    assert 500 <= traced <= 1500
+    # but by call only about 1 % of the calls make a call span, by message about 63 %
+    low, high = calls_with_a_span
+    assert low <= calls <= high
+
+
+def test_calls_are_sampled_as_one_unless_the_config_says_message_by_message() -> None:
+    endpoint = "http://127.0.0.1:4317"
+    default = OtelTracing(TracingConfig(enabled=True, endpoint=endpoint, sample_ratio=0.01))
+    by_message = OtelTracing(
+        TracingConfig(enabled=True, endpoint=endpoint, sample_ratio=0.01, batch_sampling="message")
+    )
+    try:
+        assert default.tracer("g")._by_call and "batch_sampling call" in default.describe()
+        assert not by_message.tracer("g")._by_call
+    finally:
+        default.shutdown()
+        by_message.shutdown()
+
+
 def test_a_batch_request_carries_each_messages_traceparent_and_tracestate(
     exported: tuple[TracerProvider, InMemorySpanExporter],
 ) -> None:
@@ -531,9 +608,7 @@ def test_the_exporters_request_is_what_the_otlp_encoder_builds_for_every_kind_of
     # When the proxy's exporter builds its request
     config = TracingConfig(enabled=True, endpoint="http://127.0.0.1:4317")
     encoded = [encode_span(span) for span in spans]
-    request = ExportTraceServiceRequest.FromString(
-        _exporter(config)._translate_data(encoded)  # type: ignore[attr-defined]
-    )
+    request = _exporter(config)._translate_data(encoded)  # type: ignore[attr-defined]
     # Then it is field for field what the OTLP exporter's own encoder builds
     assert request == encode_spans(spans)
     assert len(request.resource_spans[0].scope_spans[0].spans) == len(spans) == 40
