@@ -50,11 +50,19 @@ def batch_request(batch: list[Delivery], group: str, carried: Sequence[int] = ()
     request = handler_pb2.HandleMessageBatchRequest()
     add = request.messages.add
     for d in batch:
-        origin = d.origin
         m = add()
-        m.topic = origin.topic
-        m.partition = origin.partition
-        m.offset = origin.offset
+        origin = d.given_origin
+        if origin is None:  # a source record's own coordinates (no Origin made for them)
+            part = d.part
+            m.topic = part.topic
+            m.partition = part.partition
+            m.offset = d.offset
+            m.timestamp_ms = d.timestamp_ms
+        else:
+            m.topic = origin.topic
+            m.partition = origin.partition
+            m.offset = origin.offset
+            m.timestamp_ms = origin.timestamp_ms
         key = d.key
         if key is not None:
             m.key = key
@@ -65,7 +73,6 @@ def batch_request(batch: list[Delivery], group: str, carried: Sequence[int] = ()
             m.has_value = True
         if d.headers:
             m.headers.extend([handler_pb2.Header(key=k, value=v) for k, v in d.headers])
-        m.timestamp_ms = origin.timestamp_ms
         m.consumer_group = group
         m.attempt = d.attempt
         m.source = d.source  # type: ignore[assignment]
