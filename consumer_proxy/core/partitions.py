@@ -901,19 +901,26 @@ class PartitionSet:
         breaker = self._breaker
         openings = breaker.openings
         successes = breaker.successes
-        slow = self._watch
+        if self._watch:
+            return [delivery for delivery in batch if self.begin(delivery)]
         began: list[Delivery] = []
+        append = began.append
+        last: PartitionState | None = None
+        plain = False  # ``last`` is neither revoked nor leaving
         for delivery in batch:
             part = delivery.part
-            if slow or part.revoked or part.leaving or part.epoch != delivery.epoch:
+            if part is not last:  # (a call's messages come in runs of one partition)
+                last = part
+                plain = not (part.revoked or part.leaving)
+            if not plain or part.epoch != delivery.epoch:
                 if self.begin(delivery):
-                    began.append(delivery)
+                    append(delivery)
                 continue
             part.calls += 1
             delivery.openings_mark = openings
             if delivery.successes_mark < 0:
                 delivery.successes_mark = successes
-            began.append(delivery)
+            append(delivery)
         return began
 
     def finish(self, delivery: Delivery, result: Classification, probe: bool) -> Decision | None:
