@@ -15,7 +15,10 @@ from hypothesis import strategies as st
 from consumer_proxy.cli import YOUNG_GC_THRESHOLD
 from consumer_proxy.config import DeliveryConfig
 from consumer_proxy.core.outcomes import Classification, Outcome
-from consumer_proxy.core.partitions import Delivery
+from consumer_proxy.core.partitions import SOURCE_REDRIVE, Delivery
+from consumer_proxy.core.records import Origin
+from consumer_proxy.proto.v1 import handler_pb2
+from consumer_proxy.wire import batch_request, message
 from tests.support.core import ACK, CoreRig
 from tests.support.records import Rec
 
@@ -114,6 +117,8 @@ records_strategy = st.lists(
         st.integers(0, 300),  # value bytes
         st.integers(0, 2),  # leader epoch bump
         st.booleans(),  # a user header
+        st.sampled_from([None, b"", b"k"]),  # key
+        st.sampled_from([-1, 0, 7, 1_764_000_000_000]),  # timestamp (-1: none)
     ),
     max_size=60,
 )
@@ -128,18 +133,18 @@ records_strategy = st.lists(
     acks=st.integers(0, 5),
 )
 def test_batch_intake_is_record_by_record_intake(
-    steps: list[tuple[int, int, int, int, bool]],
+    steps: list[tuple[int, int, int, int, bool, bytes | None, int]],
     cuts: list[int],
     window: int,
     budget: int,
     acks: int,
 ) -> None:
-    # Given fetched records with gaps, duplicates, resets (a step back), epochs and headers,
-    # cut into consume() batches
+    # Given fetched records with gaps, duplicates, resets (a step back), epochs, headers,
+    # keys and timestamps, cut into consume() batches
     records: list[Rec] = []
     last = {0: -1, 1: -1}
     epoch = {0: 0, 1: 0}
-    for partition, step, size, bump, header in steps:
+    for partition, step, size, bump, header, key, timestamp_ms in steps:
         offset = max(0, last[partition] + step)
         last[partition] = offset
         epoch[partition] += bump == 2
@@ -152,7 +157,9 @@ def test_batch_intake_is_record_by_record_intake(
                 partition=partition,
                 epoch=epoch[partition],
                 headers=headers,
+                key=key,
                 value=value,
+                timestamp_ms=timestamp_ms,
             )
         )
     batches: list[list[Rec]] = []
@@ -168,19 +175,76 @@ def test_batch_intake_is_record_by_record_intake(
         for record in batch:
             one.core.intake(record)
         many.core.intake_batch(batch)
-        # Then both hold the same state and emitted the same messages, in the same order
+        # Then both hold the same state and emitted the same messages, in the same order,
+        # which go out in the same request (built from the run's fields in ``many``, from
+        # each message's Origin in ``one``)
         assert many.state() == one.state()
+        assert batch_request(list(many.ready), "g") == batch_request(list(one.ready), "g")
         assert many.emitted() == one.emitted()
         # (and some acks in between make room and drain backlogs: one by one, and together)
         for rig in (one, many):
             ready = rig.ready
             taken = [ready.popleft() for _ in range(min(acks, len(ready)))]
-            began = [d for d in taken if rig.core.begin(d)]
+            if rig is many:
+                began = rig.core.begin_batch(taken)
+            else:
+                began = [d for d in taken if rig.core.begin(d)]
             if rig is one or not rig.core.finish_acked(began, [ACK] * len(began)):
                 for d in began:
                     rig.core.finish(d, ACK, probe=False)
         rig_pause = [r.core.pause_plan() for r in (one, many)]
         assert rig_pause[0] == rig_pause[1]
+
+
+def test_a_run_taken_record_makes_its_origin_only_when_asked() -> None:
+    # Given a run of two records taken in at once, one without a timestamp
+    rig = Rig()
+    rig.core.intake_batch([Rec("t", 0, timestamp_ms=-1), Rec("t", 1, timestamp_ms=9)])
+    first, second = rig.ready
+    # Then neither made an Origin (an object per message less for the collector)
+    assert first.given_origin is None and second.given_origin is None
+    # When one is asked for / Then it is the record's own coordinates, made once
+    assert second.origin == Origin("t", 0, 1, 9, 0) and second.origin is second.origin
+    assert first.origin == Origin("t", 0, 0, 0, 0)
+
+
+def test_a_call_mixing_runs_and_given_origins_encodes_as_message_by_message() -> None:
+    # Given run-taken messages of two partitions (keys, headers, timestamps), one of them
+    # on its third attempt, and a redriven message that carries its original coordinates
+    rig = Rig()
+    rig.core.intake_batch(
+        [
+            Rec("t", 0, key=b"a", timestamp_ms=5),
+            Rec("t", 1, headers=[("h", b"x")], value=None),
+            Rec("t", 4, partition=1, key=b"", timestamp_ms=-1),
+            Rec("t", 2, timestamp_ms=1_764_000_000_000),
+        ]
+    )
+    p0a, p0b, p1, p0c = rig.ready
+    p0c.attempt = 3
+    part = rig.core.parts[("t", 1)]
+    redriven = Delivery(
+        part, 0, 9, b"r", b"v", [], Origin("src", 7, 70, 11, 2), 2, SOURCE_REDRIVE, 3
+    )
+    batch = [p0a, p0b, redriven, p1, p0c]
+    # When they go out in one call
+    encoded = batch_request(batch, "g")
+    # Then the request is what the unary path's message builder makes of each (the messages'
+    # own Origins are made only now, by ``message``)
+    expected = handler_pb2.HandleMessageBatchRequest()
+    for d in batch:
+        one = message(d, "g")
+        one.attempt = d.attempt
+        expected.messages.append(one)
+    assert encoded == expected.SerializeToString()
+    decoded = handler_pb2.HandleMessageBatchRequest.FromString(encoded).messages
+    assert [(m.topic, m.partition, m.offset, m.attempt, m.source) for m in decoded] == [
+        ("t", 0, 0, 1, 1),
+        ("t", 0, 1, 1, 1),
+        ("src", 7, 70, 3, 2),
+        ("t", 1, 4, 1, 1),
+        ("t", 0, 2, 3, 1),
+    ]
 
 
 def test_a_calls_plain_acks_finish_together() -> None:
