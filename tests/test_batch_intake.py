@@ -284,6 +284,22 @@ def test_an_answer_that_is_not_all_plain_acks_changes_nothing() -> None:
     assert rig.state() == after_cut
 
 
+def test_an_answer_for_a_partition_revoked_meanwhile_is_not_finished_together() -> None:
+    # Given a call with messages of partition 0, then partition 1, then partition 0 again
+    rig = Rig()
+    rig.core.intake_batch([Rec("t", o) for o in range(2)])
+    rig.core.intake_batch([Rec("t", 0, partition=1)])
+    rig.core.intake_batch([Rec("t", 2)])
+    batch = rig.take(4)
+    # When partition 1 is revoked while the call is out
+    rig.core.forget(rig.core.parts[("t", 1)])
+    before = rig.state()
+    # Then its plain acks are not finished together (each goes to ``finish``, which finds
+    # partition 1's stale), and nothing changed
+    assert not rig.core.finish_acked(batch, [ACK] * 4)
+    assert rig.state() == before and rig.core.counters.ack == 0
+
+
 def test_a_calls_messages_begin_together_but_for_the_stale_and_the_leaving() -> None:
     # Given 3 messages of partition 0 and 2 of partition 1 ready
     rig = Rig()
