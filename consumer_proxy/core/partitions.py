@@ -593,11 +593,14 @@ class PartitionSet:
         last_epoch = tracker.last_epoch
         previous = (records[start].offset() or 0) - 1
         deliveries: list[Delivery] = []
+        append = deliveries.append
         offsets: list[int] = []
-        total = stored = taken = 0
+        track = offsets.append
+        total = stored = 0
         no_headers = _NO_USER_HEADERS
-        while taken < room and total < spare:
-            record = records[start + taken]
+        for record in records[start : start + room]:
+            if total >= spare:
+                break  # the byte budget is spent: the rest waits in the backlog
             offset = record.offset() or 0
             if offset <= previous:
                 break  # not increasing (a reset within the batch): record by record
@@ -617,7 +620,7 @@ class PartitionSet:
                 user = no_headers
             ts = record.timestamp()[1]
             # (no Origin: ``Delivery.origin`` makes it from the fields if it is asked for)
-            deliveries.append(
+            append(
                 Delivery(
                     part,
                     epoch,
@@ -632,10 +635,10 @@ class PartitionSet:
                     ts if ts > 0 else 0,
                 )
             )
-            offsets.append(offset)
+            track(offset)
             total += size
             previous = offset
-            taken += 1
+        taken = len(offsets)
         if taken:
             tracker.track_run(offsets)
             part.received_end = max(part.received_end, previous + 1)
