@@ -209,6 +209,7 @@ def test_batch_intake_is_record_by_record_intake(
         if not many.core.finish_acked(began, [ACK] * len(began)):
             for d in began:
                 many.core.finish(d, ACK, probe=False)
+        assert many.state() == one.state()  # (the acks drained the backlogs alike)
         rig_pause = [r.core.pause_plan() for r in (one, many)]
         assert rig_pause[0] == rig_pause[1]
 
