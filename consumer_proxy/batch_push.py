@@ -103,10 +103,8 @@ class BatchPush(Push):
                 carried = tracer.begin_batch(began) if tracer is not None and began else []
                 if began:
                     self.pushing.add(me)
-                    # Open under each of its messages, for ``cancel_calls``.
                     call = OpenCall(me, clock())
-                    for d in began:
-                        self.open[d] = call
+                    self.open[call] = began  # for ``cancel_calls``
                     try:
                         if self.rate is not None:
                             await self.rate.acquire(len(began))
@@ -119,12 +117,11 @@ class BatchPush(Push):
                         rtt = clock() - started
                         self._m_push.observe(rtt)
                     except asyncio.CancelledError:
-                        if not self._cancelled_here(began[0]):
+                        if not self._cancelled_here(call):
                             raise
                         self._call_ended.set()  # given back below, none counted
                     finally:
-                        for d in began:
-                            del self.open[d]
+                        del self.open[call]
             finally:
                 self.pushing.discard(me)
                 if probe and outcome is None:

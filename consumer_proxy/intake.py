@@ -89,7 +89,10 @@ class Intake:
                 started = True
                 self._on_started()  # the consumer is up (joined, or joining, the group)
             good: list[Record] = []  # taken in together, up to the next error
-            for message in messages:
+            mixed = messages  # read one by one: some are errors
+            if not [message for message in messages if message.error() is not None]:
+                good, mixed = messages, []  # (the common case: no error, found in one pass)
+            for message in mixed:
                 error = message.error()
                 if error is None:
                     good.append(message)

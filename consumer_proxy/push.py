@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +58,7 @@ class PushParts:
     """Set after every call (revocation waits on it)."""
 
 
-@dataclass(slots=True)
+@dataclass(eq=False, slots=True)
 class OpenCall:
     """A call under way (unary or streaming), so that it can be cancelled on its own."""
 
@@ -99,8 +99,9 @@ class Push:
         """Shutdown began: workers take nothing more."""
         self.last_failure = ""
         """The latest service-level failure, said when the breaker opens."""
-        self.open: dict[Delivery, OpenCall] = {}
-        """Calls under way, by message (a batch call under each of its messages)."""
+        self.open: dict[OpenCall, Sequence[Delivery]] = {}
+        """Calls under way, each with its messages (one bookkeeping entry per call, not per
+        message: a batch call's 500 entries cost more than its request)."""
         self._m_push = parts.metrics.push_duration.labels(parts.name)
         self._m_in_flight = parts.metrics.in_flight.labels(parts.name)
 
@@ -112,12 +113,13 @@ class Push:
         in seconds, the handler's progress note of a streaming call)."""
         now = self._clock()
         found: dict[tuple[str, int], tuple[int, float, str]] = {}
-        for delivery, call in self.open.items():
-            tp = (delivery.part.topic, delivery.part.partition)
+        for call, deliveries in self.open.items():
             age = now - call.started
-            if tp not in found or age > found[tp][1]:
-                note = call.watch.progress if call.watch is not None else ""
-                found[tp] = (delivery.origin.offset, age, note)
+            for delivery in deliveries:
+                tp = (delivery.part.topic, delivery.part.partition)
+                if tp not in found or age > found[tp][1]:
+                    note = call.watch.progress if call.watch is not None else ""
+                    found[tp] = (delivery.origin.offset, age, note)
         return found
 
     async def _one_call(
@@ -133,7 +135,8 @@ class Push:
         None when ``cancel_calls`` cancelled it (the message is given back, no attempt)."""
         worker = asyncio.current_task()
         assert worker is not None
-        self.open[delivery] = OpenCall(worker, self._clock(), watch)
+        call = OpenCall(worker, self._clock(), watch)
+        self.open[call] = (delivery,)
         self._m_in_flight.inc()
         trace = delivery.trace
         span, metadata = attempt_span(delivery, method, endpoint)
@@ -141,11 +144,11 @@ class Push:
         try:
             result = await send(metadata)
         except asyncio.CancelledError:
-            if self._cancelled_here(delivery):
+            if self._cancelled_here(call):
                 return None
             raise
         finally:
-            del self.open[delivery]
+            del self.open[call]
             self._m_in_flight.dec()
             self._call_ended.set()
             if trace is not None:
@@ -159,8 +162,10 @@ class Push:
         one of its partitions does: its messages of partitions still owned are pushed again
         (uncounted), rather than the leaving ones being worked on beside their new owner."""
         count = 0
-        for delivery, call in self.open.items():
-            if call.cancel is None and (parts is None or delivery.part in parts):
+        for call, deliveries in self.open.items():
+            if call.cancel is None and (
+                parts is None or any(delivery.part in parts for delivery in deliveries)
+            ):
                 call.cancel = cause
                 call.worker.cancel()
                 count += 1
@@ -168,11 +173,11 @@ class Push:
             self._metrics.calls_cancelled.labels(self.name, cause.value).inc(count)
         return count
 
-    def _cancelled_here(self, delivery: Delivery) -> bool:
-        """After a CancelledError in ``delivery``'s call: True when ``cancel_calls`` did it
-        (the worker is uncancelled and goes on), False for a cancellation of the worker."""
-        call = self.open.get(delivery)
-        if call is None or call.cancel is None:
+    @staticmethod
+    def _cancelled_here(call: OpenCall) -> bool:
+        """After a CancelledError in ``call``: True when ``cancel_calls`` did it (the worker
+        is uncancelled and goes on), False for a cancellation of the worker."""
+        if call.cancel is None:
             return False
         call.worker.uncancel()
         return True

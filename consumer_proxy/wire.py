@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .core.partitions import Delivery
+from .core.partitions import SOURCE_PRIMARY, Delivery, PartitionState
 from .proto.v1 import handler_pb2
 
 
@@ -49,12 +49,38 @@ def batch_request(batch: list[Delivery], group: str, carried: Sequence[int] = ()
     ``Message.tracestate`` when there is one; ``Tracer.begin_batch``)."""
     request = handler_pb2.HandleMessageBatchRequest()
     add = request.messages.add
+    Message = handler_pb2.Message
+    last: PartitionState | None = None
+    common = Message()  # the fields a run of one partition's source records shares
     for d in batch:
-        origin = d.origin
         m = add()
-        m.topic = origin.topic
-        m.partition = origin.partition
-        m.offset = origin.offset
+        origin = d.given_origin
+        if origin is None:  # a source record: its own coordinates, no Origin made for them
+            part = d.part
+            if part is not last:
+                last = part
+                common = Message(
+                    topic=part.topic,
+                    partition=part.partition,
+                    consumer_group=group,
+                    attempt=1,
+                    source=SOURCE_PRIMARY,  # type: ignore[arg-type]
+                )
+            m.CopyFrom(common)  # (measured: cheaper than setting its five fields)
+            m.offset = d.offset
+            m.timestamp_ms = d.timestamp_ms
+            if d.attempt != 1:
+                m.attempt = d.attempt
+            if d.source != SOURCE_PRIMARY:
+                m.source = d.source  # type: ignore[assignment]
+        else:
+            m.topic = origin.topic
+            m.partition = origin.partition
+            m.offset = origin.offset
+            m.timestamp_ms = origin.timestamp_ms
+            m.consumer_group = group
+            m.attempt = d.attempt
+            m.source = d.source  # type: ignore[assignment]
         key = d.key
         if key is not None:
             m.key = key
@@ -65,10 +91,6 @@ def batch_request(batch: list[Delivery], group: str, carried: Sequence[int] = ()
             m.has_value = True
         if d.headers:
             m.headers.extend([handler_pb2.Header(key=k, value=v) for k, v in d.headers])
-        m.timestamp_ms = origin.timestamp_ms
-        m.consumer_group = group
-        m.attempt = d.attempt
-        m.source = d.source  # type: ignore[assignment]
     messages = request.messages
     for i in carried:
         trace = batch[i].trace

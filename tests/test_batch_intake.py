@@ -9,13 +9,16 @@ from __future__ import annotations
 import gc
 
 from confluent_kafka import Message
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from consumer_proxy.cli import YOUNG_GC_THRESHOLD
 from consumer_proxy.config import DeliveryConfig
 from consumer_proxy.core.outcomes import Classification, Outcome
-from consumer_proxy.core.partitions import Delivery
+from consumer_proxy.core.partitions import SOURCE_REDRIVE, Delivery
+from consumer_proxy.core.records import Origin
+from consumer_proxy.proto.v1 import handler_pb2
+from consumer_proxy.wire import batch_request, message
 from tests.support.core import ACK, CoreRig
 from tests.support.records import Rec
 
@@ -77,8 +80,15 @@ class Rig(CoreRig):
     def emitted(self) -> list[tuple[object, ...]]:
         return [
             (d.part.tp, d.offset, d.epoch, d.size, d.key, d.value, d.headers, d.origin)
-            for d in self.ready
+            for d in self.by_partition()
         ]
+
+    def by_partition(self) -> list[Delivery]:
+        """The ready messages, a partition after another, each partition's in ready order
+        (``finish_acked`` drains each partition's backlog once, after all of its acks, where
+        ``finish`` drains after each ack: the partitions' messages may interleave otherwise,
+        each partition's come in the same order)."""
+        return sorted(self.ready, key=lambda d: d.part.tp)  # (stable: ready order kept)
 
 
 def test_a_run_of_one_partition_goes_out_in_one_emit() -> None:
@@ -114,12 +124,22 @@ records_strategy = st.lists(
         st.integers(0, 300),  # value bytes
         st.integers(0, 2),  # leader epoch bump
         st.booleans(),  # a user header
+        st.sampled_from([None, b"", b"k"]),  # key
+        st.sampled_from([-1, 0, 7, 1_764_000_000_000]),  # timestamp (-1: none)
     ),
     max_size=60,
 )
 
 
 @relaxed
+@example(  # two partitions' backlogs drained by one call's acks: they interleave otherwise
+    steps=[(1, 0, 0, 0, False, None, -1), (0, 0, 0, 0, False, None, -1)]
+    + [(p, 1, 0, 0, False, None, -1) for p in (1, 1, 0, 0, 1)],
+    cuts=[7],
+    window=2,
+    budget=1024,
+    acks=3,
+)
 @given(
     steps=records_strategy,
     cuts=st.lists(st.integers(1, 10), max_size=6),
@@ -128,18 +148,18 @@ records_strategy = st.lists(
     acks=st.integers(0, 5),
 )
 def test_batch_intake_is_record_by_record_intake(
-    steps: list[tuple[int, int, int, int, bool]],
+    steps: list[tuple[int, int, int, int, bool, bytes | None, int]],
     cuts: list[int],
     window: int,
     budget: int,
     acks: int,
 ) -> None:
-    # Given fetched records with gaps, duplicates, resets (a step back), epochs and headers,
-    # cut into consume() batches
+    # Given fetched records with gaps, duplicates, resets (a step back), epochs, headers,
+    # keys and timestamps, cut into consume() batches
     records: list[Rec] = []
     last = {0: -1, 1: -1}
     epoch = {0: 0, 1: 0}
-    for partition, step, size, bump, header in steps:
+    for partition, step, size, bump, header, key, timestamp_ms in steps:
         offset = max(0, last[partition] + step)
         last[partition] = offset
         epoch[partition] += bump == 2
@@ -152,7 +172,9 @@ def test_batch_intake_is_record_by_record_intake(
                 partition=partition,
                 epoch=epoch[partition],
                 headers=headers,
+                key=key,
                 value=value,
+                timestamp_ms=timestamp_ms,
             )
         )
     batches: list[list[Rec]] = []
@@ -168,19 +190,79 @@ def test_batch_intake_is_record_by_record_intake(
         for record in batch:
             one.core.intake(record)
         many.core.intake_batch(batch)
-        # Then both hold the same state and emitted the same messages, in the same order
+        # Then both hold the same state and emitted the same messages, each partition's in
+        # the same order, which go out in the same request (built from the run's fields in
+        # ``many``, from each message's Origin in ``one``)
         assert many.state() == one.state()
+        assert batch_request(many.by_partition(), "g") == batch_request(one.by_partition(), "g")
         assert many.emitted() == one.emitted()
-        # (and some acks in between make room and drain backlogs: one by one, and together)
-        for rig in (one, many):
-            ready = rig.ready
-            taken = [ready.popleft() for _ in range(min(acks, len(ready)))]
-            began = [d for d in taken if rig.core.begin(d)]
-            if rig is one or not rig.core.finish_acked(began, [ACK] * len(began)):
-                for d in began:
-                    rig.core.finish(d, ACK, probe=False)
+        # (and some acks in between make room and drain backlogs: one by one, and the same
+        # messages together)
+        taken = [one.ready.popleft() for _ in range(min(acks, len(one.ready)))]
+        for d in [d for d in taken if one.core.begin(d)]:
+            one.core.finish(d, ACK, probe=False)
+        ready = {(d.part.tp, d.offset, d.epoch): d for d in many.ready}
+        together = [ready[(d.part.tp, d.offset, d.epoch)] for d in taken]
+        for d in together:
+            many.ready.remove(d)
+        began = many.core.begin_batch(together)
+        if not many.core.finish_acked(began, [ACK] * len(began)):
+            for d in began:
+                many.core.finish(d, ACK, probe=False)
+        assert many.state() == one.state()  # (the acks drained the backlogs alike)
         rig_pause = [r.core.pause_plan() for r in (one, many)]
         assert rig_pause[0] == rig_pause[1]
+
+
+def test_a_run_taken_record_makes_its_origin_only_when_asked() -> None:
+    # Given a run of two records taken in at once, one without a timestamp
+    rig = Rig()
+    rig.core.intake_batch([Rec("t", 0, timestamp_ms=-1), Rec("t", 1, timestamp_ms=9)])
+    first, second = rig.ready
+    # Then neither made an Origin (an object per message less for the collector)
+    assert first.given_origin is None and second.given_origin is None
+    # When one is asked for / Then it is the record's own coordinates, made once
+    assert second.origin == Origin("t", 0, 1, 9, 0) and second.origin is second.origin
+    assert first.origin == Origin("t", 0, 0, 0, 0)
+
+
+def test_a_call_mixing_runs_and_given_origins_encodes_as_message_by_message() -> None:
+    # Given run-taken messages of two partitions (keys, headers, timestamps), one of them
+    # on its third attempt, and a redriven message that carries its original coordinates
+    rig = Rig()
+    rig.core.intake_batch(
+        [
+            Rec("t", 0, key=b"a", timestamp_ms=5),
+            Rec("t", 1, headers=[("h", b"x")], value=None),
+            Rec("t", 4, partition=1, key=b"", timestamp_ms=-1),
+            Rec("t", 2, timestamp_ms=1_764_000_000_000),
+        ]
+    )
+    p0a, p0b, p1, p0c = rig.ready
+    p0c.attempt = 3
+    part = rig.core.parts[("t", 1)]
+    redriven = Delivery(
+        part, 0, 9, b"r", b"v", [], Origin("src", 7, 70, 11, 2), 2, SOURCE_REDRIVE, 3
+    )
+    batch = [p0a, p0b, redriven, p1, p0c]
+    # When they go out in one call
+    encoded = batch_request(batch, "g")
+    # Then the request is what the unary path's message builder makes of each (the messages'
+    # own Origins are made only now, by ``message``)
+    expected = handler_pb2.HandleMessageBatchRequest()
+    for d in batch:
+        one = message(d, "g")
+        one.attempt = d.attempt
+        expected.messages.append(one)
+    assert encoded == expected.SerializeToString()
+    decoded = handler_pb2.HandleMessageBatchRequest.FromString(encoded).messages
+    assert [(m.topic, m.partition, m.offset, m.attempt, m.source) for m in decoded] == [
+        ("t", 0, 0, 1, 1),
+        ("t", 0, 1, 1, 1),
+        ("src", 7, 70, 3, 2),
+        ("t", 1, 4, 1, 1),
+        ("t", 0, 2, 3, 1),
+    ]
 
 
 def test_a_calls_plain_acks_finish_together() -> None:
@@ -218,6 +300,22 @@ def test_an_answer_that_is_not_all_plain_acks_changes_nothing() -> None:
     batch[0].guard_probe = True
     assert not rig.core.finish_acked(batch[:2], [ACK] * 2)
     assert rig.state() == after_cut
+
+
+def test_an_answer_for_a_partition_revoked_meanwhile_is_not_finished_together() -> None:
+    # Given a call with messages of partition 0, then partition 1, then partition 0 again
+    rig = Rig()
+    rig.core.intake_batch([Rec("t", o) for o in range(2)])
+    rig.core.intake_batch([Rec("t", 0, partition=1)])
+    rig.core.intake_batch([Rec("t", 2)])
+    batch = rig.take(4)
+    # When partition 1 is revoked while the call is out
+    rig.core.forget(rig.core.parts[("t", 1)])
+    before = rig.state()
+    # Then its plain acks are not finished together (each goes to ``finish``, which finds
+    # partition 1's stale), and nothing changed
+    assert not rig.core.finish_acked(batch, [ACK] * 4)
+    assert rig.state() == before and rig.core.counters.ack == 0
 
 
 def test_a_calls_messages_begin_together_but_for_the_stale_and_the_leaving() -> None:

@@ -77,20 +77,22 @@ def take(ready: deque[T], limits: BatchLimits, drop: Callable[[T], bool]) -> lis
     fresh is ready). ``drop(item)`` says whether an item is stale (and gives its bytes back):
     those met on the way leave ``ready`` without going out."""
     batch: list[T] = []
-    total = 0
+    append = batch.append
+    popleft = ready.popleft
+    total = taken = 0
     max_messages = limits.max_messages
     max_bytes = limits.max_bytes
-    while ready and len(batch) < max_messages:
-        item = ready[0]
+    while ready and taken < max_messages:
+        item = popleft()
         if drop(item):
-            ready.popleft()
             continue
         alone = item.alone
         size = item.size
-        if batch and (alone or total + size > max_bytes):
-            break  # the cap is reached, or the next message goes alone: it goes next
-        ready.popleft()
-        batch.append(item)
+        if taken and (alone or total + size > max_bytes):
+            ready.appendleft(item)  # the cap is reached, or it goes alone: it goes next
+            break
+        append(item)
+        taken += 1
         total += size
         if alone or total >= max_bytes:
             break

@@ -19,9 +19,11 @@ class Rec:
         headers: Any = None,
         key: bytes | None = None,
         value: bytes | None = b"v",
+        timestamp_ms: int = 7,
     ) -> None:
         self._topic, self._offset, self._partition = topic, offset, partition
         self._epoch, self._headers, self._key, self._value = epoch, headers, key, value
+        self._timestamp = (1 if timestamp_ms >= 0 else 0, timestamp_ms)
 
     def topic(self) -> str:
         return self._topic
@@ -42,7 +44,7 @@ class Rec:
         return self._headers
 
     def timestamp(self) -> tuple[int, int]:
-        return (1, 7)
+        return self._timestamp
 
     def leader_epoch(self) -> int | None:
         return self._epoch
