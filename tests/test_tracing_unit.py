@@ -849,7 +849,7 @@ def test_a_batch_calls_records_are_written_byte_for_byte_as_their_spans(
             d = delivery([], key=keys[i])
             d.offset, d.attempt = 2**40 + i, 1 + i
             if i == 2:
-                d.origin = Origin("orders.retry", 0, 7, 0, 0)
+                d.given_origin = Origin("orders.retry", 0, 7, 0, 0)
             batch.append(d)
         carried = tracer.begin_batch(batch)
         call, _ = tracer.batch_call(batch, carried, "HandleMessageBatch", "10.0.0.1:50051")
