@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
@@ -88,6 +90,51 @@ async def test_a_consumer_closing_with_an_assignment_not_yet_served_closes_at_on
     finally:
         if not closing:
             await fetcher.close()
+
+
+@pytest.mark.kafka
+async def test_a_consume_hands_over_records_while_a_commit_waits_for_its_answer(
+    kafka: Broker,
+) -> None:
+    bootstrap = kafka.bootstrap
+    topic, group = unique_name("besidecommit"), unique_name("besidecommit")
+    create_topic(bootstrap, topic, partitions=1)
+    conf = consumer_config(KafkaConfig(bootstrap_servers=bootstrap), group)
+    conf.update(FAST_CONSUMER)
+    fetcher = Fetcher(conf, [topic], _Listener(), asyncio.get_running_loop())
+    answer = threading.Event()
+    commit: asyncio.Future[list[TopicPartition]] | None = None
+
+    async def consumed(n: int) -> list[Any]:
+        records: list[Any] = []
+        while len(records) < n:
+            records += [r for r in await fetcher.consume(10, 0.2) if r.error() is None]
+        return records
+
+    def offsets() -> list[TopicPartition]:  # chosen when the commit gets its turn
+        answer.wait(60)  # ... and answered only when the test says so
+        return [TopicPartition(topic, 0, 1)]
+
+    await fetcher.start()
+    try:
+        # Given a member consuming its partition
+        produce(bootstrap, topic, [b"first"])
+        await asyncio.wait_for(consumed(1), 60)
+        # When a commit is under way, and a record arrives
+        commit = asyncio.ensure_future(fetcher.commit(offsets))
+        produce(bootstrap, topic, [b"second"])
+        # Then the next consumes hand it over before the commit is answered (on one thread
+        # with the consumes, the commit held them up until its answer)
+        (record,) = await asyncio.wait_for(consumed(1), 30)
+        assert record.value() == b"second"
+        assert not commit.done()
+        answer.set()
+        assert [tp.offset for tp in await commit] == [1]
+    finally:
+        answer.set()
+        if commit is not None:
+            await asyncio.gather(commit, return_exceptions=True)
+        await fetcher.close()
 
 
 async def test_a_commit_failing_after_shutdown_cancelled_its_caller_is_not_logged_as_an_error(

@@ -870,6 +870,18 @@ class ShellSim:
 
     # -- the schedule --------------------------------------------------------------------
 
+    def produce_ok(self, tp: TP) -> None:
+        """One record the service acks, to ``tp`` (a scenario's steady flow)."""
+        msg = Msg(self.next_ident, "ok", key=None, value=b"v")
+        self.truth.behaviour[msg.ident] = "ok"
+        self.next_ident += 1
+        log = self.logs[tp]
+        log.append(msg, gap=0)
+        self.lanes.setdefault(self._lane(tp, None), []).append((log.end - 1, msg.ident))
+        self.stats.produced += 1
+        if self.source is not None:
+            self.source.arrived.set()
+
     def produce(self) -> None:
         rng = self.rng
         for _ in range(rng.randint(1, 12)):
