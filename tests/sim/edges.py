@@ -6,7 +6,6 @@ act on the world and report to the ``ShellSim`` that made them (``tests/sim/shel
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -123,10 +122,6 @@ def _time_out(waiter: asyncio.Future[bool]) -> None:
 
 class SimSource:
     """``ports.MessageSource`` over the world's consumer, with ``Fetcher``'s timing."""
-
-    commits_hand_over = True
-    """A commit holds the handover lock from choosing its offsets until it is answered, as
-    ``Fetcher``'s (False: a test puts the lock aside, as if the commit thread had none)."""
 
     def __init__(self, sim: ShellSim, listener: RebalanceListener) -> None:
         self.sim = sim
@@ -317,7 +312,7 @@ class SimSource:
     async def commit(self, offsets: Callable[[], list[TopicPartition]]) -> list[TopicPartition]:
         async def commit() -> list[TopicPartition]:
             assert self.handover is not None
-            async with self.handover if self.commits_hand_over else contextlib.nullcontext():
+            async with self.handover:
                 if self.closed:
                     return []
                 chosen = offsets()
