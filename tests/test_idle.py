@@ -274,3 +274,51 @@ async def test_a_groups_last_partition_to_go_idle_is_committed_at_once_not_after
         finally:
             await proxy.shutdown()
             await task
+
+
+async def test_a_wake_up_while_records_flowed_commits_once_they_stopped_not_after_the_gap(
+    kafka: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An idle group's wake-up during the gap after a commit commits only once no record came
+    # for FLOWING_S (a steady trickle would commit at each record otherwise); one that came
+    # within it used to be dropped, so a drain's last commit waited for the gap to end. The
+    # gap and the interval are a minute here, the moment 2 s (longer than this test's steps
+    # between the last record taken in and the group going idle).
+    monkeypatch.setattr("consumer_proxy.core.cadence.IDLE_COMMIT_GAP_S", 60.0)
+    monkeypatch.setattr("consumer_proxy.core.cadence.FLOWING_S", 2.0)
+    bootstrap = kafka.bootstrap
+    topic, group = unique_name("flowidle"), unique_name("flowidle")
+    create_topic(bootstrap, topic, partitions=2)
+    hold = asyncio.Event()
+
+    def behaviour(message: handler_pb2.Message, _n: int) -> Behaviour:
+        return Behaviour(hold=hold if message.partition == 1 else None)
+
+    async def first_committed() -> bool:
+        offsets = await asyncio.to_thread(committed_offsets, bootstrap, group, topic)
+        return offsets.get(0, (None,))[0] == 1
+
+    async with TestService(behaviour) as service:
+        config = config_dict(
+            bootstrap, group, [topic], [service.address], delivery={"commit_interval_ms": 60_000}
+        )
+        proxy, task = start_proxy(ProxyConfig(**config))
+        try:
+            parts = proxy.runners[0].partitions.parts
+            await async_wait_until(lambda: all((topic, p) in parts for p in range(2)), timeout=60)
+            # Given partition 0's message acked and committed while the service holds
+            # partition 1's (the committer is in its gap after that commit)
+            records = [{"value": f"m{p}", "partition": p} for p in range(2)]
+            await asyncio.to_thread(produce, bootstrap, topic, records)
+            await async_wait_until(first_committed, timeout=60)
+            # and a new record of partition 0 taken in and acked
+            await asyncio.to_thread(produce, bootstrap, topic, [{"value": "m", "partition": 0}])
+            await async_wait_until(lambda: len(service.finished()) == 2, timeout=60)
+            # When partition 1's message is acked right after: the group holds nothing, a
+            # moment after records last came
+            hold.set()
+            # Then it is committed once they stopped coming, not when the gap ends
+            await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=30)
+        finally:
+            await proxy.shutdown()
+            await task
