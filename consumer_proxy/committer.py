@@ -140,30 +140,22 @@ class Committer:
 
     async def _gap(self, cadence: CommitCadence, end: float) -> None:
         """Wait until ``end`` before the next commit, or less: a wake-up (since the commit
-        began) that finds the group idle ends it (``CommitCadence.gap_ends_early``) once
-        records stopped coming for a moment (``CommitCadence.settle_s``: looked at again
-        then, so a drain's last commit waits that moment, not the gap); one that finds it
-        busy lets it go on."""
+        began) that finds the group idle ends it (``CommitCadence.gap_ends_early``); one
+        that finds it busy lets it go on."""
         clock = self.clock
         assert clock is not None
         woken = self._woken
-        again = math.inf  # when to look again at a wake-up that came while records flowed
         while True:
-            now = clock()
-            if woken.is_set() or now >= again:
+            if woken.is_set():
                 woken.clear()
-                again = math.inf
-                if cadence.gap_ends_early(not self._partitions.holding()):
-                    settle = cadence.settle_s(now, self.taken_in, now)
-                    if settle <= 0:
-                        cadence.gap_ended(early=True)
-                        return
-                    again = now + settle
-            left = min(end, again) - clock()
+                now = clock()
+                settled = cadence.settle_s(now, self.taken_in, now) <= 0
+                if settled and cadence.gap_ends_early(not self._partitions.holding()):
+                    cadence.gap_ended(early=True)
+                    return
+            left = end - clock()
             if left <= 0:
-                if clock() >= end:
-                    break
-                continue
+                break
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(left):
                     await woken.wait()
