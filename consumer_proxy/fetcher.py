@@ -142,8 +142,7 @@ def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | Non
 
 
 class Fetcher:
-    """Async facade over one consumer: its calls run in order on the consumer thread, its
-    commits on a commit thread beside it (see the module docstring)."""
+    """Async facade over one consumer; all calls are serialised on one thread."""
 
     def __init__(
         self,
