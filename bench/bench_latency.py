@@ -26,9 +26,6 @@ microseconds per message of the floor and the proxy over the window (all their t
 
 ``--stages``: the proxy runs under ``bench.profiling``'s staged wrapper and each side prints
 where its latency goes: p50 / p99 at each stage, the proxy's garbage collections in the window,
-the consumer thread's gap between a consume that returned records and its next consume, part
-by part (:func:`gap_figures`: the hops, the intake, the calls in between, the thread's wait on
-a run queue),
 and for the 1% of records latest when their call was sent, what each stage added after the
 floor's consume returned the same record, with the share of records whose poll began only
 after the floor had them (``--keep-stages DIR`` keeps the stamps). ``--baseline-root DIR``
@@ -38,9 +35,7 @@ change is compared in the same rounds as the floor.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
-import itertools
 import json
 import shutil
 import statistics
@@ -54,7 +49,7 @@ from bench.handlers import HandlerServer, HandlerSpec
 from bench.measure import Result, percentile
 from bench.options import ROOT, BenchOptions, broker, client_settings
 from bench.producing import produce_at_rate
-from bench.profiling import COMMIT_THREAD, STAGES
+from bench.profiling import STAGES
 from bench.proxy import BenchProxy, bench_config
 from tests.support.kafka import create_topic, unique_name
 
@@ -159,8 +154,6 @@ def stage_figures(path: Path, run: dict[str, Any], floor: Path | None, warm: int
     stamps = json.loads(path.read_text())
     pauses = stamps.pop("gc", [])
     produced = dict(stamps.pop("produced", []))
-    timeline, idle = stamps.pop("timeline", []), stamps.pop("idle", [])
-    parked = stamps.pop("parked", [])
     at = {stage: {o: ms for o, ms in pairs if o >= warm} for stage, pairs in stamps.items()}
     found: dict[str, Any] = {
         "stages": {
@@ -176,117 +169,16 @@ def stage_figures(path: Path, run: dict[str, Any], floor: Path | None, warm: int
     window = [ts for o, ts in produced.items() if o >= warm]
     if window:
         start, end = min(window), max(window) + 1000.0  # (ms, wall clock)
-        taken = [(ms, gen) for t, ms, gen, *_ in pauses if start <= t <= end]
+        taken = [(ms, gen) for t, ms, gen in pauses if start <= t <= end]
         found["gc"] = {
             "collections": len(taken),
             "by_generation": [sum(1 for _, g in taken if g == gen) for gen in (0, 1, 2)],
             "longest_ms": max((ms for ms, _ in taken), default=0.0),
             "total_ms": sum(ms for ms, _ in taken),
         }
-    if timeline:
-        found["gap"] = gap_figures(timeline, idle, [p[3] for p in pauses if len(p) > 3], parked)
     if floor is not None and at.get("asked"):
         consumed = {o: ms for o, ms in json.loads(floor.read_text())["consumed"]}
         found["tail"] = tail_figures(at, consumed)
-    return found
-
-
-GAP_PARTS = (
-    "to_loop",
-    "loop_woke",
-    "to_intake",
-    "intake",
-    "to_thread",
-    "run_queue",
-    "parked_late",
-    "wake",
-    "other_calls",
-)
-
-
-def gap_figures(
-    timeline: list[list[Any]],
-    idle: list[list[float]],
-    gc_starts: list[float],
-    parked: list[list[float]],
-) -> dict[str, Any]:
-    """Where the consumer thread's gap between a consume that returned records and the next
-    consume beginning goes (perf_counter stamps of ``bench.profiling``'s staged proxy): the
-    thread's hand-over to the loop (``to_loop``: returned -> its future settled on the loop, of
-    which ``loop_woke``: returned -> the loop out of its selector, 0 when it was busy), the
-    intake task's wake-up (``to_intake``), the intake's work until it asked again
-    (``intake``), and the next consume's start on the thread (``to_thread``: the loop -> thread
-    hop, and any call queued ahead of it). p50 / p99 of each in ms, and for the 1% longest
-    gaps: each part's mean, how often the loop was busy (not in its selector) when the thread
-    returned, the loop's busy ms after asking again, and collections begun in the gap."""
-    everything = sorted(timeline, key=lambda w: w[1])
-    calls = [w for w in everything if w[-1] == "consume"]
-    starts = [w[1] for w in everything]
-    spans = sorted((e, x) for e, x in idle)
-    enters = [e for e, _ in spans]
-
-    def span_at(t: float) -> tuple[float, float] | None:
-        i = bisect.bisect_right(enters, t) - 1
-        return spans[i] if i >= 0 and spans[i][1] >= t else None
-
-    def busy_after(t: float) -> float:
-        i = bisect.bisect_left(enters, t)
-        return (enters[i] - t) if i < len(enters) else 0.0
-
-    parked = sorted(parked, key=lambda p: p[1])
-    woken = [p[1] for p in parked]
-
-    def park_before(t: float) -> list[float] | None:
-        """The thread's wait that ended last before ``t`` (its get of the call begun then)."""
-        i = bisect.bisect_right(woken, t) - 1
-        return parked[i] if i >= 0 else None
-
-    gaps: list[dict[str, float]] = []
-    for this, after in itertools.pairwise(calls):
-        _, _, returned, settled_at, resumed, n, *delays, _ = this
-        others = everything[
-            bisect.bisect_right(starts, this[1]) : bisect.bisect_left(starts, after[1])
-        ]
-        if n <= 0 or settled_at <= 0:
-            continue
-        span = span_at(returned)
-        gap = {
-            "gap": after[1] - returned,
-            "to_loop": settled_at - returned,
-            "loop_woke": (span[1] - returned) if span else 0.0,
-            "to_intake": resumed - settled_at,
-            "intake": after[0] - resumed,
-            "to_thread": after[1] - after[0],
-            "loop_busy_at_return": 0.0 if span else 1.0,
-            "busy_after_ask": busy_after(after[0]),
-            "gc": float(sum(1 for t in gc_starts if returned <= t <= after[1])),
-            # the thread's wait on a run queue from its return to its next start: the kernel's
-            "run_queue": (after[6] - delays[1]) if len(after) > 8 and delays else 0.0,
-            # calls that ran on the consumer thread in between (the lag, pauses; commits
-            # before they had a thread of their own), and the commits begun meanwhile
-            "other_calls": sum(w[2] - w[1] for w in others if w[-1] != COMMIT_THREAD),
-            "commits": float(sum(1 for w in others if w[-1] in ("commit", COMMIT_THREAD))),
-        }
-        park = park_before(after[1])
-        if park is not None and park[1] >= returned:
-            # blocked for its next call after the loop asked (busy with something else), and
-            # from the later of the two until it had it (the kernel's wake-up and the GIL)
-            gap["parked_late"] = max(0.0, park[0] - after[0])
-            gap["wake"] = park[1] - max(park[0], after[0])
-        gaps.append(gap)
-    if not gaps:
-        return {}
-    found: dict[str, Any] = {"n": len(gaps)}
-    for part in ("gap", *GAP_PARTS):
-        values = [1000.0 * g.get(part, 0.0) for g in gaps]
-        found[part] = {"p50": percentile(values, 50), "p99": percentile(values, 99)}
-    worst = sorted(gaps, key=lambda g: -g["gap"])[: max(1, len(gaps) // 100)]
-    found["worst"] = {
-        key: sum(g.get(key, 0.0) for g in worst)
-        / len(worst)
-        * (1.0 if key in ("gc", "loop_busy_at_return", "commits") else 1000.0)
-        for key in gaps[0].keys() | {"parked_late", "wake"}
-    }
     return found
 
 
@@ -366,14 +258,6 @@ def print_stages(run: dict[str, Any]) -> None:
             f"{gc['by_generation']}), {gc['total_ms']:.1f} ms in all, longest "
             f"{gc['longest_ms']:.2f} ms"
         )
-    gap = run.get("gap")
-    if gap:
-        parts = ", ".join(
-            f"{k} {gap[k]['p50']:.2f}/{gap[k]['p99']:.2f}" for k in ("gap", *GAP_PARTS)
-        )
-        print(f"      consumer thread's gap after records (p50/p99 ms, {gap['n']}): {parts}")
-        worst = ", ".join(f"{k} {v:.2f}" for k, v in gap["worst"].items())
-        print(f"      the 1% longest gaps (means): {worst}")
     tail = run.get("tail")
     if tail:
         added = ", ".join(f"{s} +{ms:.2f}" for s, ms in tail["worst_mean_added_ms"].items())

@@ -8,7 +8,6 @@ them), and :func:`summarise_cprofile` reads a dump as shares of the event loop's
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 import time
@@ -32,10 +31,6 @@ queue (taken in by the core), taken into a call (batch mode), its push starting 
 not built yet), its call sent (the request built), its call answered."""
 
 
-COMMIT_THREAD = "commit thread"
-"""The name of a commit in ``stages``' timeline (a call on the consumer thread: its function's)."""
-
-
 def staged_proxy_main(out: str, argv: list[str]) -> int:
     """``consumer-proxy`` that stamps each record at each of :data:`STAGES` (wall clock minus
     the record's timestamp, ms) and writes ``{stage: [[offset, ms], ...]}`` as JSON to ``out``
@@ -47,14 +42,12 @@ def staged_proxy_main(out: str, argv: list[str]) -> int:
     there shows up here as a missing stage."""
     import contextvars
     import gc
-    import queue
-    import types
 
     from consumer_proxy import batch_push, dispatcher, fetcher, readyq
     from consumer_proxy.cli import main as cli_main
 
     stamps: dict[str, list[tuple[int, float]]] = {stage: [] for stage in STAGES}
-    pauses: list[tuple[float, float, int, float]] = []
+    pauses: list[tuple[float, float, int]] = []
     calling: contextvars.ContextVar[Any] = contextvars.ContextVar("calling", default=())
 
     produced: list[tuple[int, float]] = []
@@ -81,72 +74,15 @@ def staged_proxy_main(out: str, argv: list[str]) -> int:
             gc_started[:] = [time.time() * 1000.0, time.perf_counter()]
         else:
             ms = 1000.0 * (time.perf_counter() - gc_started[1])
-            pauses.append((gc_started[0], ms, info["generation"], gc_started[1]))
+            pauses.append((gc_started[0], ms, info["generation"]))
 
     gc.callbacks.append(on_gc)
-    consume = fetcher.Fetcher.consume
-    # Each consume's way (perf_counter s): submitted on the loop, begun and returned on the
-    # consumer thread, settled on the loop (the thread's call_soon_threadsafe ran), resumed in
-    # the intake; and the loop's waits in its selector (it idled): where the gap between one
-    # consume returning and the next beginning goes.
-    timeline: list[list[Any]] = []
-    idle: list[tuple[float, float]] = []
-    settle = fetcher._settle
-    settled: dict[int, float] = {}
-
-    def staged_settle(future: Any, result: Any, error: Any) -> None:
-        settled[id(future)] = time.perf_counter()
-        settle(future, result, error)
-
-    fetcher._settle = staged_settle
-    watched: list[Any] = []
-
-    def watch_selector() -> None:
-        import asyncio
-
-        loop: Any = asyncio.get_running_loop()
-        selector = loop._selector
-        if selector in watched:
-            return
-        watched.append(selector)
-        select = selector.select
-
-        def staged_select(timeout: Any = None) -> Any:
-            entered = time.perf_counter()
-            events = select(timeout)
-            idle.append((entered, time.perf_counter()))
-            return events
-
-        selector.select = staged_select
-
-    parked: list[tuple[float, float, float]] = []
-
-    class StagedQueue(queue.SimpleQueue[Any]):
-        """The consumer thread's call queue: when the thread blocked for its next call, when
-        it got it, and its CPU seconds then."""
-
-        def get(self, block: bool = True, timeout: float | None = None) -> Any:
-            began = time.perf_counter()
-            item = super().get(block, timeout)
-            parked.append((began, time.perf_counter(), time.thread_time()))
-            return item
-
-    fetcher.queue = types.SimpleNamespace(SimpleQueue=StagedQueue)  # type: ignore[attr-defined,assignment]
+    run, consume = fetcher.Fetcher._run, fetcher.Fetcher.consume
 
     async def staged_run(self: Any, fn: Any) -> Any:
-        watch_selector()
-        way = [time.perf_counter(), 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
-
         def call() -> Any:
             asked = time.time() * 1000.0
-            way[1] = time.perf_counter()
-            way[6] = _run_delay_s()
             result = fn()
-            way[2] = time.perf_counter()
-            way[7] = _run_delay_s()
-            timeline.append([*way, fn.__name__])
-            if fn.__name__ == "consume":
-                timeline[-1][5] = float(len(result))
             if fn.__name__ == "consume":
                 stamp("consumer_thread", result)
                 book = stamps["asked"].append
@@ -155,13 +91,7 @@ def staged_proxy_main(out: str, argv: list[str]) -> int:
                         book((record.offset(), asked - record.timestamp()[1]))
             return result
 
-        future = self._calls.submit(call)
-        try:
-            return await future
-        finally:
-            if timeline and timeline[-1][1] == way[1]:
-                timeline[-1][3] = settled.pop(id(future), 0.0)
-                timeline[-1][4] = time.perf_counter()
+        return await run(self, call)
 
     async def staged_consume(self: Any, max_messages: int, timeout_s: float) -> Any:
         records = await consume(self, max_messages, timeout_s)
@@ -209,24 +139,6 @@ def staged_proxy_main(out: str, argv: list[str]) -> int:
         stamp_deliveries("sent", calling.get())
         return await push_batch(self, *args, **kwargs)
 
-    commit = fetcher.Fetcher.commit
-
-    async def staged_commit(self: Any, offsets: Any) -> Any:
-        # (on the commit thread: from choosing the offsets to the answer on the loop)
-        way = [0.0, 0.0, 0.0, 0.0, 0.0, -1.0, 0.0, 0.0, COMMIT_THREAD]
-
-        def chosen() -> Any:
-            way[1] = time.perf_counter()
-            return offsets()
-
-        try:
-            return await commit(self, chosen)
-        finally:
-            way[2] = way[3] = way[4] = time.perf_counter()
-            if way[1]:
-                timeline.append(way)
-
-    fetcher.Fetcher.commit = staged_commit  # type: ignore[method-assign]
     fetcher.Fetcher._run = staged_run  # type: ignore[method-assign]
     fetcher.Fetcher.consume = staged_consume  # type: ignore[method-assign]
     readyq.ReadyDeque.put = staged_put  # type: ignore[method-assign]
@@ -238,19 +150,8 @@ def staged_proxy_main(out: str, argv: list[str]) -> int:
     try:
         code: int = cli_main(argv)
     finally:
-        found = {**stamps, "gc": pauses, "produced": produced}
-        found.update(timeline=timeline, idle=idle, parked=parked)
-        Path(out).write_text(json.dumps(found))
+        Path(out).write_text(json.dumps({**stamps, "gc": pauses, "produced": produced}))
     return code
-
-
-def _run_delay_s() -> float:
-    """How long the calling thread waited on a run queue so far (``/proc``'s schedstat): a
-    thread woken late by the kernel, not by the interpreter, shows it here."""
-    try:
-        return int(Path("/proc/thread-self/schedstat").read_text().split()[1]) / 1e9
-    except (OSError, ValueError, IndexError):
-        return 0.0
 
 
 def _thread_cpu_ns() -> dict[str, int]:
@@ -316,9 +217,6 @@ def profiled_proxy_main(kind: str, out: str, argv: list[str]) -> int:
     Both signal handlers run on the main thread, between two bytecodes of the event loop, so
     the profiler sees exactly the loop's thread (not the consumer's executor thread).
     """
-    switch_s = os.environ.get("CP_BENCH_SWITCH_INTERVAL_S")
-    if switch_s:  # (an experiment: the interpreter's switch interval in the proxy)
-        sys.setswitchinterval(float(switch_s))
     if kind == "stages":
         return staged_proxy_main(out, argv)
     if kind == "threads":

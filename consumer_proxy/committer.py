@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
@@ -80,9 +79,6 @@ class Committer:
         self._woken = asyncio.Event()  # ... said again during the gap after a commit
         self.quiet = False
         """The committer ticks slowly (the group held nothing): traffic must wake it."""
-        self.taken_in = -math.inf
-        """When the group last took records in (the intake's clock): a wake-up commits only
-        once they stopped coming for a moment (``CommitCadence.settle_s``)."""
 
     def attach(self, source: MessageSource, clock: Clock) -> None:
         """The group's consumer and clock, once the group runs."""
@@ -112,11 +108,8 @@ class Committer:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(cadence.wait_s(clock())):
                     await wake.wait()
-            woke = wake.is_set()
             wake.clear()
             self._woken.clear()
-            if woke:
-                await self._settle(cadence)
             committed = 0
             try:
                 committed = await self.commit()
@@ -126,17 +119,6 @@ class Committer:
                 await self._update_lag()
             self.quiet = cadence.slow
             await self._gap(cadence, clock() + gap)
-
-    async def _settle(self, cadence: CommitCadence) -> None:
-        """Woken: wait until records stopped coming for a moment, or the next tick."""
-        clock = self.clock
-        assert clock is not None
-        woken = clock()
-        while True:
-            left = cadence.settle_s(clock(), self.taken_in, woken)
-            if left <= 0:
-                return
-            await asyncio.sleep(left)  # (a record taken in meanwhile moves the end on)
 
     async def _gap(self, cadence: CommitCadence, end: float) -> None:
         """Wait until ``end`` before the next commit, or less: a wake-up (since the commit
@@ -148,9 +130,7 @@ class Committer:
         while True:
             if woken.is_set():
                 woken.clear()
-                now = clock()
-                settled = cadence.settle_s(now, self.taken_in, now) <= 0
-                if settled and cadence.gap_ends_early(not self._partitions.holding()):
+                if cadence.gap_ends_early(not self._partitions.holding()):
                     cadence.gap_ended(early=True)
                     return
             left = end - clock()

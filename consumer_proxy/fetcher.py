@@ -1,14 +1,9 @@
-"""The Kafka side of a group: one confluent-kafka consumer, driven from threads of its own.
+"""The Kafka side of a group: one confluent-kafka consumer, driven from a thread of its own.
 
-Every blocking client call runs off the event loop: consume, pause, position, close and the
-rebalance callbacks (which fire inside ``consume()``) on the consumer thread, in the order they
-were queued; commits on a commit thread of their own, so that a commit's broker round trip
-never holds up the next consume (at 1,000 msg/s the idle wake-ups commit ten times a second,
-each ~10 ms on a busy machine: the records that arrived meanwhile waited for it, the proxy's
-whole latency tail). A commit chooses its offsets and is sent under the handover lock, which
-the revoke and lost callbacks and ``close`` hold too: a commit chosen before a revocation is
-answered before the revocation's own final commit, one chosen after it sees the revocation
-(see ``commit``). librdkafka's client is thread-safe.
+Every blocking client call (consume, commit, pause, committed, close) runs on one dedicated
+thread, never on the event loop. Running them all on the same thread also orders them: the
+rebalance callbacks fire inside ``consume()`` on that thread, so a commit queued after a
+revocation sees the revocation (see ``commit``).
 """
 
 from __future__ import annotations
@@ -158,11 +153,6 @@ class Fetcher:
         self._loop = loop
         self._callback_timeout_s = callback_timeout_s
         self._calls = _CallThread(f"kafka-{conf['group.id']}", loop)
-        self._commits = _CallThread(f"kafka-commit-{conf['group.id']}", loop)
-        self._handover = threading.RLock()
-        """Held by a commit from choosing its offsets until it is answered, by the revoke and
-        lost callbacks, and by ``close`` (re-entered by the callbacks ``close`` serves)."""
-        self._consumer_closed = False  # set under the handover lock: no commit after it
         self._consumer: Consumer | None = None
         self.log_gate = KafkaLogGate(log, f"group {conf['group.id']} consumer")
         """librdkafka's lines and errors for this consumer, told as state changes."""
@@ -258,22 +248,18 @@ class Fetcher:
         self._rebalanced = True
         if not partitions:
             return
-        with self._handover:  # after a commit under way; a later one sees the revocation
-            offsets = self._call_listener(self._listener.partitions_revoked(partitions))
-            if offsets:
-                try:
-                    consumer.commit(offsets=offsets, asynchronous=False)
-                except KafkaException as exc:
-                    log.warning(
-                        "commit on revoke failed (acked messages may be redelivered): %s", exc
-                    )
+        offsets = self._call_listener(self._listener.partitions_revoked(partitions))
+        if offsets:
+            try:
+                consumer.commit(offsets=offsets, asynchronous=False)
+            except KafkaException as exc:
+                log.warning("commit on revoke failed (acked messages may be redelivered): %s", exc)
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._positions_due = 0.0
         self._rebalanced = True
         if partitions:
-            with self._handover:
-                self._call_listener(self._listener.partitions_lost(partitions))
+            self._call_listener(self._listener.partitions_lost(partitions))
 
     # -- calls ---------------------------------------------------------------------------
 
@@ -338,28 +324,21 @@ class Fetcher:
     async def commit(self, offsets: Callable[[], list[TopicPartition]]) -> list[TopicPartition]:
         """Commit synchronously the offsets ``offsets()`` returns when the call gets its turn.
 
-        Runs on the commit thread, beside the consumes. ``offsets`` is evaluated under the
-        handover lock, so it can leave out the partitions a revoke or lost callback gave up
-        before it (a stale commit could otherwise move a partition that another member now owns
-        backwards), and a callback that comes while the commit is under way waits for its
-        answer. After ``close`` it commits nothing.
+        ``offsets`` is evaluated on the consumer thread after any rebalance callback that was
+        queued before it, so it can leave out partitions revoked in between: a stale commit
+        could otherwise move a partition that another member now owns backwards.
         """
 
         def commit() -> list[TopicPartition]:
             assert self._consumer is not None
-            with self._handover:
-                if self._consumer_closed:
-                    return []
-                chosen = offsets()
-                if not chosen:
-                    return []
-                result: list[TopicPartition] = self._consumer.commit(
-                    offsets=chosen, asynchronous=False
-                )
+            chosen = offsets()
+            if not chosen:
+                return []
+            result: list[TopicPartition] = self._consumer.commit(offsets=chosen, asynchronous=False)
             self._reached()
             return result
 
-        result: list[TopicPartition] = await self._commits.submit(commit)
+        result: list[TopicPartition] = await self._run(commit)
         return result
 
     async def position(self, tp: TP) -> int | None:
@@ -405,13 +384,10 @@ class Fetcher:
         self.closed = True
 
         def close() -> None:
-            with self._handover:  # after a commit under way; none after it
-                self._consumer_closed = True
-                if self._consumer is not None:
-                    self._consumer.close()
+            if self._consumer is not None:
+                self._consumer.close()
 
         try:
             await self._run(close)
         finally:
             self._calls.stop()
-            self._commits.stop()

@@ -117,10 +117,8 @@ class Intake:
             if plan.pause or plan.resume:
                 await source.set_paused(plan.pause, plan.resume)
             paused.set(plan.paused)
-            if messages:
-                committer.taken_in = polled
-                if committer.quiet:
-                    committer.wake()  # traffic after a quiet spell: the committer's usual cadence
+            if messages and committer.quiet:
+                committer.wake()  # traffic after a quiet spell: the committer's usual cadence
             busy = bool(messages) or bool(plan.paused) or partitions.holding()
             quiet = quiet_polls(quiet, busy)
             # (a partition waiting only for a due time, the guard or the breaker: no poll

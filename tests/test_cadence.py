@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 from consumer_proxy.core.cadence import (
     FETCH_WAIT_S,
-    FLOWING_S,
     IDLE_COMMIT_GAP_S,
     IDLE_FETCH_WAIT_S,
     QUIET_TICKS,
@@ -128,24 +125,6 @@ def test_the_gap_after_a_commit_ends_early_once_when_the_whole_group_went_idle()
     cadence.gap_ended(early=False)
     # and after a gap waited out in full, the group's going idle ends the next one again
     assert cadence.gap_ends_early(idle=True) is True
-
-
-def test_a_wake_up_commits_once_records_stopped_coming_for_a_moment() -> None:
-    # Given a cadence of 1 s ticks, woken at 0.5 s (a partition went idle)
-    cadence = CommitCadence.starting(0.0, 1.0)
-    # While records still come (the last taken in just now), it waits FLOWING_S for more
-    assert cadence.settle_s(0.5, taken_in=0.5, woken=0.5) == pytest.approx(FLOWING_S)
-    assert cadence.settle_s(0.51, taken_in=0.5, woken=0.5) == pytest.approx(FLOWING_S - 0.01)
-    # Once none came for FLOWING_S, it commits at once
-    assert cadence.settle_s(0.5, taken_in=0.5 - FLOWING_S, woken=0.5) == 0.0
-    assert cadence.settle_s(0.5, taken_in=-math.inf, woken=0.5) == 0.0
-    # and never waits past the next tick, which commits them anyway
-    assert cadence.settle_s(0.99, taken_in=0.99, woken=0.5) == pytest.approx(0.01)
-    # nor past an interval after the wake-up (a quiet group's tick is far away)
-    assert cadence.committed(1.0, committed=0, holding=False) is True
-    assert cadence.committed(2.0, committed=0, holding=False) is True
-    assert cadence.next_tick == pytest.approx(2.0 + QUIET_TICKS)
-    assert cadence.settle_s(3.99, taken_in=3.99, woken=3.0) == pytest.approx(0.01)
 
 
 def test_the_breaker_hears_neither_an_ejected_instances_failure_nor_a_protocol_error() -> None:

@@ -7,10 +7,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import threading
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import pytest
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
@@ -90,90 +88,6 @@ async def test_a_consumer_closing_with_an_assignment_not_yet_served_closes_at_on
     finally:
         if not closing:
             await fetcher.close()
-
-
-def _one_partition(bootstrap: str, name: str) -> tuple[Fetcher, str]:
-    """A fetcher (not started) of a fresh one-partition topic, in a group of its own."""
-    topic, group = unique_name(name), unique_name(name)
-    create_topic(bootstrap, topic, partitions=1)
-    conf = consumer_config(KafkaConfig(bootstrap_servers=bootstrap), group)
-    conf.update(FAST_CONSUMER)
-    return Fetcher(conf, [topic], _Listener(), asyncio.get_running_loop()), topic
-
-
-@pytest.mark.kafka
-async def test_a_consume_hands_over_records_while_a_commit_waits_for_its_answer(
-    kafka: Broker,
-) -> None:
-    bootstrap = kafka.bootstrap
-    fetcher, topic = _one_partition(bootstrap, "besidecommit")
-    answer = threading.Event()
-    commit: asyncio.Future[list[TopicPartition]] | None = None
-
-    async def consumed(n: int) -> list[Any]:
-        records: list[Any] = []
-        while len(records) < n:
-            records += [r for r in await fetcher.consume(10, 0.2) if r.error() is None]
-        return records
-
-    def offsets() -> list[TopicPartition]:  # chosen when the commit gets its turn
-        answer.wait(60)  # ... and answered only when the test says so
-        return [TopicPartition(topic, 0, 1)]
-
-    await fetcher.start()
-    try:
-        # Given a member consuming its partition
-        produce(bootstrap, topic, [b"first"])
-        await asyncio.wait_for(consumed(1), 60)
-        # When a commit is under way, and a record arrives
-        commit = asyncio.ensure_future(fetcher.commit(offsets))
-        produce(bootstrap, topic, [b"second"])
-        # Then the next consumes hand it over before the commit is answered (on one thread
-        # with the consumes, the commit held them up until its answer)
-        (record,) = await asyncio.wait_for(consumed(1), 30)
-        assert record.value() == b"second"
-        assert not commit.done()
-        answer.set()
-        assert [tp.offset for tp in await commit] == [1]
-    finally:
-        answer.set()
-        if commit is not None:
-            await asyncio.gather(commit, return_exceptions=True)
-        await fetcher.close()
-
-
-@pytest.mark.kafka
-async def test_close_waits_for_the_answer_of_a_commit_under_way(
-    kafka: Broker,
-) -> None:
-    bootstrap = kafka.bootstrap
-    fetcher, topic = _one_partition(bootstrap, "closecommit")
-    answer, chosen = threading.Event(), threading.Event()
-
-    def offsets() -> list[TopicPartition]:  # chosen under the handover lock
-        chosen.set()
-        answer.wait(60)
-        return [TopicPartition(topic, 0, 1)]
-
-    await fetcher.start()
-    produce(bootstrap, topic, [b"first"])
-    while not [r for r in await fetcher.consume(10, 0.2) if r.error() is None]:
-        pass
-    # Given a commit under way (its offsets chosen, its answer not come)
-    commit = asyncio.ensure_future(fetcher.commit(offsets))
-    await async_wait_until(chosen.is_set, timeout=30, message="the commit to choose its offsets")
-    # When the member closes (its revoke callback would commit too)
-    closing = asyncio.ensure_future(fetcher.close())
-    try:
-        # Then the close waits for the commit's answer (the handover lock: a consumer closed
-        # under a commit, or a revocation's final commit before it, is what it prevents) ...
-        with pytest.raises(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(closing), timeout=1.0)
-    finally:
-        answer.set()
-    # ... and closes once it came
-    assert [tp.offset for tp in await commit] == [1]
-    await asyncio.wait_for(closing, timeout=60)
 
 
 async def test_a_commit_failing_after_shutdown_cancelled_its_caller_is_not_logged_as_an_error(

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 __all__ = [
     "FETCH_WAIT_S",
-    "FLOWING_S",
     "IDLE_COMMIT_GAP_S",
     "IDLE_FETCH_WAIT_S",
     "QUIET_TICKS",
@@ -29,10 +28,6 @@ __all__ = [
 
 IDLE_COMMIT_GAP_S = 0.1
 """At most this often an idle partition's progress is committed before the next interval."""
-FLOWING_S = 0.02
-"""... and only once the group took in no record for this long (:meth:`CommitCadence.settle_s`):
-while records keep coming, a partition goes idle between each of them, and each commit (a
-broker round trip, ~10 ms on a busy machine) held up the records that came meanwhile."""
 FETCH_WAIT_S = 0.2
 """How long one consume waits for a first message."""
 IDLE_FETCH_WAIT_S = 6.0
@@ -189,15 +184,6 @@ class CommitCadence:
     def wait_s(self, now: float) -> float:
         """How long to wait for a wake-up before the next tick."""
         return max(0.0, self.next_tick - now)
-
-    def settle_s(self, now: float, taken_in: float, woken: float) -> float:
-        """Woken at ``woken`` (a partition went idle), the group last took in records at
-        ``taken_in``: how long, from ``now``, to wait before committing. Until no record came
-        for ``FLOWING_S`` (records still flowing: the partition goes idle again at once, and
-        the tick commits them), but never past the next tick nor an interval after the
-        wake-up (a quiet committer's next tick is ``QUIET_TICKS`` intervals away)."""
-        until = min(self.next_tick, woken + self.interval_s)
-        return max(0.0, min(taken_in + FLOWING_S, until) - now)
 
     def committed(self, now: float, committed: int, holding: bool) -> bool:
         """A commit round ended at ``now`` (``committed`` partitions; ``holding``: the group

@@ -46,16 +46,15 @@ Call = tuple[str, Callable[[], Awaitable[Any]], "asyncio.Future[Any]", float]
 
 
 class _Thread:
-    """One of the consumer's threads (``Fetcher``'s consumer thread, or its commit thread):
-    calls run one at a time in the order they were queued; a caller that goes away
-    (cancelled) does not stop its call."""
+    """The consumer's one thread: calls run one at a time in the order they were queued; a
+    caller that goes away (cancelled) does not stop its call."""
 
-    def __init__(self, sim: ShellSim, name: str = "consumer") -> None:
+    def __init__(self, sim: ShellSim) -> None:
         self._sim = sim
         self._queue: deque[Call] = deque()
         self._more = asyncio.Event()
         self._stopped = False
-        self.task = asyncio.get_running_loop().create_task(self._serve(), name=f"sim:{name}")
+        self.task = asyncio.get_running_loop().create_task(self._serve(), name="sim:consumer")
 
     def waiting(self) -> bool:
         return bool(self._queue)
@@ -139,11 +138,6 @@ class SimSource:
         self.rebalancing = False  # the consumer thread is serving a rebalance
         self.arrived = _Arrivals()
         self.thread: _Thread | None = None
-        self.commits: _Thread | None = None  # the commit thread: commits beside the consumes
-        self.handover: asyncio.Lock | None = None
-        """``Fetcher``'s handover lock: a commit holds it from choosing its offsets until it
-        is answered; a revoke, a loss and ``close`` hold it while they hand partitions over."""
-        self.closed = False  # ``close`` began: no commit after it
         self.crashed = False
         self.idle = False  # a consume is waiting longer than a normal poll
         self.idle_while_due = False  # ... and it began while a commit was due
@@ -156,8 +150,6 @@ class SimSource:
 
     async def start(self) -> None:
         self.thread = _Thread(self.sim)
-        self.commits = _Thread(self.sim, "commits")
-        self.handover = asyncio.Lock()
 
     async def consume(self, max_messages: int, timeout_s: float) -> list[Any]:
         runner = self.sim.runner
@@ -255,11 +247,6 @@ class SimSource:
             )
 
     async def _revoke(self, tps: list[TP]) -> None:
-        assert self.handover is not None
-        async with self.handover:  # after a commit under way; a later one sees the revocation
-            await self._revoke_now(tps)
-
-    async def _revoke_now(self, tps: list[TP]) -> None:
         sim = self.sim
         sim.trace(f"revoke {tps}")
         sim.stats.paused_at_revoke += sum(tp in self.consumer.paused for tp in tps)
@@ -285,9 +272,7 @@ class SimSource:
         sim.trace(f"lose {tps}")
         for tp in tps:
             sim.allow_dups(tp)
-        assert self.handover is not None
-        async with self.handover:
-            await self.listener.partitions_lost([TopicPartition(*tp) for tp in tps])
+        await self.listener.partitions_lost([TopicPartition(*tp) for tp in tps])
         self.consumer.revoke(tps)
 
     async def set_paused(self, pause: Sequence[TP], resume: Sequence[TP]) -> None:
@@ -311,35 +296,20 @@ class SimSource:
 
     async def commit(self, offsets: Callable[[], list[TopicPartition]]) -> list[TopicPartition]:
         async def commit() -> list[TopicPartition]:
-            assert self.handover is not None
-            async with self.handover:
-                if self.closed:
-                    return []
-                chosen = offsets()
-                if not chosen:
-                    return []
-                await asyncio.sleep(self.commit_s())  # the broker's answer
-                if self.crashed or self.sim.commits_down:
-                    raise KafkaException(KafkaError(KafkaError._TRANSPORT, "commits down"))
-                for tp in chosen:
-                    commit = (
-                        (tp.topic, tp.partition),
-                        tp.offset,
-                        tp.metadata or "",
-                        tp.leader_epoch,
-                    )
-                    self.sim.committed(*commit)
-                    self.consumer.commit(*commit)
-                return chosen
+            chosen = offsets()
+            if not chosen:
+                return []
+            await asyncio.sleep(self.sim.rng.uniform(0.001, 0.01))  # the broker's answer
+            if self.crashed or self.sim.commits_down:
+                raise KafkaException(KafkaError(KafkaError._TRANSPORT, "commits down"))
+            for tp in chosen:
+                commit = ((tp.topic, tp.partition), tp.offset, tp.metadata or "", tp.leader_epoch)
+                self.sim.committed(*commit)
+                self.consumer.commit(*commit)
+            return chosen
 
-        # On the commit thread, as ``Fetcher``'s: a consume never waits behind a commit.
-        assert self.commits is not None
-        result: list[TopicPartition] = await self.commits.submit("commit", commit)
+        result: list[TopicPartition] = await self._run("commit", commit)
         return result
-
-    def commit_s(self) -> float:
-        """How long the broker takes to answer a commit."""
-        return self.sim.commit_answer_s or self.sim.rng.uniform(0.001, 0.01)
 
     async def position(self, tp: TP) -> int | None:
         async def read() -> int | None:
@@ -357,9 +327,6 @@ class SimSource:
 
     async def close(self) -> None:
         async def close() -> None:
-            assert self.handover is not None
-            async with self.handover:  # after a commit under way; none after it
-                self.closed = True
             owned = sorted(self.consumer.assigned)
             if owned and not self.crashed:
                 await self._revoke(owned)  # leaving the group revokes everything
@@ -367,10 +334,9 @@ class SimSource:
         try:
             await self._run("close", close)
         finally:
-            for thread in (self.thread, self.commits):
-                assert thread is not None
-                thread.stop()
-                await thread.task
+            assert self.thread is not None
+            self.thread.stop()
+            await self.thread.task
 
 
 class ErrorRecord:

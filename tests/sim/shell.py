@@ -5,9 +5,7 @@ with simulated edges (``ports``, in ``tests/sim/edges.py``):
 
 - ``SimSource`` (``ports.MessageSource``): the world's consumer (``world.Consumer``: pause
   flags survive revoke and re-assign, as librdkafka's) behind one serial "consumer thread",
-  as ``fetcher.Fetcher``: every call waits its turn (commits on a "commit thread" of their own,
-  beside the consumes, under the handover lock the revoke and lost callbacks and ``close``
-  hold too, as ``Fetcher``'s); ``consume`` waits in chunks of
+  as ``fetcher.Fetcher``: every call waits its turn; ``consume`` waits in chunks of
   ``CONSUME_CHUNK_S`` that end early only for a queued call or a rebalance, serves the
   rebalance callbacks (revoke, then assign back: cooperative-sticky) and re-reads positions
   every ``POSITIONS_INTERVAL_S`` (so a reading may predate a log cut); a cancelled call still
@@ -255,7 +253,6 @@ class ShellSim:
         self._dlq_down = False
         self._dlq_back: list[asyncio.Future[None]] = []  # writes waiting for the DLQ
         self.commits_down = False
-        self.commit_answer_s: float | None = None  # the broker's commit answer (else random)
         self.crashing = False
         self.failure: InvariantViolation | None = None
         self._trace = hashlib.sha256()
@@ -869,18 +866,6 @@ class ShellSim:
         return outcome, latency
 
     # -- the schedule --------------------------------------------------------------------
-
-    def produce_ok(self, tp: TP) -> None:
-        """One record the service acks, to ``tp`` (a scenario's steady flow)."""
-        msg = Msg(self.next_ident, "ok", key=None, value=b"v")
-        self.truth.behaviour[msg.ident] = "ok"
-        self.next_ident += 1
-        log = self.logs[tp]
-        log.append(msg, gap=0)
-        self.lanes.setdefault(self._lane(tp, None), []).append((log.end - 1, msg.ident))
-        self.stats.produced += 1
-        if self.source is not None:
-            self.source.arrived.set()
 
     def produce(self) -> None:
         rng = self.rng
