@@ -434,7 +434,7 @@ class _OwnProcess(OtelMessage):
         self.span_id = span_id = random.getrandbits(64) or 1
         self._start = time.time_ns()
         self.sampled = True
-        self.traceparent = f"00-{trace_id:032x}-{span_id:016x}-01"
+        self.traceparent = format_traceparent(trace_id, span_id, 1)
         self.tracestate = ""
         self._ctx = None
         self._what = "dead_letter"
@@ -780,7 +780,7 @@ class OtelTracer:
         if own is not None:  # (then every process span is one of its own)
             call = _OwnCall(own, facts, [_ids(trace) for trace in traces])
             trace_id, span_id = call.ids
-            return call, ((TRACEPARENT, f"00-{trace_id:032x}-{span_id:016x}-01"),)
+            return call, ((TRACEPARENT, format_traceparent(trace_id, span_id, 1)),)
         span = self._tracer.start_span(
             f"{RPC_SERVICE}/{method}",
             context=_ROOT,

@@ -37,6 +37,7 @@ from opentelemetry.trace import (
 from opentelemetry.trace.span import TraceState
 from opentelemetry.util.types import Attributes, AttributeValue
 
+from .core.tracecontext import format_traceparent
 from .otlp import Encoded, Event, LinkTo, span_bytes
 
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
@@ -100,7 +101,7 @@ class ProxySpan(Span):
 
     def traceparent(self) -> str:
         """Its context as a W3C ``traceparent`` (sampled: every span here is)."""
-        return f"00-{self.trace_id:032x}-{self.span_id:016x}-01"
+        return format_traceparent(self.trace_id, self.span_id, 1)
 
     def get_span_context(self) -> SpanContext:
         context = self._context
