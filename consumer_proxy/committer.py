@@ -105,9 +105,10 @@ class Committer:
 
     @property
     def due(self) -> bool:
-        """A commit is due or on its way to the consumer thread (not once it was sent: its
-        answer is served inside any consume, however long it waits)."""
-        return self._wake.is_set() or (self.lock.locked() and not self._answering)
+        """A commit is due or on its way to the consumer thread; not while a commit that was
+        sent awaits its answer (served inside any consume, however long it waits; a wake-up
+        meanwhile is acted on only after it)."""
+        return not self._answering and (self._wake.is_set() or self.lock.locked())
 
     async def run(self) -> None:
         """Commit every interval and soon after each wake-up, until cancelled."""

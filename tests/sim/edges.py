@@ -145,6 +145,8 @@ class SimSource:
         self._give_way_at = math.inf  # ... when it gives way to a pause call queued
         self._unanswered: dict[asyncio.Future[Any], asyncio.TimerHandle] = {}
         """Sent commits, each with the timer of its answer."""
+        self.answers_lost = False
+        """Commits sent now reach no broker and are never answered (a scenario's fault)."""
 
     def _run(self, what: str, fn: Callable[[], Awaitable[Any]]) -> Awaitable[Any]:
         assert self.thread is not None
@@ -326,6 +328,8 @@ class SimSource:
             chosen = offsets()
             if not chosen:
                 return False
+            if self.answers_lost:
+                return True
             error: KafkaException | None = None
             if self.crashed or self.sim.commits_down:
                 error = KafkaException(KafkaError(KafkaError._TRANSPORT, "commits down"))
