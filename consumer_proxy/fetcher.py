@@ -152,6 +152,11 @@ class _CallThread:
                 self._loop.call_soon_threadsafe(_settle, future, result, error)
 
 
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
     if future.done():  # the awaiting task was cancelled (shutdown), or gave up: nobody waits
         return
@@ -416,6 +421,9 @@ class Fetcher:
         when nothing was left to commit. The caller caps its wait: an answer may never come
         (the consumer closed first)."""
         answer: asyncio.Future[list[TopicPartition]] = self._loop.create_future()
+        # A failure nobody awaits any more (shutdown cancelled the sender while the send
+        # waited for its turn) is not an error to log: the shutdown commit covers it.
+        answer.add_done_callback(_retrieved)
 
         def send() -> bool:
             assert self._consumer is not None
