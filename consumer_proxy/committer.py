@@ -104,6 +104,11 @@ class Committer:
         self._woken.set()
 
     @property
+    def answering(self) -> bool:
+        """A commit was sent and its answer is awaited (the committer holds its lock)."""
+        return self._answering
+
+    @property
     def due(self) -> bool:
         """A commit is due or on its way to the consumer thread; not while a commit that was
         sent awaits its answer (served inside any consume, however long it waits; a wake-up
