@@ -338,15 +338,20 @@ async def _for(sim: ShellSim, seconds: float, tick_s: float = 0.5) -> None:
         sim.check()
 
 
+async def _commit_some(sim: ShellSim) -> None:
+    """A few records produced, taken in and committed by ``sim``'s running member."""
+    for _ in range(3):
+        sim.produce()
+    await _for(sim, 5.0)
+    assert sim.stats.commits > 0
+
+
 def test_while_commits_fail_a_partition_stops_a_window_past_its_last_commit() -> None:
     # Given a member that committed once, then cannot commit any more (broker unreachable)
     sim = ShellSim(11).plain()
 
     async def body() -> None:
-        for _ in range(3):
-            sim.produce()
-        await _for(sim, 5.0)
-        assert sim.stats.commits > 0
+        await _commit_some(sim)
         sim.commits_down = True
         # When far more messages arrive and are acked than one window
         for _ in range(300):
@@ -369,10 +374,8 @@ def test_a_commit_never_answered_fails_after_its_cap_and_its_offsets_are_sent_ag
     sim = ShellSim(12).plain()
 
     async def body() -> None:
-        for _ in range(3):
-            sim.produce()
-        await _for(sim, 5.0)
-        assert sim.stats.commits > 0 and sim.source is not None and sim.runner is not None
+        await _commit_some(sim)
+        assert sim.source is not None and sim.runner is not None
         sim.source.answers_lost = True
         # When more messages are acked, and the committer waits on an answer for its cap
         for _ in range(20):
