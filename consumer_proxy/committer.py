@@ -7,6 +7,12 @@ quiet spell: ``wake()``), the commit itself (``PartitionSet.commit_plan`` -> the
 every ``commit_interval_ms``, soon after a wake-up, and slowly while the group is quiet
 (``core.cadence.CommitCadence``). The runner also commits on revoke (``final_commit``) and
 once more at shutdown (``commit()``).
+
+Its running commits are sent without waiting on the consumer thread (``MessageSource.
+send_commit``): the broker's answer comes inside a later consume, and the committer awaits it
+(at most ``ANSWER_TIMEOUT_S``) still holding its lock, so commits stay one at a time and in
+order. The intake's polls hurry only until the commit is sent (``due``). The shutdown commit
+waits on the consumer thread (``commit()``): nothing consumes after it.
 """
 
 from __future__ import annotations
@@ -14,10 +20,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from confluent_kafka import KafkaException, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from .config import DeliveryConfig
 from .core.cadence import CommitCadence
@@ -26,6 +32,11 @@ from .metrics import ProxyMetrics
 from .ports import Clock, MessageSource
 
 log = logging.getLogger(__name__)
+
+ANSWER_TIMEOUT_S = 30.0
+"""The longest the committer awaits the broker's answer to a commit it sent; then the commit
+counts as failed and the next one sends its offsets again. (librdkafka's own request timeout
+is 60 s by default, with retries: a coordinator that moved answers within seconds.)"""
 
 
 def kafka_commit(commit: Commit) -> TopicPartition:
@@ -79,6 +90,8 @@ class Committer:
         self._woken = asyncio.Event()  # ... said again during the gap after a commit
         self.quiet = False
         """The committer ticks slowly (the group held nothing): traffic must wake it."""
+        self._answering = False  # the commit under the lock was sent; its answer is awaited
+        self._failures = 0  # commits failed in a row (told once, when the first fails)
 
     def attach(self, source: MessageSource, clock: Clock) -> None:
         """The group's consumer and clock, once the group runs."""
@@ -91,9 +104,16 @@ class Committer:
         self._woken.set()
 
     @property
+    def answering(self) -> bool:
+        """A commit was sent and its answer is awaited (the committer holds its lock)."""
+        return self._answering
+
+    @property
     def due(self) -> bool:
-        """A commit is due or on its way to the consumer thread."""
-        return self._wake.is_set() or self.lock.locked()
+        """A commit is due or on its way to the consumer thread; not while a commit that was
+        sent awaits its answer (served inside any consume, however long it waits; a wake-up
+        meanwhile is acted on only after it)."""
+        return not self._answering and (self._wake.is_set() or self.lock.locked())
 
     async def run(self) -> None:
         """Commit every interval and soon after each wake-up, until cancelled."""
@@ -112,9 +132,11 @@ class Committer:
             self._woken.clear()
             committed = 0
             try:
-                committed = await self.commit()
+                committed = await self.commit(wait=False)
             except KafkaException as exc:
-                log.warning("group %s: commit failed, will retry: %s", self.name, exc)
+                self._failed(exc)
+            else:
+                self._succeeded()
             if cadence.committed(clock(), committed, self._partitions.holding()):
                 await self._update_lag()
             self.quiet = cadence.slow
@@ -141,8 +163,29 @@ class Committer:
                     await woken.wait()
         cadence.gap_ended(early=False)
 
-    async def commit(self) -> int:
-        """Commit every partition's done prefix and ack state; returns partitions committed."""
+    def _failed(self, exc: KafkaException) -> None:
+        self._failures += 1
+        if self._failures == 1:
+            log.warning(
+                "group %s: commit failed, will retry (until one succeeds, failures are only "
+                'counted: consumer_proxy_commits_total{result="error"}): %s',
+                self.name,
+                exc,
+            )
+        else:
+            log.debug("group %s: commit failed again: %s", self.name, exc)
+
+    def _succeeded(self) -> None:
+        if self._failures:
+            log.info("group %s: commits succeed again after %d failed", self.name, self._failures)
+            self._failures = 0
+
+    async def commit(self, *, wait: bool = True) -> int:
+        """Commit every partition's done prefix and ack state; returns partitions committed.
+
+        ``wait``: on the consumer thread, which waits for the broker (the shutdown commit);
+        else sent from it, and the broker's answer awaited here (the running commits).
+        """
         source = self.source
         assert source is not None
         partitions = self._partitions
@@ -168,7 +211,10 @@ class Committer:
                 return [kafka_commit(c) for c in plan if not c.part.revoked]
 
             try:
-                await shielded(source.commit(still_owned))
+                if wait:
+                    await shielded(source.commit(still_owned))
+                else:
+                    await self._send(source, still_owned)
             except KafkaException:
                 self._metrics.commits.labels(self.name, "error").inc()
                 partitions.commit_confirmed(False)
@@ -180,6 +226,24 @@ class Committer:
                 labels = (self.name, c.part.topic, str(c.part.partition))
                 self._metrics.committed_offset.labels(*labels).set(c.offset)
             return len(plan)
+
+    async def _send(
+        self, source: MessageSource, offsets: Callable[[], list[TopicPartition]]
+    ) -> None:
+        """Send a commit and await the broker's answer (at most ANSWER_TIMEOUT_S): raises
+        KafkaException when it failed or did not come."""
+        answer = await shielded(source.send_commit(offsets))
+        if answer is None:  # every partition of the plan was revoked meanwhile
+            return
+        self._answering = True
+        try:
+            async with asyncio.timeout(ANSWER_TIMEOUT_S):
+                await answer  # (cancelled with its waiter: a late answer is dropped)
+        except TimeoutError:
+            why = f"no answer to the commit within {ANSWER_TIMEOUT_S:g} s"
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, why)) from None
+        finally:
+            self._answering = False
 
     async def _update_lag(self) -> None:
         source = self.source

@@ -17,7 +17,7 @@ from confluent_kafka.admin import AdminClient
 from consumer_proxy.committer import shielded
 from consumer_proxy.config import KafkaConfig
 from consumer_proxy.fetcher import FETCH_QUEUE_BACKOFF_MS, Fetcher, consumer_config
-from tests.support.kafka import Broker, admin, create_topic, produce, unique_name
+from tests.support.kafka import Broker, admin, committed_offsets, create_topic, produce, unique_name
 from tests.support.proxy import FAST_CONSUMER
 from tests.support.waiting import async_wait_until
 
@@ -178,3 +178,56 @@ def test_a_full_prefetch_queue_fetches_again_within_a_tenth_of_a_second_unless_s
     assert own["fetch.queue.backoff.ms"] == 1000
     # And librdkafka takes the setting
     Consumer(default).close()
+
+
+@pytest.mark.kafka
+async def test_a_sent_commit_is_answered_inside_a_later_consume_and_one_left_at_close_is_settled(
+    kafka: Broker,
+) -> None:
+    bootstrap = kafka.bootstrap
+    topic, group = unique_name("sendcommit"), unique_name("sendcommit")
+    create_topic(bootstrap, topic, partitions=1)
+    produce(bootstrap, topic, [f"m{i}" for i in range(10)])
+    conf = consumer_config(KafkaConfig(bootstrap_servers=bootstrap), group)
+    conf.update(FAST_CONSUMER)
+    listener = _Listener()
+    fetcher = Fetcher(conf, [topic], listener, asyncio.get_running_loop())
+    await fetcher.start()
+    closed = False
+    try:
+        # Given a member that owns the topic's partition
+        async def assigned() -> bool:
+            await fetcher.consume(10, 0.2)
+            return bool(listener.assigned)
+
+        await async_wait_until(assigned, timeout=60, message="the partition to be assigned")
+        # When it sends two commits, one after the other, without waiting for the broker
+        first = await fetcher.send_commit(lambda: [TopicPartition(topic, 0, 3, metadata="a")])
+        second = await fetcher.send_commit(lambda: [TopicPartition(topic, 0, 5, metadata="b")])
+        assert first is not None and second is not None
+
+        # Then each answer comes inside a later consume, telling which commit it answers
+        async def answered() -> bool:
+            await fetcher.consume(1, 0.1)
+            return first.done() and second.done()
+
+        await async_wait_until(answered, timeout=30, message="the broker's answers")
+        assert [(tp.offset, tp.metadata) for tp in first.result()] == [(3, "a")]
+        assert [(tp.offset, tp.metadata) for tp in second.result()] == [(5, "b")]
+        # and the broker applied them in the order they were sent
+        assert committed_offsets(bootstrap, group, topic) == {0: (5, "b")}
+        # and nothing is sent when nothing is left to commit
+        assert await fetcher.send_commit(list) is None
+        # When a commit is sent and the member closes before it consumes again
+        third = await fetcher.send_commit(lambda: [TopicPartition(topic, 0, 7, metadata="c")])
+        assert third is not None
+        closed = True
+        await asyncio.wait_for(fetcher.close(), timeout=60)
+        # Then its answer is settled all the same (served inside close, or failed there):
+        # nothing waits for it forever
+        await async_wait_until(third.done, timeout=10, message="the third answer")
+        if third.exception() is None:
+            assert committed_offsets(bootstrap, group, topic) == {0: (7, "c")}
+    finally:
+        if not closed:
+            await fetcher.close()

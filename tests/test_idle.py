@@ -188,9 +188,10 @@ async def test_a_group_that_goes_idle_commits_before_its_long_wait(
 
         async def watched(max_messages: int, timeout_s: float) -> list[object]:
             # Instrumentation only: the real consume runs; what the group's own books said
-            # when the intake began a long wait is recorded.
+            # when the intake began a long wait is recorded (but for a commit already sent,
+            # whose answer the wait serves).
             calls.append(timeout_s)
-            if timeout_s >= 120.0:
+            if timeout_s >= 120.0 and not runner.committer.answering:
                 behind = [
                     (p.last_commit[0] if p.last_commit else None, p.tracker.committable())
                     for p in runner.partitions.parts.values()
@@ -219,6 +220,10 @@ async def test_a_group_that_goes_idle_commits_before_its_long_wait(
         # and it begins one once everything is committed
         await async_wait_until(lambda: 120.0 in calls, timeout=30)
         assert uncommitted_at_long_wait == []
+        # and a commit's answer is served inside a long wait, not after it
+        await async_wait_until(lambda: not runner.committer.answering, timeout=30)
+        parts = runner.partitions.parts.values()
+        assert [p.last_commit[0] for p in parts if p.last_commit is not None] == [20]
         # (a new record ends the 120 s wait at once, so the shutdown need not wait for it; the
         # chunks are 2 s again for the long wait that may begin before the shutdown: a busy
         # group's short waits give way to its commits, so it is quiet again within ~50 ms)

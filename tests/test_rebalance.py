@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from confluent_kafka import Producer
 
 from consumer_proxy.config import ProxyConfig
+from consumer_proxy.proxy import Proxy
 from tests.support.kafka import Broker, create_topic, produce, unique_name
-from tests.support.proxy import caught_up, caught_up_now, start_proxy
+from tests.support.proxy import Members, caught_up, caught_up_now, start_proxy
 from tests.support.proxy import make_config as _make_config
 from tests.support.service import Behaviour, ThreadedService
 from tests.support.waiting import async_wait_until, wait_until
@@ -172,3 +174,92 @@ async def test_a_partition_paused_by_load_and_reassigned_to_the_same_member_drai
         await first.shutdown()
         await first_task
     assert len(service.counts) == 1500
+
+
+def _produce_until(bootstrap: str, topic: str, stop: threading.Event, partitions: int) -> int:
+    """Produce records round-robin over ``partitions``, about 1,000 a second (50 every 50 ms),
+    until ``stop`` is set; returns how many were written (all acknowledged, acks=all)."""
+    producer = Producer({"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": 5})
+    sent = 0
+    while not stop.is_set():
+        for _ in range(50):
+            producer.produce(topic, value=f"m{sent}", partition=sent % partitions)
+            sent += 1
+        producer.poll(0)
+        stop.wait(0.05)  # the pace of the flow, not a synchronisation
+    assert producer.flush(30) == 0, "records left undelivered"
+    return sent
+
+
+def _commits_ok(proxy: Proxy, group: str) -> float:
+    value = proxy.metrics.registry.get_sample_value(
+        "consumer_proxy_commits_total", {"group": group, "result": "ok"}
+    )
+    return value or 0.0
+
+
+async def test_rebalances_with_commits_in_flight_neither_hang_nor_redeliver_acks(
+    kafka: Broker,
+) -> None:
+    bootstrap = kafka.bootstrap
+    # Given 4 partitions fed about 1,000 records a second, and members that commit every
+    # 10 ms (a commit is nearly always on its way to the broker)
+    topic, group = unique_name("inflight"), unique_name("inflight")
+    create_topic(bootstrap, topic, partitions=4)
+    stop = threading.Event()
+    producing = asyncio.ensure_future(asyncio.to_thread(_produce_until, bootstrap, topic, stop, 4))
+    try:
+        with ThreadedService(lambda m, n: Behaviour(delay_s=0.001)) as service:
+            config = make_config(
+                bootstrap,
+                group,
+                [topic],
+                [service.address],
+                delivery={"concurrency": 20, "commit_interval_ms": 10},
+            )
+
+            def acked() -> int:
+                return sum(1 for d in service.deliveries if d.outcome == "ACK")
+
+            async def progress(more: int) -> None:
+                target = acked() + more
+                await async_wait_until(lambda: acked() >= target, timeout=60)
+
+            async def leave(proxy: Proxy, task: asyncio.Task[None]) -> None:
+                # A deadlocked consumer thread (a commit and a rebalance callback waiting for
+                # each other) fails here instead of hanging the suite.
+                async with asyncio.timeout(60):
+                    await proxy.shutdown()
+                    await task
+
+            first, first_task = start_proxy(config)
+            await progress(300)
+            before = _commits_ok(first, group)
+            # When a second member joins (the first revokes partitions with a commit in
+            # flight), a third joins, and the second and then the first leave (the leavers
+            # revoke everything, the others take it over), all while records flow
+            second, second_task = start_proxy(config)
+            await Members.owned(second, topic)
+            await progress(300)
+            third, third_task = start_proxy(config)
+            await Members.owned(third, topic)
+            await progress(300)
+            await leave(second, second_task)
+            await progress(300)
+            assert _commits_ok(first, group) > before + 10, "the first member committed on"
+            await leave(first, first_task)
+            await progress(300)
+            stop.set()
+            async with asyncio.timeout(60):
+                total = await producing
+            # Then the last member finishes the topic, and shuts down in time
+            await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=120)
+            await leave(third, third_task)
+            counts = service.counts
+    finally:
+        stop.set()
+    # and nothing was lost; only messages in flight at the hand-overs came twice
+    assert len(counts) == total
+    duplicates = sum(n - 1 for n in counts.values())
+    print(f"\nrebalances with commits in flight: {total} messages, {duplicates} duplicates")
+    assert duplicates <= 4 * 20  # four hand-overs, at most the in-flight calls at each

@@ -143,6 +143,10 @@ class SimSource:
         self.idle_while_due = False  # ... and it began while a commit was due
         self._consuming_since: float | None = None  # when the running consume began
         self._give_way_at = math.inf  # ... when it gives way to a pause call queued
+        self._unanswered: dict[asyncio.Future[Any], asyncio.TimerHandle] = {}
+        """Sent commits, each with the timer of its answer."""
+        self.answers_lost = False
+        """Commits sent now reach no broker and are never answered (a scenario's fault)."""
 
     def _run(self, what: str, fn: Callable[[], Awaitable[Any]]) -> Awaitable[Any]:
         assert self.thread is not None
@@ -311,6 +315,42 @@ class SimSource:
         result: list[TopicPartition] = await self._run("commit", commit)
         return result
 
+    async def send_commit(
+        self, offsets: Callable[[], list[TopicPartition]]
+    ) -> asyncio.Future[list[TopicPartition]] | None:
+        """As ``Fetcher.send_commit``: the commit reaches the broker in the order it was sent
+        (before a revoke's commit queued after it), and its answer comes later, 1-10 ms on,
+        after the consumer thread went on (a failure: the broker or the client said so)."""
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[list[TopicPartition]] = loop.create_future()
+
+        async def send() -> bool:
+            chosen = offsets()
+            if not chosen:
+                return False
+            if self.answers_lost:
+                return True
+            error: KafkaException | None = None
+            if self.crashed or self.sim.commits_down:
+                error = KafkaException(KafkaError(KafkaError._TRANSPORT, "commits down"))
+            else:
+                for tp in chosen:
+                    commit = (
+                        (tp.topic, tp.partition),
+                        tp.offset,
+                        tp.metadata or "",
+                        tp.leader_epoch,
+                    )
+                    self.sim.committed(*commit)
+                    self.consumer.commit(*commit)
+            delay = self.sim.rng.uniform(0.001, 0.01)
+            self._unanswered[answer] = loop.call_later(delay, _answer, answer, chosen, error)
+            answer.add_done_callback(self._unanswered.pop)
+            return True
+
+        sent: bool = await self._run("commit", send)
+        return answer if sent else None
+
     async def position(self, tp: TP) -> int | None:
         async def read() -> int | None:
             return self.consumer.position.get(tp)
@@ -334,6 +374,9 @@ class SimSource:
         try:
             await self._run("close", close)
         finally:
+            for answer, timer in list(self._unanswered.items()):  # as ``Fetcher.close``
+                timer.cancel()
+                answer.cancel()
             assert self.thread is not None
             self.thread.stop()
             await self.thread.task
@@ -512,3 +555,16 @@ def _ident(headers: Any) -> int:
         if header.key == "id":
             return int(header.value)
     raise AssertionError("a message without its id header")
+
+
+def _answer(
+    future: asyncio.Future[list[TopicPartition]],
+    chosen: list[TopicPartition],
+    error: KafkaException | None,
+) -> None:
+    if future.done():  # its waiter gave up or was cancelled
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(chosen)
