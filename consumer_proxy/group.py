@@ -104,6 +104,7 @@ class GroupRunner:
             self.breaker,
             emit=self.ready.put_nowait,
             emit_batch=None if batched is None else batched.put_batch,  # a run taken in at once
+            runs=batched is not None,  # ... as ``Run`` items (batch mode's fast path)
             schedule=self._call_later,
             on_idle=lambda: self.committer.wake(),
             retry_topics=group.retry_topics,

@@ -35,6 +35,7 @@ class Item:
     stale: bool = False
     name: str = ""
     alone: bool = False
+    count: int = 1
 
 
 def drop(item: Item) -> bool:
