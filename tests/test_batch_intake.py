@@ -7,6 +7,7 @@ same messages, in the same order, as record by record and message by message. Wh
 from __future__ import annotations
 
 import gc
+from collections import deque
 
 from confluent_kafka import Message
 from hypothesis import HealthCheck, example, given, settings
@@ -14,8 +15,9 @@ from hypothesis import strategies as st
 
 from consumer_proxy.cli import YOUNG_GC_THRESHOLD
 from consumer_proxy.config import DeliveryConfig
+from consumer_proxy.core.batching import BatchLimits, take
 from consumer_proxy.core.outcomes import Classification, Outcome
-from consumer_proxy.core.partitions import SOURCE_REDRIVE, Delivery
+from consumer_proxy.core.partitions import SOURCE_REDRIVE, Delivery, Ready, Run, expand
 from consumer_proxy.core.records import Origin
 from consumer_proxy.proto.v1 import handler_pb2
 from consumer_proxy.wire import batch_request, message
@@ -23,6 +25,7 @@ from tests.support.core import ACK, CoreRig
 from tests.support.records import Rec
 
 RETRY = Classification(Outcome.RETRY, "UNKNOWN")
+DROP = Classification(Outcome.DROP, "DROPPED")
 relaxed = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=300)
 
 
@@ -156,27 +159,7 @@ def test_batch_intake_is_record_by_record_intake(
 ) -> None:
     # Given fetched records with gaps, duplicates, resets (a step back), epochs, headers,
     # keys and timestamps, cut into consume() batches
-    records: list[Rec] = []
-    last = {0: -1, 1: -1}
-    epoch = {0: 0, 1: 0}
-    for partition, step, size, bump, header, key, timestamp_ms in steps:
-        offset = max(0, last[partition] + step)
-        last[partition] = offset
-        epoch[partition] += bump == 2
-        headers = [("h", b"x" * 3)] if header else None
-        value = b"v" * size
-        records.append(
-            Rec(
-                "t",
-                offset,
-                partition=partition,
-                epoch=epoch[partition],
-                headers=headers,
-                key=key,
-                value=value,
-                timestamp_ms=timestamp_ms,
-            )
-        )
+    records = _records(steps)
     batches: list[list[Rec]] = []
     rest = list(records)
     for cut in cuts:
@@ -212,6 +195,140 @@ def test_batch_intake_is_record_by_record_intake(
         assert many.state() == one.state()  # (the acks drained the backlogs alike)
         rig_pause = [r.core.pause_plan() for r in (one, many)]
         assert rig_pause[0] == rig_pause[1]
+
+
+class RunRig(Rig):
+    """A ``Rig`` whose core hands out ``Run`` items (batch mode's fast path), in ``items``."""
+
+    def __init__(self, window: int, budget: int, runs: bool) -> None:
+        self.decisions: list[tuple[int, int, object]] = []
+        CoreRig.__init__(
+            self,
+            DeliveryConfig(max_in_flight=window, max_in_flight_bytes=budget),
+            tps=(("t", 0), ("t", 1)),
+            pause_plan=True,
+            emit_batch=lambda items: self.items.extend(items),
+            runs=runs,
+        )
+        self.items: deque[Ready] = self.ready  # type: ignore[assignment] (a retry: ``emit``)
+        self.emits, self.idle = [], 0
+        self.drop = self.core.drop_ready(self.items) if runs else self.core.drop_stale
+
+    def call(self, limits: BatchLimits, answers: list[Classification] | None) -> bytes:
+        """One call as ``BatchPush`` makes it: take, begin, the request, then the answers
+        (None: all plain acks) finished together or message by message; returns the request."""
+        began = self.core.begin_batch(take(self.items, limits, self.drop))  # type: ignore[arg-type]
+        payload = batch_request(began, "g")
+        count = sum(item.count for item in began)
+        results = [ACK] * count if answers is None else (answers * count)[:count]
+        if not self.core.finish_acked(began, results):
+            for d, result in zip(expand(began), results, strict=True):
+                decision = self.core.finish(d, result, probe=False)
+                self.decisions.append((d.part.partition, d.offset, decision))
+        return payload
+
+    def commits(self) -> list[tuple[int, int, str, int | None]]:
+        plan, _ = self.core.commit_plan()
+        return [(c.part.partition, c.offset, c.metadata, c.epoch) for c in plan]
+
+
+@relaxed
+@given(
+    steps=records_strategy,
+    cuts=st.lists(st.integers(1, 10), max_size=6),
+    window=st.integers(1, 8),
+    budget=st.integers(1024, 2500),
+    calls=st.lists(
+        st.tuples(
+            st.integers(1, 6),  # max_messages
+            st.integers(1, 700),  # max_bytes
+            st.sampled_from(["acks", "retry", "one retry", "drop", "cut", "leave"]),
+        ),
+        max_size=8,
+    ),
+)
+def test_ready_runs_are_message_by_message(
+    steps: list[tuple[int, int, int, int, bool, bytes | None, int]],
+    cuts: list[int],
+    window: int,
+    budget: int,
+    calls: list[tuple[int, int, str]],
+) -> None:
+    # Given the fetched records of the test above, cut into consume() batches
+    records = _records(steps)
+    batches: list[list[Rec]] = []
+    rest = list(records)
+    for cut in cuts:
+        batches.append(rest[:cut])
+        rest = rest[cut:]
+    batches.append(rest)
+    messages, runs = RunRig(window, budget, False), RunRig(window, budget, True)
+    for batch in batches:
+        # When one core hands out each message on its own and the other runs of them
+        messages.core.intake_batch(batch)
+        runs.core.intake_batch(batch)
+        assert runs.state() == messages.state()
+        # ... and calls of random caps take them, answered with acks, retries, drops, after
+        # a partition's log is cut or it begins leaving
+        for max_messages, max_bytes, what in calls:
+            limits = BatchLimits(max_messages, max_bytes)
+            if what == "cut":
+                for rig in (messages, runs):
+                    rig.core.truncated(("t", 0), 2)
+            if what == "leave" and ("t", 1) in runs.core.parts:
+                for rig in (messages, runs):
+                    rig.core.leave(rig.core.owned([("t", 1)]))
+            answers = {"retry": [RETRY], "one retry": [ACK, RETRY], "drop": [DROP]}.get(what)
+            # Then each call's request is the same bytes, each message decided alike, and
+            # the windows, backlogs, bytes, commits and counters are the same after it
+            assert runs.call(limits, answers) == messages.call(limits, answers)
+            assert runs.decisions == messages.decisions
+            assert runs.state() == messages.state()
+            assert runs.commits() == messages.commits()
+            assert runs.core.counters == messages.core.counters
+            for rig in (messages, runs):
+                rig.clock.advance(60.0)  # (the retries are ready again)
+            assert expand(runs.items) == [] or [
+                (d.part.tp, d.offset, d.size, d.key, d.value, d.headers, d.origin)
+                for d in expand(runs.items)
+            ] == [
+                (d.part.tp, d.offset, d.size, d.key, d.value, d.headers, d.origin)
+                for d in expand(messages.items)
+            ]
+    # (and what is left goes out as one request per call, the same)
+    while messages.items or runs.items:
+        assert runs.call(BatchLimits(4, 10_000), None) == messages.call(
+            BatchLimits(4, 10_000), None
+        )
+    assert runs.commits() == messages.commits()
+    assert [p.calls for p in runs.core.parts.values()] == [
+        p.calls for p in messages.core.parts.values()
+    ]
+
+
+def _records(steps: list[tuple[int, int, int, int, bool, bytes | None, int]]) -> list[Rec]:
+    """The records of ``records_strategy``'s steps: offsets stepping from the previous
+    record of the partition, leader epochs bumped, headers, keys, values, timestamps."""
+    records: list[Rec] = []
+    last = {0: -1, 1: -1}
+    epoch = {0: 0, 1: 0}
+    for partition, step, size, bump, header, key, timestamp_ms in steps:
+        offset = max(0, last[partition] + step)
+        last[partition] = offset
+        epoch[partition] += bump == 2
+        records.append(
+            Rec(
+                "t",
+                offset,
+                partition=partition,
+                epoch=epoch[partition],
+                headers=[("h", b"x" * 3)] if header else None,
+                key=key,
+                value=b"v" * size,
+                timestamp_ms=timestamp_ms,
+            )
+        )
+    return records
 
 
 def test_a_run_taken_record_makes_its_origin_only_when_asked() -> None:
