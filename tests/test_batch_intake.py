@@ -20,6 +20,7 @@ from consumer_proxy.core.outcomes import Classification, Outcome
 from consumer_proxy.core.partitions import SOURCE_REDRIVE, Delivery, Ready, Run, expand
 from consumer_proxy.core.records import Origin
 from consumer_proxy.proto.v1 import handler_pb2
+from consumer_proxy.readyq import ReadyDeque, take_all
 from consumer_proxy.wire import batch_request, message
 from tests.support.core import ACK, CoreRig
 from tests.support.records import Rec
@@ -496,3 +497,102 @@ def test_a_busy_groups_full_windows_run_almost_no_young_collector_passes() -> No
     # in the bench)
     assert passes <= 2
     assert _young_passes_while_churning(10_000) >= 10
+
+
+def test_a_run_of_records_without_headers_is_one_ready_item() -> None:
+    # Given a core handing out runs
+    rig = RunRig(window=100, budget=1 << 20, runs=True)
+    # When a batch brings 5 records of partition 0, the third with a header, then 2 of
+    # partition 1
+    records = [Rec("t", o, headers=[("h", b"x")] if o == 2 else None) for o in range(5)]
+    rig.core.intake_batch(records + [Rec("t", o, partition=1) for o in range(2)])
+    # Then the records before and after the header are a run each, the header's a message
+    # of its own, and the windows and bytes count every message
+    items = list(rig.items)
+    assert [type(item).__name__ for item in items] == ["Run", "Delivery", "Run", "Run"]
+    assert [item.offsets if isinstance(item, Run) else [item.offset] for item in items] == [
+        [0, 1],
+        [2],
+        [3, 4],
+        [0, 1],
+    ]
+    windows = [(p.tracker.in_flight, p.bytes) for p in rig.core.parts.values() if p.tracker]
+    assert windows == [(5, 7), (2, 2)]  # (the header counts 2 bytes)
+    # ... and a run becomes the messages the record-by-record path makes
+    first = items[0]
+    assert isinstance(first, Run)
+    assert [(d.offset, d.size, d.value, d.headers, d.origin) for d in first.deliveries()] == [
+        (0, 1, b"v", [], Origin("t", 0, 0, 7, 0)),
+        (1, 1, b"v", [], Origin("t", 0, 1, 7, 0)),
+    ]
+
+
+def test_a_run_is_begun_and_finished_as_one() -> None:
+    # Given a run of 4 messages taken into one call
+    rig = RunRig(window=100, budget=1 << 20, runs=True)
+    rig.core.intake_batch([Rec("t", o) for o in range(4)])
+    began = rig.core.begin_batch(take(rig.items, BatchLimits(10, 1000), rig.drop))
+    # Then it is one item, counted as 4 calls' messages under way, with the breaker's marks
+    # its messages take if they leave the fast path
+    assert len(began) == 1 and rig.core.parts[("t", 0)].calls == 4
+    assert [(d.openings_mark, d.successes_mark) for d in expand(began)] == [(0, 0)] * 4
+    # When every answer is a plain ack / Then all 4 are done together
+    assert rig.core.finish_acked(began, [ACK] * 4)
+    assert rig.commits() == [(0, 4, "", None)]
+    assert (rig.core.bytes, rig.core.counters.ack, rig.core.parts[("t", 0)].calls) == (0, 4, 0)
+
+
+def test_a_run_with_a_failed_answer_is_decided_message_by_message() -> None:
+    # Given a run of 3 messages out in one call
+    rig = RunRig(window=100, budget=1 << 20, runs=True)
+    rig.core.intake_batch([Rec("t", o) for o in range(3)])
+    # When the second answer is a retry / Then the acks are done, the retry waits, and the
+    # commit stops before it
+    rig.call(BatchLimits(10, 1000), [ACK, RETRY, ACK])
+    assert [(offset, d.action.value if d else None) for _, offset, d in rig.decisions] == [
+        (0, "ack"),
+        (1, "retry"),
+        (2, "ack"),
+    ]
+    assert rig.commits() == [(0, 1, rig.commits()[0][2], None)]
+    assert rig.core.parts[("t", 0)].calls == 0
+    # ... and the retried message comes back as a message of its own, on its second attempt
+    rig.clock.advance(60.0)
+    (again,) = rig.items
+    assert isinstance(again, Delivery) and (again.offset, again.attempt) == (1, 2)
+
+
+def test_a_run_of_a_cut_or_leaving_partition_leaves_the_fast_path() -> None:
+    # Given runs of partitions 0 and 1 ready
+    rig = RunRig(window=100, budget=1 << 20, runs=True)
+    rig.core.intake_batch([Rec("t", o) for o in range(4)])
+    rig.core.intake_batch([Rec("t", o, partition=1) for o in range(2)])
+    # When partition 0's log is cut at offset 2 and partition 1 begins leaving
+    rig.core.truncated(("t", 0), 2)
+    rig.core.leave(rig.core.owned([("t", 1)]))
+    # Then a call takes partition 0's messages below the cut only, each a message of its
+    # own, and begins none of partition 1's
+    began = rig.core.begin_batch(take(rig.items, BatchLimits(10, 1000), rig.drop))
+    assert [(type(d).__name__, d.part.partition, d.offset) for d in expand(began)] == [
+        ("Delivery", 0, 0),
+        ("Delivery", 0, 1),
+    ]
+    assert all(isinstance(d, Delivery) for d in began)
+    assert [p.calls for p in rig.core.parts.values()] == [2, 0]
+
+
+def test_the_ready_deque_counts_a_runs_messages() -> None:
+    # Given a ready deque holding a run of 3 messages and a message
+    rig = RunRig(window=100, budget=1 << 20, runs=True)
+    rig.core.intake_batch([Rec("t", o) for o in range(3)] + [Rec("t", 0, partition=1)])
+    ready = ReadyDeque()
+    ready.put_batch(list(rig.items))
+    # Then it holds 4 messages, not 2 items
+    assert not ready.fewer_than(4) and ready.fewer_than(5)
+    # ... and shutdown empties it as messages
+    assert [(d.part.partition, d.offset) for d in take_all(ready)] == [
+        (0, 0),
+        (0, 1),
+        (0, 2),
+        (1, 0),
+    ]

@@ -1079,15 +1079,16 @@ class PartitionSet:
 
     def drop_ready(self, ready: deque[Ready]) -> Callable[[Ready], bool]:
         """``batching.take``'s ``drop`` for batch mode's ready deque ``ready``: a stale
-        message is dropped (``drop_stale``); a ``Run`` whose partition was cut, revoked or is
-        leaving becomes its ``deliveries`` at the front of ``ready`` (each then taken, dropped
-        or skipped by ``begin`` as the record-by-record path's)."""
+        message is dropped (``drop_stale``); a ``Run`` whose partition was cut or revoked
+        becomes its ``deliveries`` at the front of ``ready`` (each then taken or dropped as
+        the record-by-record path's; one of a leaving partition is taken, and ``begin_batch``
+        skips its messages as ``begin`` would)."""
         drop_stale = self.drop_stale
 
         def drop(item: Ready) -> bool:
             if isinstance(item, Run):
                 part = item.part
-                if part.epoch == item.epoch and not (part.revoked or part.leaving):
+                if part.epoch == item.epoch and not part.revoked:
                     return False
                 ready.extendleft(reversed(item.deliveries()))
                 return True
@@ -1102,7 +1103,7 @@ class PartitionSet:
     def begin_batch(self, batch: Sequence[Ready]) -> list[Ready] | list[Delivery]:
         """``begin`` of each message of one call: those that may be pushed, in order (the
         common case, a message of a partition neither cut nor leaving, without the call to
-        ``begin``; a ``Run``, always of such a partition (``drop_ready``), begun as one)."""
+        ``begin``; a ``Run`` of such a partition begun as one, else as its ``deliveries``)."""
         breaker = self._breaker
         openings = breaker.openings
         successes = breaker.successes
