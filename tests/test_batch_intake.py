@@ -8,18 +8,23 @@ from __future__ import annotations
 
 import gc
 from collections import deque
+from collections.abc import Callable
+from typing import Any, cast
 
 from confluent_kafka import Message
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from consumer_proxy.batch_push import BatchPush
 from consumer_proxy.cli import YOUNG_GC_THRESHOLD
 from consumer_proxy.config import DeliveryConfig
 from consumer_proxy.core.batching import BatchLimits, take
+from consumer_proxy.core.decision import Decision
 from consumer_proxy.core.outcomes import Classification, Outcome
 from consumer_proxy.core.partitions import SOURCE_REDRIVE, Delivery, Ready, Run, expand
 from consumer_proxy.core.records import Origin
 from consumer_proxy.proto.v1 import handler_pb2
+from consumer_proxy.push import OpenCall
 from consumer_proxy.readyq import ReadyDeque, take_all
 from consumer_proxy.wire import batch_request, message
 from tests.support.core import ACK, CoreRig
@@ -202,23 +207,27 @@ class RunRig(Rig):
     """A ``Rig`` whose core hands out ``Run`` items (batch mode's fast path), in ``items``."""
 
     def __init__(self, window: int, budget: int, runs: bool) -> None:
-        self.decisions: list[tuple[int, int, object]] = []
+        self.decisions: list[tuple[int, int, Decision | None]] = []
         CoreRig.__init__(
             self,
             DeliveryConfig(max_in_flight=window, max_in_flight_bytes=budget),
             tps=(("t", 0), ("t", 1)),
             pause_plan=True,
-            emit_batch=lambda items: self.items.extend(items),
+            emit_batch=lambda items: self.ready.extend(items),
             runs=runs,
         )
-        self.items: deque[Ready] = self.ready  # type: ignore[assignment] (a retry: ``emit``)
+        self.items: deque[Ready] = cast("deque[Ready]", self.ready)  # (and retries: ``emit``)
         self.emits, self.idle = [], 0
-        self.drop = self.core.drop_ready(self.items) if runs else self.core.drop_stale
+        self.drop: Callable[[Ready], bool] = (
+            self.core.drop_ready(self.items)
+            if runs
+            else lambda item: self.core.drop_stale(cast(Delivery, item))
+        )
 
     def call(self, limits: BatchLimits, answers: list[Classification] | None) -> bytes:
         """One call as ``BatchPush`` makes it: take, begin, the request, then the answers
         (None: all plain acks) finished together or message by message; returns the request."""
-        began = self.core.begin_batch(take(self.items, limits, self.drop))  # type: ignore[arg-type]
+        began = self.core.begin_batch(take(self.items, limits, self.drop))
         payload = batch_request(began, "g")
         count = sum(item.count for item in began)
         results = [ACK] * count if answers is None else (answers * count)[:count]
@@ -596,3 +605,15 @@ def test_the_ready_deque_counts_a_runs_messages() -> None:
         (0, 2),
         (1, 0),
     ]
+
+
+def test_an_open_call_of_a_run_shows_its_first_offset() -> None:
+    # Given a batch call under way for 10 s with a run of partition 0 (offsets 3-5) and a
+    # message of partition 1
+    rig = RunRig(window=100, budget=1 << 20, runs=True)
+    rig.core.intake_batch([Rec("t", o) for o in range(3, 6)] + [Rec("t", 7, partition=1)])
+    push = object.__new__(BatchPush)  # (only its open calls and clock are read)
+    push.open = {OpenCall(cast(Any, None), 5.0): list(rig.items)}
+    push._clock = lambda: 15.0
+    # Then the operator's picture shows each partition's oldest offset out and its age
+    assert push.oldest() == {("t", 0): (3, 10.0, ""), ("t", 1): (7, 10.0, "")}
