@@ -38,7 +38,7 @@ class Item:
     count: int = 1
 
 
-def drop(item: Item) -> bool:
+def drop(item: Item | Several) -> bool:
     return item.stale
 
 
