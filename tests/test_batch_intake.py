@@ -165,13 +165,7 @@ def test_batch_intake_is_record_by_record_intake(
 ) -> None:
     # Given fetched records with gaps, duplicates, resets (a step back), epochs, headers,
     # keys and timestamps, cut into consume() batches
-    records = _records(steps)
-    batches: list[list[Rec]] = []
-    rest = list(records)
-    for cut in cuts:
-        batches.append(rest[:cut])
-        rest = rest[cut:]
-    batches.append(rest)
+    batches = _batches(steps, cuts)
     one, many = Rig(window, budget), Rig(window, budget)
     setattr(one.core, "_plain", lambda _part: False)  # noqa: B010 (every record on its own)
     for batch in batches:
@@ -265,13 +259,7 @@ def test_ready_runs_are_message_by_message(
     calls: list[tuple[int, int, str]],
 ) -> None:
     # Given the fetched records of the test above, cut into consume() batches
-    records = _records(steps)
-    batches: list[list[Rec]] = []
-    rest = list(records)
-    for cut in cuts:
-        batches.append(rest[:cut])
-        rest = rest[cut:]
-    batches.append(rest)
+    batches = _batches(steps, cuts)
     messages, runs = RunRig(window, budget, False), RunRig(window, budget, True)
     for batch in batches:
         # When one core hands out each message on its own and the other runs of them
@@ -316,9 +304,12 @@ def test_ready_runs_are_message_by_message(
     ]
 
 
-def _records(steps: list[tuple[int, int, int, int, bool, bytes | None, int]]) -> list[Rec]:
+def _batches(
+    steps: list[tuple[int, int, int, int, bool, bytes | None, int]], cuts: list[int]
+) -> list[list[Rec]]:
     """The records of ``records_strategy``'s steps: offsets stepping from the previous
-    record of the partition, leader epochs bumped, headers, keys, values, timestamps."""
+    record of the partition, leader epochs bumped, headers, keys, values, timestamps; in
+    consume() batches ending where ``cuts`` say (each a length)."""
     records: list[Rec] = []
     last = {0: -1, 1: -1}
     epoch = {0: 0, 1: 0}
@@ -338,7 +329,11 @@ def _records(steps: list[tuple[int, int, int, int, bool, bytes | None, int]]) ->
                 timestamp_ms=timestamp_ms,
             )
         )
-    return records
+    batches = []
+    for cut in cuts:
+        batches.append(records[:cut])
+        records = records[cut:]
+    return [*batches, records]
 
 
 def test_a_run_taken_record_makes_its_origin_only_when_asked() -> None:

@@ -669,85 +669,23 @@ class PartitionSet:
     ) -> tuple[int, int]:
         """Track and admit records[start:end] of a ``_plain`` partition at once, as
         ``_accept`` of each would, as far as the window and the byte budget have room and
-        the offsets increase above the last tracked one. Returns how many were taken and
-        their key and value bytes (what a backlog counts of them)."""
+        the offsets increase above the last tracked one. With ``runs`` the records go out
+        as ``Run`` items, a record with headers as a ``Delivery`` between two (its user
+        headers count in its size). Returns how many were taken and their key and value
+        bytes (what a backlog counts of them)."""
         tracker = part.tracker
         assert tracker is not None
         if start >= end or not tracker.takes_run_from(records[start].offset() or 0):
             return 0, 0
-        room = min(end - start, self._max_in_flight - tracker.in_flight)
+        previous = (records[start].offset() or 0) - 1
+        records = records[start : start + min(end - start, self._max_in_flight - tracker.in_flight)]
         budget = part.budget
         spare = budget.limit - budget.held  # bytes before the budget is spent
-        previous = (records[start].offset() or 0) - 1
-        if self.runs:
-            return self._take_runs(part, list(records[start : start + room]), spare, previous)
-        epoch = part.epoch
-        last_epoch = tracker.last_epoch
-        deliveries: list[Delivery] = []
-        append = deliveries.append
-        offsets: list[int] = []
-        track = offsets.append
-        total = stored = 0
-        no_headers = _NO_USER_HEADERS
-        for record in records[start : start + room]:
-            if total >= spare:
-                break  # the byte budget is spent: the rest waits in the backlog
-            offset = record.offset() or 0
-            if offset <= previous:
-                break  # not increasing (a reset within the batch): record by record
-            leader = record.leader_epoch()
-            if leader != last_epoch and leader is not None:
-                tracker.saw_epoch(offset, leader)
-                last_epoch = tracker.last_epoch
-            headers = record.headers()
-            key = record.key()
-            value = record.value()
-            size = len(key or b"") + len(value or b"")
-            stored += size
-            if headers:
-                user = split_headers(headers)[0]
-                size += sum(len(k) + len(v) for k, v in user)
-            else:
-                user = no_headers
-            ts = record.timestamp()[1]
-            # (no Origin: ``Delivery.origin`` makes it from the fields if it is asked for)
-            append(
-                Delivery(
-                    part,
-                    epoch,
-                    offset,
-                    key,
-                    value,
-                    user,
-                    None,
-                    size,
-                    SOURCE_PRIMARY,
-                    1,
-                    ts if ts > 0 else 0,
-                )
-            )
-            track(offset)
-            total += size
-            previous = offset
-        taken = len(offsets)
-        if taken:
-            tracker.track_run(offsets)
-            part.received_end = max(part.received_end, previous + 1)
-            part.bytes += total
-            budget.held += total
-            self._admit_run(deliveries)
-        return taken, stored
-
-    def _take_runs(
-        self, part: PartitionState, records: list[Record], spare: int, previous: int
-    ) -> tuple[int, int]:
-        """``_take_run``'s loop with ``runs``: the records go out as ``Run`` items, a record
-        with headers as a ``Delivery`` between them (its user headers count in its size)."""
-        tracker = part.tracker
-        assert tracker is not None
+        runs = self.runs
         epoch = part.epoch
         last_epoch = tracker.last_epoch
         items: list[Ready] = []
+        append = items.append
         offsets: list[int] = []
         sizes: list[int] = []
         track = offsets.append
@@ -755,6 +693,7 @@ class PartitionSet:
         total = stored = 0
         begun = 0  # where the run being made starts (in ``records``, ``offsets``, ``sizes``)
         taken = 0
+        no_headers = _NO_USER_HEADERS
         for record in records:
             if total >= spare:
                 break  # the byte budget is spent: the rest waits in the backlog
@@ -770,23 +709,17 @@ class PartitionSet:
             size = len(key or b"") + len(value or b"")
             stored += size
             headers = record.headers()
-            if headers:
+            if headers or not runs:
                 if taken > begun:
-                    run_sizes = sizes[begun:taken]
-                    items.append(
-                        Run(
-                            part,
-                            epoch,
-                            records[begun:taken],
-                            offsets[begun:taken],
-                            run_sizes,
-                            sum(run_sizes),
-                        )
-                    )
-                user = split_headers(headers)[0]
-                size += sum(len(k) + len(v) for k, v in user)
+                    append(self._run(part, records, offsets, sizes, begun, taken))
+                if headers:
+                    user = split_headers(headers)[0]
+                    size += sum(len(k) + len(v) for k, v in user)
+                else:
+                    user = no_headers
                 ts = record.timestamp()[1]
-                items.append(
+                # (no Origin: ``Delivery.origin`` makes it from the fields if it is asked for)
+                append(
                     Delivery(
                         part,
                         epoch,
@@ -807,25 +740,35 @@ class PartitionSet:
             total += size
             previous = offset
             taken += 1
-        if taken > begun:
-            run_sizes = sizes[begun:taken]
-            items.append(
-                Run(
-                    part,
-                    epoch,
-                    records[begun:taken],
-                    offsets[begun:taken],
-                    run_sizes,
-                    sum(run_sizes),
-                )
-            )
         if taken:
+            if taken > begun:
+                append(self._run(part, records, offsets, sizes, begun, taken))
             tracker.track_run(offsets)
             part.received_end = max(part.received_end, previous + 1)
             part.bytes += total
-            part.budget.held += total
+            budget.held += total
             self._admit_run(items)
         return taken, stored
+
+    @staticmethod
+    def _run(
+        part: PartitionState,
+        records: Sequence[Record],
+        offsets: list[int],
+        sizes: list[int],
+        start: int,
+        end: int,
+    ) -> Run:
+        """The ``Run`` of the records taken from ``start`` to ``end``."""
+        run_sizes = sizes[start:end]
+        return Run(
+            part,
+            part.epoch,
+            list(records[start:end]),
+            offsets[start:end],
+            run_sizes,
+            sum(run_sizes),
+        )
 
     def _backlog_run(
         self, part: PartitionState, records: Sequence[Record], start: int, end: int
