@@ -410,8 +410,10 @@ def test_an_answer_that_is_not_all_plain_acks_changes_nothing() -> None:
     rig.core.intake_batch([Rec("t", o) for o in range(4)])
     batch = rig.take(4)
     before = rig.state()
-    # When one answer is a retry / Then finish_acked leaves them all to finish
+    # When one answer is a retry, or all are (one classification repeated) / Then
+    # finish_acked leaves them all to finish
     assert not rig.core.finish_acked(batch[:3], [ACK, RETRY, ACK])
+    assert not rig.core.finish_acked(batch[:3], [RETRY] * 3)
     assert rig.state() == before and rig.core.counters.ack == 0
     # When one message is stale (its log was cut below it) / Then the same
     rig.core.truncated(("t", 0), 3)
