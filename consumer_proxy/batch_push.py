@@ -96,18 +96,15 @@ class BatchPush(Push):
                 taken = take(ready.items, limits if whole else self._one, drop)
                 if ready.items:
                     ready.wake()  # more is ready than this call takes: another slot goes
-                tracer = self._tracer
-                # (traced or unary: message by message)
+                tracer = self._tracer  # (traced or unary: message by message)
                 batch = expand(taken) if tracer is not None or not whole else taken
                 began = partitions.begin_batch(batch)
                 for d in began:
                     if d.tier:
                         self._tier_delivered(d)
-                carried = (
-                    tracer.begin_batch(cast(list[Delivery], began))
-                    if tracer is not None and began
-                    else []
-                )
+                carried: list[int] = []
+                if tracer is not None and began:  # (expanded: no ``Run`` among them)
+                    carried = tracer.begin_batch(cast(list[Delivery], began))
                 if began:
                     self.pushing.add(me)
                     call = OpenCall(me, clock())
