@@ -533,6 +533,25 @@ def test_a_run_of_records_without_headers_is_one_ready_item() -> None:
     ]
 
 
+def test_a_partition_without_a_committed_offset_takes_its_first_batch_as_a_run() -> None:
+    # Given a partition assigned without a committed offset (a new group) in a core handing
+    # out runs, and the same in a core taking each record on its own
+    runs, one = RunRig(window=100, budget=1 << 20, runs=True), Rig()
+    setattr(one.core, "_plain", lambda _part: False)  # noqa: B010 (every record on its own)
+    for rig in (runs, one):
+        rig.core.assign("t", 2, None, "")
+    # When its first batch brings 4 records
+    records = [Rec("t", o, partition=2) for o in range(10, 14)]
+    runs.core.intake_batch(records)
+    for record in records:
+        one.core.intake(record)
+    # Then the first record made the window and went alone, the other three as a run, and
+    # the windows, backlogs and bytes are those of record by record
+    assert [(type(d).__name__, d.count) for d in runs.items] == [("Delivery", 1), ("Run", 3)]
+    assert [d.offset for d in expand(runs.items)] == [10, 11, 12, 13]
+    assert runs.state() == one.state()
+
+
 def test_a_run_is_begun_and_finished_as_one() -> None:
     # Given a run of 4 messages taken into one call
     rig = RunRig(window=100, budget=1 << 20, runs=True)

@@ -645,7 +645,16 @@ class PartitionSet:
             part = parts.get((topic or "", partition or 0))
             if part is not None:
                 index = start
-                if self._plain(part) and (records[start].offset() or 0) >= part.received_end:
+                if part.tracker is None:
+                    # A partition without a committed offset: its first record makes the
+                    # window (``intake``), and the rest may go as a run.
+                    self.intake(record)
+                    index += 1
+                if (
+                    index < end
+                    and self._plain(part)
+                    and (records[index].offset() or 0) >= part.received_end
+                ):
                     if not part.backlog:
                         index += self._take_run(part, records, index, end)[0]
                     index += self._backlog_run(part, records, index, end)
