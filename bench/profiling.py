@@ -142,7 +142,7 @@ def staged_proxy_main(out: str, argv: list[str]) -> int:
     fetcher.Fetcher._run = staged_run  # type: ignore[method-assign]
     fetcher.Fetcher.consume = staged_consume  # type: ignore[method-assign]
     readyq.ReadyDeque.put = staged_put  # type: ignore[method-assign]
-    readyq.ReadyDeque.put_batch = staged_put_batch  # type: ignore[method-assign]
+    readyq.ReadyDeque.put_batch = staged_put_batch  # type: ignore[method-assign,assignment]
     batch_push.take = staged_take  # type: ignore[attr-defined,assignment]
     dispatcher.Dispatcher.push = staged_push  # type: ignore[method-assign]
     dispatcher.Dispatcher.push_batch = staged_push_batch  # type: ignore[method-assign]

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, cast
 
 from .config import DeliveryConfig
 from .core.batching import NOT_IMPLEMENTED_REASON, BatchLimits, BatchOutcome, summarize, take
 from .core.decision import Action
 from .core.outcomes import Classification
-from .core.partitions import Delivery
+from .core.partitions import Delivery, Ready, expand
 from .kafka_log import KafkaLogGate
 from .push import OpenCall, Push, PushParts, UnaryPush, attempt_span
 from .readyq import ReadyDeque
@@ -67,7 +67,7 @@ class BatchPush(Push):
 
     def ready_low(self) -> bool:
         """Fewer messages are ready than two batches."""
-        return len(self.ready.items) < self.limits.max_messages * 2
+        return self.ready.fewer_than(self.limits.max_messages * 2)
 
     async def worker(self) -> None:
         """One call slot of batch mode: wait for anything ready, then send what is ready."""
@@ -78,29 +78,33 @@ class BatchPush(Push):
         assert me is not None
         clock = self._clock
         partitions = self.partitions
+        drop = partitions.drop_ready(ready.items)
         while not self.draining:
             await ready.wait()
             await self.limiter.acquire()
             probe = False
             outcome: BatchOutcome | None = None
-            began: list[Delivery] = []
+            began: list[Ready] = []
             rtt = 0.0
             try:
                 probe = await self.breaker.acquire()
                 endpoint = self.pusher.pick()
                 whole = self.pusher.batches(endpoint)  # auto: False for a unary instance
-                if whole and linger_s and len(ready.items) < limits.max_messages:
+                if whole and linger_s and ready.fewer_than(limits.max_messages):
                     await asyncio.sleep(linger_s)
                 # From here to begin() nothing awaits: a taken message is always begun.
-                batch = take(ready.items, limits if whole else self._one, partitions.drop_stale)
+                taken = take(ready.items, limits if whole else self._one, drop)
                 if ready.items:
                     ready.wake()  # more is ready than this call takes: another slot goes
+                tracer = self._tracer  # (traced or unary: message by message)
+                batch = expand(taken) if tracer is not None or not whole else taken
                 began = partitions.begin_batch(batch)
                 for d in began:
                     if d.tier:
                         self._tier_delivered(d)
-                tracer = self._tracer
-                carried = tracer.begin_batch(began) if tracer is not None and began else []
+                carried: list[int] = []
+                if tracer is not None and began:  # (expanded: no ``Run`` among them)
+                    carried = tracer.begin_batch(cast(list[Delivery], began))
                 if began:
                     self.pushing.add(me)
                     call = OpenCall(me, clock())
@@ -112,7 +116,7 @@ class BatchPush(Push):
                         outcome = await (
                             self._deliver(began, probe, endpoint, carried)
                             if whole
-                            else self._deliver_unary(began, probe, endpoint, carried)
+                            else self._deliver_unary(expand(began), probe, endpoint, carried)
                         )
                         rtt = clock() - started
                         self._m_push.observe(rtt)
@@ -127,21 +131,24 @@ class BatchPush(Push):
                 if probe and outcome is None:
                     self.breaker.abandon_probe()
                 if outcome is None:
-                    for delivery in began:
+                    for delivery in expand(began):
                         partitions.abandon(delivery)
                 self.limiter.release(rtt, outcome.call if outcome is not None else None)
 
     async def _deliver(
-        self, batch: list[Delivery], probe: bool, endpoint: Any, carried: list[int]
+        self, batch: list[Ready], probe: bool, endpoint: Any, carried: list[int]
     ) -> BatchOutcome:
-        """``carried``: the messages that carry a trace context (``Tracer.begin_batch``)."""
+        """``carried``: the messages that carry a trace context (``Tracer.begin_batch``; a
+        traced call's ``batch`` holds no ``Run``)."""
         tracer = self._tracer
         payload = batch_request(batch, self.name, carried)
-        count = len(batch)
+        count = sum(item.count for item in batch)
         span, metadata = (
             (None, None)
             if tracer is None or not carried
-            else tracer.batch_call(batch, carried, "HandleMessageBatch", endpoint.target)
+            else tracer.batch_call(
+                cast(list[Delivery], batch), carried, "HandleMessageBatch", endpoint.target
+            )
         )
         status = "CANCELLED"
         self._m_in_flight.inc()  # calls, as in unary mode
@@ -156,7 +163,7 @@ class BatchPush(Push):
         if outcome.unimplemented and self.auto:
             # The instance serves HandleMessage only (the pusher now knows): the same
             # messages go again at once, unary; the batch call counted for nothing.
-            return await self._deliver_unary(batch, probe, endpoint, carried)
+            return await self._deliver_unary(expand(batch), probe, endpoint, carried)
         self._m_batch_size.observe(count)
         self._answered(outcome, endpoint.target)
         return self._finished(batch, outcome, probe, endpoint, carried)
@@ -164,6 +171,7 @@ class BatchPush(Push):
     async def _deliver_unary(
         self, batch: list[Delivery], probe: bool, endpoint: Any, carried: list[int]
     ) -> BatchOutcome:
+        # (``batch`` is expanded: a ``Run`` begun as one finishes message by message here)
         """``batch`` as unary calls to ``endpoint``, all at once; one breaker record."""
         one = self._unary_call
         self._m_in_flight.inc()
@@ -200,7 +208,7 @@ class BatchPush(Push):
 
     def _finished(
         self,
-        batch: list[Delivery],
+        batch: Sequence[Ready],
         outcome: BatchOutcome,
         probe: bool,
         endpoint: Any,
@@ -213,17 +221,18 @@ class BatchPush(Push):
         self._tell_breaker(outcome.breaker, endpoint, probe)
         results = outcome.results
         if self.partitions.finish_acked(batch, results):
-            self.tally.acked(len(batch))
+            self.tally.acked(len(results))
             for i in carried:  # (a message not sampled has no span to end)
                 trace = batch[i].trace
                 if trace.sampled:
                     trace.end(Action.ACK.value)
             return outcome
+        deliveries = expand(batch)  # (the slow path: each message decided on its own)
         finish = self.partitions.finish
         settled = self.tally.settled
         target = endpoint.target
         acks = 0
-        for delivery, result in zip(batch, results, strict=True):
+        for delivery, result in zip(deliveries, results, strict=True):
             decision = finish(delivery, result, probe)
             if decision is None:
                 continue  # stale (the core's ``gone`` ended its trace) or moved

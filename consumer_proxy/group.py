@@ -75,8 +75,7 @@ class GroupRunner:
         self.name = group.name
         self.metrics = metrics
         d = group.delivery
-        # Batch mode: workers are call slots taking batches from a deque of ready messages.
-        batched = None if d.batch is None else ReadyDeque()
+        batched = None if d.batch is None else ReadyDeque()  # batch mode: call slots take batches
         self.ready: asyncio.Queue[Delivery] | ReadyDeque = batched or asyncio.Queue()
         self._stopping, self._draining = asyncio.Event(), False
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -104,6 +103,7 @@ class GroupRunner:
             self.breaker,
             emit=self.ready.put_nowait,
             emit_batch=None if batched is None else batched.put_batch,  # a run taken in at once
+            runs=batched is not None,  # ... as ``Run`` items (batch mode's fast path)
             schedule=self._call_later,
             on_idle=lambda: self.committer.wake(),
             retry_topics=group.retry_topics,

@@ -28,7 +28,7 @@ from typing import Any
 from .core.ejection import breaker_hears
 from .core.heartbeat import CallWatch, Cancel
 from .core.outcomes import Classification
-from .core.partitions import Delivery, PartitionSet, PartitionState
+from .core.partitions import Delivery, PartitionSet, PartitionState, Ready, Run
 from .core.tracecontext import Metadata
 from .flow import Breaker, ConcurrencyLimiter, RateLimiter
 from .metrics import ProxyMetrics
@@ -99,13 +99,13 @@ class Push:
         """Shutdown began: workers take nothing more."""
         self.last_failure = ""
         """The latest service-level failure, said when the breaker opens."""
-        self.open: dict[OpenCall, Sequence[Delivery]] = {}
+        self.open: dict[OpenCall, Sequence[Ready]] = {}
         """Calls under way, each with its messages (one bookkeeping entry per call, not per
         message: a batch call's 500 entries cost more than its request)."""
         self._m_push = parts.metrics.push_duration.labels(parts.name)
         self._m_in_flight = parts.metrics.in_flight.labels(parts.name)
 
-    def _tier_delivered(self, delivery: Delivery) -> None:
+    def _tier_delivered(self, delivery: Ready) -> None:
         self._metrics.retry_tier_deliveries.labels(self.name, str(delivery.tier)).inc()
 
     def oldest(self) -> dict[tuple[str, int], tuple[int, float, str]]:
@@ -119,7 +119,10 @@ class Push:
                 tp = (delivery.part.topic, delivery.part.partition)
                 if tp not in found or age > found[tp][1]:
                     note = call.watch.progress if call.watch is not None else ""
-                    found[tp] = (delivery.origin.offset, age, note)
+                    offset = (
+                        delivery.offsets[0] if isinstance(delivery, Run) else delivery.origin.offset
+                    )
+                    found[tp] = (offset, age, note)
         return found
 
     async def _one_call(

@@ -7,22 +7,31 @@ same messages, in the same order, as record by record and message by message. Wh
 from __future__ import annotations
 
 import gc
+from collections import deque
+from collections.abc import Callable
+from typing import Any, cast
 
 from confluent_kafka import Message
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from consumer_proxy.batch_push import BatchPush
 from consumer_proxy.cli import YOUNG_GC_THRESHOLD
 from consumer_proxy.config import DeliveryConfig
+from consumer_proxy.core.batching import BatchLimits, take
+from consumer_proxy.core.decision import Decision
 from consumer_proxy.core.outcomes import Classification, Outcome
-from consumer_proxy.core.partitions import SOURCE_REDRIVE, Delivery
+from consumer_proxy.core.partitions import SOURCE_REDRIVE, Delivery, Ready, Run, expand
 from consumer_proxy.core.records import Origin
 from consumer_proxy.proto.v1 import handler_pb2
+from consumer_proxy.push import OpenCall
+from consumer_proxy.readyq import ReadyDeque, take_all
 from consumer_proxy.wire import batch_request, message
 from tests.support.core import ACK, CoreRig
 from tests.support.records import Rec
 
 RETRY = Classification(Outcome.RETRY, "UNKNOWN")
+DROP = Classification(Outcome.DROP, "DROPPED")
 relaxed = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=300)
 
 
@@ -156,33 +165,7 @@ def test_batch_intake_is_record_by_record_intake(
 ) -> None:
     # Given fetched records with gaps, duplicates, resets (a step back), epochs, headers,
     # keys and timestamps, cut into consume() batches
-    records: list[Rec] = []
-    last = {0: -1, 1: -1}
-    epoch = {0: 0, 1: 0}
-    for partition, step, size, bump, header, key, timestamp_ms in steps:
-        offset = max(0, last[partition] + step)
-        last[partition] = offset
-        epoch[partition] += bump == 2
-        headers = [("h", b"x" * 3)] if header else None
-        value = b"v" * size
-        records.append(
-            Rec(
-                "t",
-                offset,
-                partition=partition,
-                epoch=epoch[partition],
-                headers=headers,
-                key=key,
-                value=value,
-                timestamp_ms=timestamp_ms,
-            )
-        )
-    batches: list[list[Rec]] = []
-    rest = list(records)
-    for cut in cuts:
-        batches.append(rest[:cut])
-        rest = rest[cut:]
-    batches.append(rest)
+    batches = _batches(steps, cuts)
     one, many = Rig(window, budget), Rig(window, budget)
     setattr(one.core, "_plain", lambda _part: False)  # noqa: B010 (every record on its own)
     for batch in batches:
@@ -212,6 +195,145 @@ def test_batch_intake_is_record_by_record_intake(
         assert many.state() == one.state()  # (the acks drained the backlogs alike)
         rig_pause = [r.core.pause_plan() for r in (one, many)]
         assert rig_pause[0] == rig_pause[1]
+
+
+class RunRig(Rig):
+    """A ``Rig`` whose core hands out ``Run`` items (batch mode's fast path), in ``items``."""
+
+    def __init__(self, window: int, budget: int, runs: bool) -> None:
+        self.decisions: list[tuple[int, int, Decision | None]] = []
+        CoreRig.__init__(
+            self,
+            DeliveryConfig(max_in_flight=window, max_in_flight_bytes=budget),
+            tps=(("t", 0), ("t", 1)),
+            pause_plan=True,
+            emit_batch=lambda items: self.ready.extend(items),
+            runs=runs,
+        )
+        self.items: deque[Ready] = cast("deque[Ready]", self.ready)  # (and retries: ``emit``)
+        self.emits, self.idle = [], 0
+        self.drop: Callable[[Ready], bool] = (
+            self.core.drop_ready(self.items)
+            if runs
+            else lambda item: self.core.drop_stale(cast(Delivery, item))
+        )
+
+    def call(self, limits: BatchLimits, answers: list[Classification] | None) -> bytes:
+        """One call as ``BatchPush`` makes it: take, begin, the request, then the answers
+        (None: all plain acks) finished together or message by message; returns the request."""
+        began = self.core.begin_batch(take(self.items, limits, self.drop))
+        payload = batch_request(began, "g")
+        count = sum(item.count for item in began)
+        results = [ACK] * count if answers is None else (answers * count)[:count]
+        if not self.core.finish_acked(began, results):
+            for d, result in zip(expand(began), results, strict=True):
+                decision = self.core.finish(d, result, probe=False)
+                self.decisions.append((d.part.partition, d.offset, decision))
+        return payload
+
+    def commits(self) -> list[tuple[int, int, str, int | None]]:
+        plan, _ = self.core.commit_plan()
+        return [(c.part.partition, c.offset, c.metadata, c.epoch) for c in plan]
+
+
+@relaxed
+@given(
+    steps=records_strategy,
+    cuts=st.lists(st.integers(1, 10), max_size=6),
+    window=st.integers(1, 8),
+    budget=st.integers(1024, 2500),
+    calls=st.lists(
+        st.tuples(
+            st.integers(1, 6),  # max_messages
+            st.integers(1, 700),  # max_bytes
+            st.sampled_from(["acks", "retry", "one retry", "drop", "cut", "leave"]),
+        ),
+        max_size=8,
+    ),
+)
+def test_ready_runs_are_message_by_message(
+    steps: list[tuple[int, int, int, int, bool, bytes | None, int]],
+    cuts: list[int],
+    window: int,
+    budget: int,
+    calls: list[tuple[int, int, str]],
+) -> None:
+    # Given the fetched records of the test above, cut into consume() batches
+    batches = _batches(steps, cuts)
+    messages, runs = RunRig(window, budget, False), RunRig(window, budget, True)
+    for batch in batches:
+        # When one core hands out each message on its own and the other runs of them
+        messages.core.intake_batch(batch)
+        runs.core.intake_batch(batch)
+        assert runs.state() == messages.state()
+        # ... and calls of random caps take them, answered with acks, retries, drops, after
+        # a partition's log is cut or it begins leaving
+        for max_messages, max_bytes, what in calls:
+            limits = BatchLimits(max_messages, max_bytes)
+            if what == "cut":
+                for rig in (messages, runs):
+                    rig.core.truncated(("t", 0), 2)
+            if what == "leave" and ("t", 1) in runs.core.parts:
+                for rig in (messages, runs):
+                    rig.core.leave(rig.core.owned([("t", 1)]))
+            answers = {"retry": [RETRY], "one retry": [ACK, RETRY], "drop": [DROP]}.get(what)
+            # Then each call's request is the same bytes, each message decided alike, and
+            # the windows, backlogs, bytes, commits and counters are the same after it
+            assert runs.call(limits, answers) == messages.call(limits, answers)
+            assert runs.decisions == messages.decisions
+            assert runs.state() == messages.state()
+            assert runs.commits() == messages.commits()
+            assert runs.core.counters == messages.core.counters
+            for rig in (messages, runs):
+                rig.clock.advance(60.0)  # (the retries are ready again)
+            assert expand(runs.items) == [] or [
+                (d.part.tp, d.offset, d.size, d.key, d.value, d.headers, d.origin)
+                for d in expand(runs.items)
+            ] == [
+                (d.part.tp, d.offset, d.size, d.key, d.value, d.headers, d.origin)
+                for d in expand(messages.items)
+            ]
+    # (and what is left goes out as one request per call, the same)
+    while messages.items or runs.items:
+        assert runs.call(BatchLimits(4, 10_000), None) == messages.call(
+            BatchLimits(4, 10_000), None
+        )
+    assert runs.commits() == messages.commits()
+    assert [p.calls for p in runs.core.parts.values()] == [
+        p.calls for p in messages.core.parts.values()
+    ]
+
+
+def _batches(
+    steps: list[tuple[int, int, int, int, bool, bytes | None, int]], cuts: list[int]
+) -> list[list[Rec]]:
+    """The records of ``records_strategy``'s steps: offsets stepping from the previous
+    record of the partition, leader epochs bumped, headers, keys, values, timestamps; in
+    consume() batches ending where ``cuts`` say (each a length)."""
+    records: list[Rec] = []
+    last = {0: -1, 1: -1}
+    epoch = {0: 0, 1: 0}
+    for partition, step, size, bump, header, key, timestamp_ms in steps:
+        offset = max(0, last[partition] + step)
+        last[partition] = offset
+        epoch[partition] += bump == 2
+        records.append(
+            Rec(
+                "t",
+                offset,
+                partition=partition,
+                epoch=epoch[partition],
+                headers=[("h", b"x" * 3)] if header else None,
+                key=key,
+                value=b"v" * size,
+                timestamp_ms=timestamp_ms,
+            )
+        )
+    batches = []
+    for cut in cuts:
+        batches.append(records[:cut])
+        records = records[cut:]
+    return [*batches, records]
 
 
 def test_a_run_taken_record_makes_its_origin_only_when_asked() -> None:
@@ -288,8 +410,10 @@ def test_an_answer_that_is_not_all_plain_acks_changes_nothing() -> None:
     rig.core.intake_batch([Rec("t", o) for o in range(4)])
     batch = rig.take(4)
     before = rig.state()
-    # When one answer is a retry / Then finish_acked leaves them all to finish
+    # When one answer is a retry, or all are (one classification repeated) / Then
+    # finish_acked leaves them all to finish
     assert not rig.core.finish_acked(batch[:3], [ACK, RETRY, ACK])
+    assert not rig.core.finish_acked(batch[:3], [RETRY] * 3)
     assert rig.state() == before and rig.core.counters.ack == 0
     # When one message is stale (its log was cut below it) / Then the same
     rig.core.truncated(("t", 0), 3)
@@ -379,3 +503,133 @@ def test_a_busy_groups_full_windows_run_almost_no_young_collector_passes() -> No
     # in the bench)
     assert passes <= 2
     assert _young_passes_while_churning(10_000) >= 10
+
+
+def test_a_run_of_records_without_headers_is_one_ready_item() -> None:
+    # Given a core handing out runs
+    rig = RunRig(window=100, budget=1 << 20, runs=True)
+    # When a batch brings 5 records of partition 0, the third with a header, then 2 of
+    # partition 1
+    records = [Rec("t", o, headers=[("h", b"x")] if o == 2 else None) for o in range(5)]
+    rig.core.intake_batch(records + [Rec("t", o, partition=1) for o in range(2)])
+    # Then the records before and after the header are a run each, the header's a message
+    # of its own, and the windows and bytes count every message
+    items = list(rig.items)
+    assert [type(item).__name__ for item in items] == ["Run", "Delivery", "Run", "Run"]
+    assert [item.offsets if isinstance(item, Run) else [item.offset] for item in items] == [
+        [0, 1],
+        [2],
+        [3, 4],
+        [0, 1],
+    ]
+    windows = [(p.tracker.in_flight, p.bytes) for p in rig.core.parts.values() if p.tracker]
+    assert windows == [(5, 7), (2, 2)]  # (the header counts 2 bytes)
+    # ... and a run becomes the messages the record-by-record path makes
+    first = items[0]
+    assert isinstance(first, Run)
+    assert [(d.offset, d.size, d.value, d.headers, d.origin) for d in first.deliveries()] == [
+        (0, 1, b"v", [], Origin("t", 0, 0, 7, 0)),
+        (1, 1, b"v", [], Origin("t", 0, 1, 7, 0)),
+    ]
+
+
+def test_a_partition_without_a_committed_offset_takes_its_first_batch_as_a_run() -> None:
+    # Given a partition assigned without a committed offset (a new group) in a core handing
+    # out runs, and the same in a core taking each record on its own
+    runs, one = RunRig(window=100, budget=1 << 20, runs=True), Rig()
+    setattr(one.core, "_plain", lambda _part: False)  # noqa: B010 (every record on its own)
+    for rig in (runs, one):
+        rig.core.assign("t", 2, None, "")
+    # When its first batch brings 4 records
+    records = [Rec("t", o, partition=2) for o in range(10, 14)]
+    runs.core.intake_batch(records)
+    for record in records:
+        one.core.intake(record)
+    # Then the first record made the window and went alone, the other three as a run, and
+    # the windows, backlogs and bytes are those of record by record
+    assert [(type(d).__name__, d.count) for d in runs.items] == [("Delivery", 1), ("Run", 3)]
+    assert [d.offset for d in expand(runs.items)] == [10, 11, 12, 13]
+    assert runs.state() == one.state()
+
+
+def test_a_run_is_begun_and_finished_as_one() -> None:
+    # Given a run of 4 messages taken into one call
+    rig = RunRig(window=100, budget=1 << 20, runs=True)
+    rig.core.intake_batch([Rec("t", o) for o in range(4)])
+    began = rig.core.begin_batch(take(rig.items, BatchLimits(10, 1000), rig.drop))
+    # Then it is one item, counted as 4 calls' messages under way, with the breaker's marks
+    # its messages take if they leave the fast path
+    assert len(began) == 1 and rig.core.parts[("t", 0)].calls == 4
+    assert [(d.openings_mark, d.successes_mark) for d in expand(began)] == [(0, 0)] * 4
+    # When every answer is a plain ack / Then all 4 are done together
+    assert rig.core.finish_acked(began, [ACK] * 4)
+    assert rig.commits() == [(0, 4, "", None)]
+    assert (rig.core.bytes, rig.core.counters.ack, rig.core.parts[("t", 0)].calls) == (0, 4, 0)
+
+
+def test_a_run_with_a_failed_answer_is_decided_message_by_message() -> None:
+    # Given a run of 3 messages out in one call
+    rig = RunRig(window=100, budget=1 << 20, runs=True)
+    rig.core.intake_batch([Rec("t", o) for o in range(3)])
+    # When the second answer is a retry / Then the acks are done, the retry waits, and the
+    # commit stops before it
+    rig.call(BatchLimits(10, 1000), [ACK, RETRY, ACK])
+    assert [(offset, d.action.value if d else None) for _, offset, d in rig.decisions] == [
+        (0, "ack"),
+        (1, "retry"),
+        (2, "ack"),
+    ]
+    assert rig.commits() == [(0, 1, rig.commits()[0][2], None)]
+    assert rig.core.parts[("t", 0)].calls == 0
+    # ... and the retried message comes back as a message of its own, on its second attempt
+    rig.clock.advance(60.0)
+    (again,) = rig.items
+    assert isinstance(again, Delivery) and (again.offset, again.attempt) == (1, 2)
+
+
+def test_a_run_of_a_cut_or_leaving_partition_leaves_the_fast_path() -> None:
+    # Given runs of partitions 0 and 1 ready
+    rig = RunRig(window=100, budget=1 << 20, runs=True)
+    rig.core.intake_batch([Rec("t", o) for o in range(4)])
+    rig.core.intake_batch([Rec("t", o, partition=1) for o in range(2)])
+    # When partition 0's log is cut at offset 2 and partition 1 begins leaving
+    rig.core.truncated(("t", 0), 2)
+    rig.core.leave(rig.core.owned([("t", 1)]))
+    # Then a call takes partition 0's messages below the cut only, each a message of its
+    # own, and begins none of partition 1's
+    began = rig.core.begin_batch(take(rig.items, BatchLimits(10, 1000), rig.drop))
+    assert [(type(d).__name__, d.part.partition, d.offset) for d in expand(began)] == [
+        ("Delivery", 0, 0),
+        ("Delivery", 0, 1),
+    ]
+    assert all(isinstance(d, Delivery) for d in began)
+    assert [p.calls for p in rig.core.parts.values()] == [2, 0]
+
+
+def test_the_ready_deque_counts_a_runs_messages() -> None:
+    # Given a ready deque holding a run of 3 messages and a message
+    rig = RunRig(window=100, budget=1 << 20, runs=True)
+    rig.core.intake_batch([Rec("t", o) for o in range(3)] + [Rec("t", 0, partition=1)])
+    ready = ReadyDeque()
+    ready.put_batch(list(rig.items))
+    # Then it holds 4 messages, not 2 items
+    assert not ready.fewer_than(4) and ready.fewer_than(5)
+    # ... and shutdown empties it as messages
+    assert [(d.part.partition, d.offset) for d in take_all(ready)] == [
+        (0, 0),
+        (0, 1),
+        (0, 2),
+        (1, 0),
+    ]
+
+
+def test_an_open_call_of_a_run_shows_its_first_offset() -> None:
+    # Given a batch call under way for 10 s with a run of partition 0 (offsets 3-5) and a
+    # message of partition 1
+    rig = RunRig(window=100, budget=1 << 20, runs=True)
+    rig.core.intake_batch([Rec("t", o) for o in range(3, 6)] + [Rec("t", 7, partition=1)])
+    push = object.__new__(BatchPush)  # (only its open calls and clock are read)
+    push.open = {OpenCall(cast(Any, None), 5.0): list(rig.items)}
+    push._clock = lambda: 15.0
+    # Then the operator's picture shows each partition's oldest offset out and its age
+    assert push.oldest() == {("t", 0): (3, 10.0, ""), ("t", 1): (7, 10.0, "")}

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
@@ -35,9 +35,10 @@ class Item:
     stale: bool = False
     name: str = ""
     alone: bool = False
+    count: int = 1
 
 
-def drop(item: Item) -> bool:
+def drop(item: Item | Several) -> bool:
     return item.stale
 
 
@@ -104,6 +105,55 @@ def test_batches_keep_order_and_caps_and_lose_nothing(
         assert len(batch) == 1 or sum(sizes(batch)) <= max_bytes
         taken += batch
     assert taken == items
+
+
+@dataclass
+class Several:
+    """A ready item of several messages (as ``partitions.Run``): ``sizes`` are theirs."""
+
+    sizes: list[int]
+    alone: bool = False
+    stale: bool = False
+
+    @property
+    def size(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def count(self) -> int:
+        return len(self.sizes)
+
+    def split(self, n: int) -> Several:
+        head = Several(self.sizes[:n])
+        del self.sizes[:n]
+        return head
+
+
+def _flat(batch: list[Item | Several]) -> list[int]:
+    return [s for item in batch for s in (item.sizes if isinstance(item, Several) else [item.size])]
+
+
+@example(groups=[[5, 0]], max_messages=10, max_bytes=5)  # (the cap reached before an empty one)
+@given(
+    st.lists(st.lists(st.integers(min_value=0, max_value=120), min_size=1, max_size=8)),
+    st.integers(min_value=1, max_value=12),
+    st.integers(min_value=1, max_value=300),
+)
+def test_an_item_of_several_messages_is_taken_as_its_messages_one_by_one(
+    groups: list[list[int]], max_messages: int, max_bytes: int
+) -> None:
+    # Given ready items of several messages (one message: an item of its own), and the same
+    # messages each an item of its own
+    several: deque[Item | Several] = deque(
+        Several(list(group)) if len(group) > 1 else Item(group[0]) for group in groups
+    )
+    single: deque[Item | Several] = deque(Item(size) for group in groups for size in group)
+    limits = BatchLimits(max_messages, max_bytes)
+    # When calls take from each / Then each call takes the same messages (an item whole, or
+    # its first messages split off: the rest first in line for the next call)
+    while single:
+        assert _flat(take(several, limits, drop)) == _flat(take(single, limits, drop))
+    assert not several
 
 
 # ------------------------------------------------------------------ reading answers

@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Protocol, TypeVar, cast
 
 import grpc
 
@@ -53,12 +53,27 @@ _UNIMPLEMENTED = Classification(
 
 
 class Sized(Protocol):
-    """What batching reads of a ready message (a ``partitions.Delivery`` fits)."""
+    """What batching reads of a ready item (a ``partitions.Delivery`` fits: one message)."""
 
     @property
     def size(self) -> int: ...
     @property
     def alone(self) -> bool: ...
+    @property
+    def count(self) -> int:
+        """How many messages: 1, but for a run (``Splittable``)."""
+
+
+class Splittable(Protocol):
+    """A ready item of several messages (a ``partitions.Run``): taken whole, or split where
+    a call has room for only part of it."""
+
+    @property
+    def sizes(self) -> list[int]:
+        """Each message's size."""
+
+    def split(self, n: int) -> Splittable:
+        """The first ``n`` messages as an item of their own; this one keeps the rest."""
 
 
 T = TypeVar("T", bound=Sized)
@@ -75,7 +90,9 @@ class BatchLimits:
 def take(ready: deque[T], limits: BatchLimits, drop: Callable[[T], bool]) -> list[T]:
     """Remove and return the next batch from the front of ``ready`` (empty when nothing
     fresh is ready). ``drop(item)`` says whether an item is stale (and gives its bytes back):
-    those met on the way leave ``ready`` without going out."""
+    those met on the way leave ``ready`` without going out. An item of several messages
+    (``Splittable``) counts as that many: it goes whole when all of them fit, else its first
+    messages that fit (as message by message) go and the rest stays first in ``ready``."""
     batch: list[T] = []
     append = batch.append
     popleft = ready.popleft
@@ -86,6 +103,29 @@ def take(ready: deque[T], limits: BatchLimits, drop: Callable[[T], bool]) -> lis
         item = popleft()
         if drop(item):
             continue
+        count = item.count
+        if count != 1:
+            size = item.size
+            if taken + count <= max_messages and total + size < max_bytes:
+                append(item)  # (no prefix reaches either cap: message by message takes all)
+                taken += count
+                total += size
+                continue
+            fit = 0
+            for one in cast(Splittable, item).sizes[: max_messages - taken]:
+                if (taken or fit) and total + one > max_bytes:
+                    break
+                fit += 1
+                total += one
+                if total >= max_bytes:
+                    break
+            if fit < count:
+                if fit:
+                    append(cast(T, cast(Splittable, item).split(fit)))
+                ready.appendleft(item)
+            else:
+                append(item)
+            break
         alone = item.alone
         size = item.size
         if taken and (alone or total + size > max_bytes):

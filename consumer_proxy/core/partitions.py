@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol, overload
 
 from ..config import DeadLetterGuardConfig, DeliveryConfig
 from .codec import CodecError, decode
@@ -174,6 +174,7 @@ class Delivery:
     alone: bool = False  # batch mode: goes in a batch of its own (its batch's answer was bad)
     guard_probe: bool = False  # retried to probe a held dead-letter guard: its ack releases it
     trace: Any = None  # the shell's trace of it (tracing.MessageTrace); None with tracing off
+    count: ClassVar[int] = 1  # messages in this ready item (a ``Run`` holds several)
 
     @property
     def origin(self) -> Origin:
@@ -198,6 +199,87 @@ class Delivery:
         if part.epoch == self.epoch:
             return False
         return any(self.offset >= cut for epoch, cut in part.cuts if epoch > self.epoch)
+
+
+@dataclass(eq=False, slots=True)
+class Run:
+    """A contiguous run of one partition's fetched source records, ready as one item (batch
+    mode's fast path, ``PartitionSet(runs=True)``): taken into a call whole or split
+    (``batching.take``), begun as one (``begin_batch``), its request built from the records
+    (``wire.batch_request``) and finished as one when every message of it is a plain ack
+    (``finish_acked``). Anywhere else it becomes the ``Delivery`` objects the record-by-record
+    path makes (``deliveries``): a failure, a retry, a stale or leaving partition, a traced
+    or unary call, a cancelled call, shutdown. Its records have no headers (a record with
+    headers is a ``Delivery`` of its own) and were tracked when it was made."""
+
+    part: PartitionState
+    epoch: int
+    records: list[Record]
+    offsets: list[int]
+    sizes: list[int]  # each record's key and value bytes
+    size: int  # their sum
+    openings_mark: int = 0  # as a ``Delivery``'s, once begun
+    successes_mark: int = -1
+    alone: ClassVar[bool] = False  # (never set: a message goes alone as a ``Delivery``)
+    tier: ClassVar[int] = 0  # (a source record's)
+    trace: ClassVar[Any] = None  # (never traced: a traced call takes its ``deliveries``)
+
+    @property
+    def count(self) -> int:
+        """How many messages."""
+        return len(self.offsets)
+
+    def split(self, n: int) -> Run:
+        """The first ``n`` messages as a run of their own; this one keeps the rest."""
+        sizes = self.sizes[:n]
+        size = sum(sizes)
+        head = Run(self.part, self.epoch, self.records[:n], self.offsets[:n], sizes, size)
+        del self.records[:n], self.offsets[:n], self.sizes[:n]
+        self.size -= size
+        return head
+
+    def deliveries(self) -> list[Delivery]:
+        """Its messages as the record-by-record path would have made them (``_take_run``),
+        with its begin marks."""
+        part = self.part
+        epoch = self.epoch
+        openings = self.openings_mark
+        successes = self.successes_mark
+        out = []
+        for record, offset, size in zip(self.records, self.offsets, self.sizes, strict=True):
+            ts = record.timestamp()[1]
+            delivery = Delivery(
+                part,
+                epoch,
+                offset,
+                record.key(),
+                record.value(),
+                _NO_USER_HEADERS,
+                None,
+                size,
+                SOURCE_PRIMARY,
+                1,
+                ts if ts > 0 else 0,
+            )
+            delivery.openings_mark = openings
+            delivery.successes_mark = successes
+            out.append(delivery)
+        return out
+
+
+Ready = Delivery | Run
+"""An item of batch mode's ready deque."""
+
+
+def expand(items: Iterable[Ready]) -> list[Delivery]:
+    """Each ``Run`` among ``items`` as its ``deliveries``, in order."""
+    out: list[Delivery] = []
+    for item in items:
+        if isinstance(item, Run):
+            out.extend(item.deliveries())
+        else:
+            out.append(item)
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,7 +417,8 @@ class PartitionSet:
         retry_topics: Sequence[str] = (),
         clock: Callable[[], float] = time.time,
         guard: DeadLetterGuardConfig | None = None,
-        emit_batch: Callable[[list[Delivery]], None] | None = None,
+        emit_batch: Callable[[Sequence[Ready]], None] | None = None,
+        runs: bool = False,
     ) -> None:
         self.group = group
         self.parts: dict[TP, PartitionState] = {}
@@ -393,12 +476,18 @@ class PartitionSet:
         self._lane: Callable[[Delivery], Hashable] | None = None
         # A run of records taken in at once goes out at once (``emit_batch``, when the shell
         # has one); with an ordering gate each message passes the gate on its own.
-        self._admit_run: Callable[[list[Delivery]], None] = emit_batch or self._admit_each
+        self._admit_run: Callable[[Sequence[Ready]], None] = emit_batch or self._admit_each
         if delivery.ordering != "none":
             self._admit_run = self._admit_each
             self._admit = self._admit_ordered
             self._complete = self._done_ordered
             self._lane = _key_lane if delivery.ordering == "key" else _partition_lane
+        self.runs = runs and emit_batch is not None and self._admit_run == emit_batch
+        """A run of records taken in at once goes out as ``Run`` items (batch mode's fast
+        path; ``emit_batch`` takes them): not with an ordering gate or the head-of-line
+        watch, whose bookkeeping is per message."""
+        if self._watch:
+            self.runs = False
 
     @property
     def bytes(self) -> int:
@@ -556,7 +645,16 @@ class PartitionSet:
             part = parts.get((topic or "", partition or 0))
             if part is not None:
                 index = start
-                if self._plain(part) and (records[start].offset() or 0) >= part.received_end:
+                if part.tracker is None:
+                    # A partition without a committed offset: its first record makes the
+                    # window (``intake``), and the rest may go as a run.
+                    self.intake(record)
+                    index += 1
+                if (
+                    index < end
+                    and self._plain(part)
+                    and (records[index].offset() or 0) >= part.received_end
+                ):
                     if not part.backlog:
                         index += self._take_run(part, records, index, end)[0]
                     index += self._backlog_run(part, records, index, end)
@@ -580,25 +678,32 @@ class PartitionSet:
     ) -> tuple[int, int]:
         """Track and admit records[start:end] of a ``_plain`` partition at once, as
         ``_accept`` of each would, as far as the window and the byte budget have room and
-        the offsets increase above the last tracked one. Returns how many were taken and
-        their key and value bytes (what a backlog counts of them)."""
+        the offsets increase above the last tracked one. With ``runs`` the records go out
+        as ``Run`` items, a record with headers as a ``Delivery`` between two (its user
+        headers count in its size). Returns how many were taken and their key and value
+        bytes (what a backlog counts of them)."""
         tracker = part.tracker
         assert tracker is not None
         if start >= end or not tracker.takes_run_from(records[start].offset() or 0):
             return 0, 0
-        room = min(end - start, self._max_in_flight - tracker.in_flight)
+        previous = (records[start].offset() or 0) - 1
+        records = records[start : start + min(end - start, self._max_in_flight - tracker.in_flight)]
         budget = part.budget
         spare = budget.limit - budget.held  # bytes before the budget is spent
+        runs = self.runs
         epoch = part.epoch
         last_epoch = tracker.last_epoch
-        previous = (records[start].offset() or 0) - 1
-        deliveries: list[Delivery] = []
-        append = deliveries.append
+        items: list[Ready] = []
+        append = items.append
         offsets: list[int] = []
+        sizes: list[int] = []
         track = offsets.append
+        weigh = sizes.append
         total = stored = 0
+        begun = 0  # where the run being made starts (in ``records``, ``offsets``, ``sizes``)
+        taken = 0
         no_headers = _NO_USER_HEADERS
-        for record in records[start : start + room]:
+        for record in records:
             if total >= spare:
                 break  # the byte budget is spent: the rest waits in the backlog
             offset = record.offset() or 0
@@ -608,44 +713,71 @@ class PartitionSet:
             if leader != last_epoch and leader is not None:
                 tracker.saw_epoch(offset, leader)
                 last_epoch = tracker.last_epoch
-            headers = record.headers()
             key = record.key()
             value = record.value()
             size = len(key or b"") + len(value or b"")
             stored += size
-            if headers:
-                user = split_headers(headers)[0]
-                size += sum(len(k) + len(v) for k, v in user)
-            else:
-                user = no_headers
-            ts = record.timestamp()[1]
-            # (no Origin: ``Delivery.origin`` makes it from the fields if it is asked for)
-            append(
-                Delivery(
-                    part,
-                    epoch,
-                    offset,
-                    key,
-                    value,
-                    user,
-                    None,
-                    size,
-                    SOURCE_PRIMARY,
-                    1,
-                    ts if ts > 0 else 0,
+            headers = record.headers()
+            if headers or not runs:
+                if taken > begun:
+                    append(self._run(part, records, offsets, sizes, begun, taken))
+                if headers:
+                    user = split_headers(headers)[0]
+                    size += sum(len(k) + len(v) for k, v in user)
+                else:
+                    user = no_headers
+                ts = record.timestamp()[1]
+                # (no Origin: ``Delivery.origin`` makes it from the fields if it is asked for)
+                append(
+                    Delivery(
+                        part,
+                        epoch,
+                        offset,
+                        key,
+                        value,
+                        user,
+                        None,
+                        size,
+                        SOURCE_PRIMARY,
+                        1,
+                        ts if ts > 0 else 0,
+                    )
                 )
-            )
+                begun = taken + 1
             track(offset)
+            weigh(size)
             total += size
             previous = offset
-        taken = len(offsets)
+            taken += 1
         if taken:
+            if taken > begun:
+                append(self._run(part, records, offsets, sizes, begun, taken))
             tracker.track_run(offsets)
             part.received_end = max(part.received_end, previous + 1)
             part.bytes += total
             budget.held += total
-            self._admit_run(deliveries)
+            self._admit_run(items)
         return taken, stored
+
+    @staticmethod
+    def _run(
+        part: PartitionState,
+        records: Sequence[Record],
+        offsets: list[int],
+        sizes: list[int],
+        start: int,
+        end: int,
+    ) -> Run:
+        """The ``Run`` of the records taken from ``start`` to ``end``."""
+        run_sizes = sizes[start:end]
+        return Run(
+            part,
+            part.epoch,
+            list(records[start:end]),
+            offsets[start:end],
+            run_sizes,
+            sum(run_sizes),
+        )
 
     def _backlog_run(
         self, part: PartitionState, records: Sequence[Record], start: int, end: int
@@ -672,7 +804,7 @@ class PartitionSet:
         part.budget.waiting += size
         return taken
 
-    def _admit_each(self, deliveries: list[Delivery]) -> None:
+    def _admit_each(self, deliveries: Sequence[Any]) -> None:  # (never a ``Run``: no ``runs``)
         admit = self._admit
         for delivery in deliveries:
             admit(delivery)
@@ -897,16 +1029,39 @@ class PartitionSet:
             delivery.successes_mark = breaker.successes
         return True
 
-    def begin_batch(self, batch: Sequence[Delivery]) -> list[Delivery]:
+    def drop_ready(self, ready: deque[Ready]) -> Callable[[Ready], bool]:
+        """``batching.take``'s ``drop`` for batch mode's ready deque ``ready``: a stale
+        message is dropped (``drop_stale``); a ``Run`` whose partition was cut or revoked
+        becomes its ``deliveries`` at the front of ``ready`` (each then taken or dropped as
+        the record-by-record path's; one of a leaving partition is taken, and ``begin_batch``
+        skips its messages as ``begin`` would)."""
+        drop_stale = self.drop_stale
+
+        def drop(item: Ready) -> bool:
+            if isinstance(item, Run):
+                part = item.part
+                if part.epoch == item.epoch and not part.revoked:
+                    return False
+                ready.extendleft(reversed(item.deliveries()))
+                return True
+            return drop_stale(item)
+
+        return drop
+
+    @overload
+    def begin_batch(self, batch: Sequence[Delivery]) -> list[Delivery]: ...
+    @overload
+    def begin_batch(self, batch: Sequence[Ready]) -> list[Ready]: ...
+    def begin_batch(self, batch: Sequence[Ready]) -> list[Ready] | list[Delivery]:
         """``begin`` of each message of one call: those that may be pushed, in order (the
         common case, a message of a partition neither cut nor leaving, without the call to
-        ``begin``)."""
+        ``begin``; a ``Run`` of such a partition begun as one, else as its ``deliveries``)."""
         breaker = self._breaker
         openings = breaker.openings
         successes = breaker.successes
         if self._watch:
-            return [delivery for delivery in batch if self.begin(delivery)]
-        began: list[Delivery] = []
+            return [delivery for delivery in expand(batch) if self.begin(delivery)]
+        began: list[Ready] = []  # (only messages when ``batch`` holds no ``Run``)
         append = began.append
         last: PartitionState | None = None
         plain = False  # ``last`` is neither revoked nor leaving
@@ -916,10 +1071,11 @@ class PartitionSet:
                 last = part
                 plain = not (part.revoked or part.leaving)
             if not plain or part.epoch != delivery.epoch:
-                if self.begin(delivery):
-                    append(delivery)
+                for one in delivery.deliveries() if isinstance(delivery, Run) else (delivery,):
+                    if self.begin(one):
+                        append(one)
                 continue
-            part.calls += 1
+            part.calls += delivery.count
             delivery.openings_mark = openings
             if delivery.successes_mark < 0:
                 delivery.successes_mark = successes
@@ -993,12 +1149,13 @@ class PartitionSet:
             self._retry_later(delivery, decision.delay_s)
         return decision
 
-    def finish_acked(self, batch: Sequence[Delivery], results: Sequence[Classification]) -> bool:
+    def finish_acked(self, batch: Sequence[Ready], results: Sequence[Classification]) -> bool:
         """One call's answers, when every one is a plain ack: ``finish`` of each would ack
         it (ACK, not stale, not a guard probe; ordering none, no head-of-line watch). Then
         they are finished together (one tracker call and one byte budget update per
         partition, its backlog drained or the committer told it is idle once) and True is
-        returned; otherwise nothing changes and False says to ``finish`` each in turn."""
+        returned; otherwise nothing changes and False says to ``finish`` each in turn (of
+        ``expand(batch)``: ``results`` has one per message, a ``Run`` holding several)."""
         if self._complete != self._done or self._watch:
             return False
         done: dict[PartitionState, tuple[list[int], list[int]]] = {}
@@ -1006,9 +1163,15 @@ class PartitionSet:
         last: PartitionState | None = None
         offsets: list[int] = []
         sizes: list[int] = []
-        for delivery, result in zip(batch, results, strict=True):
+        at = 0  # the first result of ``delivery``
+        # The common answer is one classification object repeated (``classify_batch``):
+        # read once, not per message.
+        uniform = bool(results) and results.count(results[0]) == len(results)
+        if uniform and results[0].outcome is not ack:
+            return False
+        for delivery in batch:
             part = delivery.part
-            if result.outcome is not ack or delivery.guard_probe or part.epoch != delivery.epoch:
+            if part.epoch != delivery.epoch:
                 return False
             if part is not last:  # (a call's messages come in runs of one partition)
                 if part.revoked:
@@ -1018,9 +1181,24 @@ class PartitionSet:
                 if entry is None:
                     entry = done[part] = ([], [])
                 offsets, sizes = entry
+            if isinstance(delivery, Run):
+                count = len(delivery.offsets)
+                if not uniform:
+                    for result in results[at : at + count]:
+                        if result.outcome is not ack:
+                            return False
+                offsets += delivery.offsets
+                sizes.append(delivery.size)
+                at += count
+                continue
+            if delivery.guard_probe or not (uniform or results[at].outcome is ack):
+                return False
             offsets.append(delivery.offset)
             sizes.append(delivery.size)
-        self.counters.ack += len(batch)
+            at += 1
+        if at != len(results):
+            raise ValueError(f"{len(results)} results for {at} messages")
+        self.counters.ack += at
         for part, (offsets, sizes) in done.items():
             part.calls -= len(offsets)
             tracker = part.tracker

@@ -89,7 +89,7 @@ from consumer_proxy.core.decision import HEAD_BLOCKED, Action, Decision
 from consumer_proxy.core.heartbeat import MAX_PROCESSING_STATUS
 from consumer_proxy.core.ordering import ORDERINGS, Ordering
 from consumer_proxy.core.outcomes import Classification, Classifier
-from consumer_proxy.core.partitions import ROOM_REASONS, Delivery, PartitionSet
+from consumer_proxy.core.partitions import ROOM_REASONS, Delivery, PartitionSet, expand
 from consumer_proxy.group import GroupRunner
 from consumer_proxy.metrics import ProxyMetrics
 from consumer_proxy.ports import EdgeHooks, Edges
@@ -763,7 +763,7 @@ class ShellSim:
         """Each partition's byte count is the sum of the messages held for it, wherever the
         shell holds them; each budget is the sum of its partitions' counts."""
         ready = runner.ready
-        queued = list(ready.items) if isinstance(ready, ReadyDeque) else list(ready._queue)  # type: ignore[attr-defined]
+        queued = expand(ready.items) if isinstance(ready, ReadyDeque) else list(ready._queue)  # type: ignore[attr-defined]
         places: list[Sequence[Delivery]] = [
             queued,
             list(self.taken),
