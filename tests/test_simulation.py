@@ -90,6 +90,14 @@ def test_random_schedules_through_the_real_shell_keep_every_invariant() -> None:
     assert total.bad_deploys > 25 and total.guard_trips > 25 and total.guard_held > 600
     # ... and the ordering gate (a third of the seeds each mode) holding messages back
     assert total.held_back > 5000
+    # ... and batch mode's fast path: half the records have no header, so plain runs of them
+    # are ``Run`` items (1003 made on 2026-11-27), begun as one (1227), some the head of a
+    # run ``take`` split (248), finished as one on plain acks (902) or message by message
+    # after a failed call (325), their messages dropped as stale or begun alone once the run
+    # was expanded by a revoke or a cut (31, 1)
+    assert total.runs_made > 500 and total.runs_begun > 600 and total.runs_split > 100
+    assert total.runs_acked > 450 and total.runs_failed > 150
+    assert total.run_messages_stale + total.run_messages_alone > 10
 
 
 def test_the_same_seed_gives_the_same_trace() -> None:
