@@ -476,7 +476,8 @@ class ShellSim:
             self.calls.discard(d)
             self._run_left(d, "cancelled")
             # (a message of a run begun as one: as ``Run.deliveries`` made it)
-            self.given_back[d] = self.began_with.pop(d, None) or (1, 0)
+            before = self.began_with.pop(d, None)
+            self.given_back[d] = (1, 0) if before is None else before
 
         def made(items: Sequence[Ready]) -> None:
             for item in items:
@@ -711,7 +712,7 @@ class ShellSim:
         if here is None or here.ident != ident:
             return  # cut from the log since it was fetched (the member not told yet): gone
         lane = self._lane(tp, d.key)
-        for other in self.calls:
+        for other in expand(self.calls):  # (no ``Run`` with an ordering gate)
             if (
                 other is not d
                 and not other.stale
