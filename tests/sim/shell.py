@@ -24,8 +24,8 @@ with simulated edges (``ports``, in ``tests/sim/edges.py``):
 
 The schedule produces records (half of them without any header, their id in their value:
 in batch mode, with ordering none, plain runs of them are ``Run`` items, begun, split, acked
-and expanded as the schedule goes; the spy counts each in ``ShellStats``), rebalances (a fifth of them lose their partitions: no final
-commit; a third of the hand-overs cut the log inside the range the restored ack state
+and expanded as the schedule goes; the spy counts each in ``ShellStats``), rebalances (a
+fifth of them lose their partitions: no final commit; a third of the hand-overs cut the log inside the range the restored ack state
 describes, which the member is not told, some of them below the commit: the simulated consumer
 validates a committed leader epoch as librdkafka does, KIP-320), restarts (graceful, or a
 crash: nothing is committed after it; each with another metadata budget, as pods of a config
