@@ -22,17 +22,17 @@ with simulated edges (``ports``, in ``tests/sim/edges.py``):
   tier write appends the record to the tier's log, which the member consumes), retried while
   the DLQ is down.
 
-The schedule produces records (half of them without any header, their id in their value:
-in batch mode, with ordering none, plain runs of them are ``Run`` items, begun, split, acked
-and expanded as the schedule goes; the spy counts each in ``ShellStats``), rebalances (a
-fifth of them lose their partitions: no final commit; a third of the hand-overs cut the log inside the range the restored ack state
-describes, which the member is not told, some of them below the commit: the simulated consumer
-validates a committed leader epoch as librdkafka does, KIP-320), restarts (graceful, or a
-crash: nothing is committed after it; each with another metadata budget, as pods of a config
-roll), cuts logs (told, or silent), takes the service, the DLQ and commits down, deploys a bad
-service and releases a held dead-letter guard as an operator. Half the seeds of ordering none
-have 1-3 retry tiers (a third of them waiting a minute to an hour, far longer than the run) and
-some head-of-line unblocking. Checked at every step:
+The schedule produces records (half of them without any header, their id in their value: in
+batch mode, with ordering none, plain runs of them are ``Run`` items, begun, split, acked and
+expanded as the schedule goes; the spy counts each in ``ShellStats``), rebalances (a fifth of
+them lose their partitions: no final commit; a third of the hand-overs cut the log inside the
+range the restored ack state describes, which the member is not told, some of them below the
+commit: the simulated consumer validates a committed leader epoch as librdkafka does, KIP-320),
+restarts (graceful, or a crash: nothing is committed after it; each with another metadata
+budget, as pods of a config roll), cuts logs (told, or silent), takes the service, the DLQ and
+commits down, deploys a bad service and releases a held dead-letter guard as an operator. Half
+the seeds of ordering none have 1-3 retry tiers (a third of them waiting a minute to an hour,
+far longer than the run) and some head-of-line unblocking. Checked at every step:
 
 - a commit never passes an offset whose message is not done, nor marks one done in its
   metadata; commits never go back (but after a cut); nothing acked is pushed again unless a
