@@ -30,6 +30,7 @@ from tests.sim.world import (
     Consumer,
     Msg,
     Record,
+    ident_of,
 )
 
 if TYPE_CHECKING:
@@ -345,11 +346,16 @@ class SimSource:
                     self.consumer.commit(*commit)
             delay = self.sim.rng.uniform(0.001, 0.01)
             self._unanswered[answer] = loop.call_later(delay, _answer, answer, chosen, error)
-            answer.add_done_callback(self._unanswered.pop)
+            # Answered, or its waiter gave up (a committer cancelled mid-commit): the timer
+            # goes too (the check after stop() finds a timer left behind).
+            answer.add_done_callback(self._forget_answer)
             return True
 
         sent: bool = await self._run("commit", send)
         return answer if sent else None
+
+    def _forget_answer(self, answer: asyncio.Future[Any]) -> None:
+        self._unanswered.pop(answer).cancel()
 
     async def position(self, tp: TP) -> int | None:
         async def read() -> int | None:
@@ -420,7 +426,7 @@ class SimPusher:
 
     async def push(self, request: Any, endpoint: Any, metadata: Any = None) -> Classification:
         sim = self.sim
-        ident = _ident(request.message.headers)
+        ident = _ident(request.message)
         result, latency = sim.answer(ident)
         await asyncio.sleep(latency)
         return result
@@ -430,7 +436,7 @@ class SimPusher:
     ) -> BatchOutcome:
         sim = self.sim
         request = handler_pb2.HandleMessageBatchRequest.FromString(payload)
-        idents = [_ident(m.headers) for m in request.messages]
+        idents = [_ident(m) for m in request.messages]
         outcome, latency = sim.answer_batch(idents)
         sim.stats.batch_calls += 1
         sim.stats.batched_messages += count
@@ -455,7 +461,7 @@ class SimPusher:
         metadata: Any = None,
     ) -> Classification:
         sim = self.sim
-        ident = _ident(request.message.headers)
+        ident = _ident(request.message)
         stream = sim.stream(ident, request.heartbeat_interval_ms / 1000.0)
         try:
             return await read_stream(stream.read, watch, on_heartbeat, sim.classifier)
@@ -516,7 +522,7 @@ class SimSink:
     ) -> int:
         sim = self.sim
         fields = dict(headers)
-        ident = int(fields["id"])
+        ident = ident_of(headers, value)  # (a record produced without headers: its value)
         loop = asyncio.get_running_loop()
         # The DLQ and the tiers share the producer: tier writes fail too. The producer tries
         # every DLQ_RETRY_S; each failed try is told. (Waited out in one wait for the DLQ to
@@ -550,11 +556,10 @@ class SimSink:
         return None
 
 
-def _ident(headers: Any) -> int:
-    for header in headers:
-        if header.key == "id":
-            return int(header.value)
-    raise AssertionError("a message without its id header")
+def _ident(message: handler_pb2.Message) -> int:
+    """A pushed message's id (``world.ident_of``)."""
+    headers = [(header.key, header.value) for header in message.headers]
+    return ident_of(headers, message.value if message.has_value else None)
 
 
 def _answer(

@@ -22,15 +22,17 @@ with simulated edges (``ports``, in ``tests/sim/edges.py``):
   tier write appends the record to the tier's log, which the member consumes), retried while
   the DLQ is down.
 
-The schedule produces records, rebalances (a fifth of them lose their partitions: no final
-commit; a third of the hand-overs cut the log inside the range the restored ack state
-describes, which the member is not told, some of them below the commit: the simulated consumer
-validates a committed leader epoch as librdkafka does, KIP-320), restarts (graceful, or a
-crash: nothing is committed after it; each with another metadata budget, as pods of a config
-roll), cuts logs (told, or silent), takes the service, the DLQ and commits down, deploys a bad
-service and releases a held dead-letter guard as an operator. Half the seeds of ordering none
-have 1-3 retry tiers (a third of them waiting a minute to an hour, far longer than the run) and
-some head-of-line unblocking. Checked at every step:
+The schedule produces records (half of them without any header, their id in their value: in
+batch mode, with ordering none, plain runs of them are ``Run`` items, begun, split, acked and
+expanded as the schedule goes; the spy counts each in ``ShellStats``), rebalances (a fifth of
+them lose their partitions: no final commit; a third of the hand-overs cut the log inside the
+range the restored ack state describes, which the member is not told, some of them below the
+commit: the simulated consumer validates a committed leader epoch as librdkafka does, KIP-320),
+restarts (graceful, or a crash: nothing is committed after it; each with another metadata
+budget, as pods of a config roll), cuts logs (told, or silent), takes the service, the DLQ and
+commits down, deploys a bad service and releases a held dead-letter guard as an operator. Half
+the seeds of ordering none have 1-3 retry tiers (a third of them waiting a minute to an hour,
+far longer than the run) and some head-of-line unblocking. Checked at every step:
 
 - a commit never passes an offset whose message is not done, nor marks one done in its
   metadata; commits never go back (but after a cut); nothing acked is pushed again unless a
@@ -89,7 +91,15 @@ from consumer_proxy.core.decision import HEAD_BLOCKED, Action, Decision
 from consumer_proxy.core.heartbeat import MAX_PROCESSING_STATUS
 from consumer_proxy.core.ordering import ORDERINGS, Ordering
 from consumer_proxy.core.outcomes import Classification, Classifier
-from consumer_proxy.core.partitions import ROOM_REASONS, Delivery, PartitionSet, expand
+from consumer_proxy.core.partitions import (
+    ROOM_REASONS,
+    Delivery,
+    PartitionSet,
+    PartitionState,
+    Ready,
+    Run,
+    expand,
+)
 from consumer_proxy.group import GroupRunner
 from consumer_proxy.metrics import ProxyMetrics
 from consumer_proxy.ports import EdgeHooks, Edges
@@ -112,6 +122,8 @@ from tests.sim.world import (
     TP,
     Log,
     Msg,
+    ident_of,
+    ident_value,
     service_answer,
     service_batch_call,
     service_unary_call,
@@ -125,6 +137,14 @@ STALL_S = 120.0
 backoff, an endless handler's five capped calls, the guard's operator: well within it)."""
 BYTE_BUDGET = 1024
 WALL_EPOCH_S = 1_700_000_000.0  # the core's wall clock (tier due times) is virtual too
+HEADLESS_SHARE = 0.5
+"""The share of records produced without any header (their id in their value): in batch mode
+plain runs of them are ``Run`` items; the others keep the record-by-record path covered."""
+
+
+def _ident(d: Delivery) -> int:
+    """A message's id (``world.ident_of``)."""
+    return ident_of(d.headers, d.value)
 
 
 @dataclass
@@ -171,6 +191,14 @@ class ShellStats:
     garbled: int = 0  # messages that make any batch answer have the wrong length
     protocol_errors: int = 0  # batch answers of the wrong length
     held_back: int = 0  # checks at which the ordering gate held messages back
+    runs_made: int = 0  # batch mode's ``Run`` items made by intake
+    runs_begun: int = 0  # ... begun as one
+    runs_split: int = 0  # ... of them the head of a run ``take`` split
+    runs_acked: int = 0  # ... finished as one (``finish_acked``)
+    runs_failed: int = 0  # ... whose messages were decided one by one (a failed call)
+    runs_cancelled: int = 0  # ... whose call was cancelled (its messages given back)
+    run_messages_alone: int = 0  # a run's messages begun alone (the run expanded before)
+    run_messages_stale: int = 0  # ... dropped as stale (the run expanded: revoke, cut)
     virtual_s: int = 0
 
 
@@ -206,6 +234,9 @@ class ShellSim:
                 heartbeat_timeout_ms=choose.choice([300, 600]),
                 max_processing_ms=choose.choice([2000, 4000]),
             )
+        # Which records are produced without headers (their own generator: the schedule's
+        # draws stay as they were).
+        self.headless = random.Random(f"shell-headless:{seed}")
         self.losses = random.Random(f"shell-lost:{seed}")  # which rebalances lose
         self.handovers = random.Random(f"shell-handover:{seed}")  # cuts at hand-over
         self.handover_cuts = 0.3  # ... at this share of hand-overs
@@ -261,10 +292,13 @@ class ShellSim:
         self.source: SimSource | None = None
         self._run_task: asyncio.Task[None] | None = None
         self.taken: set[Delivery] = set()  # a worker took it from the ready queue
-        self.calls: set[Delivery] = set()  # begun, not finished
+        self.calls: set[Delivery | Run] = set()  # begun, not finished
         self.parked: set[Delivery] = set()  # a DLQ write under way
         # (attempt, counted) of each call under way, and of each call given back (abandoned)
         self.began_with: dict[Delivery, tuple[int, int]] = {}
+        self.run_of: dict[tuple[PartitionState, int, int], Run] = {}  # runs' messages
+        self.run_left: dict[Run, int] = {}  # ... how many of them are still in its call
+        self.runs_made: set[Run] = set()  # runs the core made (not split off by ``take``)
         self.given_back: dict[Delivery, tuple[int, int]] = {}
         self.cuts: dict[TP, int] = {}  # where a log was cut, until a commit comes back to it
         self.rebalanced_at = -1.0  # when the consumer thread last served a rebalance
@@ -369,6 +403,7 @@ class ShellSim:
         core = runner.partitions
         self.taken, self.calls, self.parked = set(), set(), set()
         self.began_with, self.given_back = {}, {}
+        self.run_of, self.run_left, self.runs_made = {}, {}, set()
         self._spy(runner, core)
         self.runner = runner
         self._run_task = loop.create_task(runner.run(), name="sim:runner")
@@ -390,14 +425,18 @@ class ShellSim:
             if stale:
                 self.taken.discard(d)
                 self.stats.stale_drops += 1
+                if self._run_left(d, "expanded") is not None:
+                    self.stats.run_messages_stale += 1  # a run's, expanded as it went stale
 
         def begun(began: bool, d: Delivery) -> None:
             self.taken.discard(d)
             before = self.given_back.pop(d, None)
+            if began and self._run_left(d, "expanded") is not None:
+                self.stats.run_messages_alone += 1  # a run's, expanded before its call
             if began:
                 if before is not None and before != (d.attempt, d.counted_here):
                     self.fail(
-                        f"message {int(dict(d.headers)['id'])}: a cancelled call counted as an "
+                        f"message {_ident(d)}: a cancelled call counted as an "
                         f"attempt (attempt, counted) {before} -> {(d.attempt, d.counted_here)}"
                     )
                 self.calls.add(d)
@@ -406,26 +445,49 @@ class ShellSim:
 
         def finished(decision: Decision | None, d: Delivery, *_: Any) -> None:
             self.calls.discard(d)
+            self._run_left(d, "failed")
             self.began_with.pop(d, None)
             self._decided(d, decision)
 
-        def begun_batch(began: list[Delivery], batch: list[Delivery]) -> None:
-            # Those ``begin_batch`` passed to ``begin`` were seen there already.
+        def begun_batch(began: list[Ready], batch: list[Ready]) -> None:
+            # Those ``begin_batch`` passed to ``begin`` were seen there already (a ``Run``
+            # not begun as one: its messages, one by one).
             out = set(began)
             for d in batch:
-                if d not in out:
+                if isinstance(d, Run):
+                    if d in out:
+                        self._run_begun(d)
+                elif d not in out:
                     begun(False, d)
                 elif d not in self.calls:
                     begun(True, d)
 
-        def finished_acked(all_acked: bool, batch: list[Delivery], *_: Any) -> None:
+        def finished_acked(all_acked: bool, batch: list[Ready], *_: Any) -> None:
             if all_acked:
                 for d in batch:
-                    finished(ACKED, d)
+                    if isinstance(d, Run):
+                        self.calls.discard(d)
+                        self.stats.runs_acked += 1
+                        for one in d.deliveries():
+                            self._decided(one, ACKED)
+                            self.run_of.pop(self._where(one), None)
+                    else:
+                        finished(ACKED, d)
 
         def ended(_: Any, d: Delivery) -> None:
             self.calls.discard(d)
-            self.given_back[d] = self.began_with.pop(d)
+            self._run_left(d, "cancelled")
+            # (a message of a run begun as one: as ``Run.deliveries`` made it)
+            before = self.began_with.pop(d, None)
+            self.given_back[d] = (1, 0) if before is None else before
+
+        def made(items: Sequence[Ready]) -> None:
+            for item in items:
+                if isinstance(item, Run):
+                    self.stats.runs_made += 1
+                    self.runs_made.add(item)
+                    for offset in item.offsets:
+                        self.run_of[(item.part, item.epoch, offset)] = item
 
         def unparked(_: Any, d: Delivery) -> None:
             self.parked.discard(d)
@@ -435,6 +497,13 @@ class ShellSim:
                 self.stats.unblocks += 1
                 self._decided(d, decision)
 
+        admit_run = core._admit_run
+
+        def admitting(items: Sequence[Ready]) -> None:
+            made(items)
+            admit_run(items)
+
+        core._admit_run = admitting
         wrap("drop_stale", dropped)
         wrap("unblock", unblocked)
         wrap("begin", begun)
@@ -581,6 +650,44 @@ class ShellSim:
         self.stats.commits += 1
         self.trace(f"commit {tp} {offset} {metadata}")
 
+    @staticmethod
+    def _where(d: Delivery) -> tuple[PartitionState, int, int]:
+        """A message of a ``Run`` the core made: its partition, epoch and offset
+        (``Run.deliveries`` makes new ``Delivery`` objects each time)."""
+        return (d.part, d.epoch, d.offset)
+
+    def _run_begun(self, run: Run) -> None:
+        """A ``Run`` begun as one: each of its messages pushed."""
+        self.stats.runs_begun += 1
+        if run not in self.runs_made:
+            self.stats.runs_split += 1  # the head of a run ``take`` split
+        self.calls.add(run)
+        self.run_left[run] = len(run.offsets)
+        part, epoch = run.part, run.epoch
+        for one in run.deliveries():
+            self.run_of[(part, epoch, one.offset)] = run  # (the head of a split: its own)
+            self._pushed(one)
+
+    def _run_left(self, d: Delivery, why: str) -> Run | None:
+        """``d``, a message of a ``Run`` the core made, begun, decided or given back on its
+        own: its run's call (when the run was begun as one: the call failed or was
+        cancelled) no longer holds it. The run it was made in, or None."""
+        run = self.run_of.pop(self._where(d), None)
+        if run is None or run not in self.run_left:
+            return run
+        left = self.run_left[run] - 1
+        if left == len(run.offsets) - 1:
+            if why == "failed":
+                self.stats.runs_failed += 1
+            else:
+                self.stats.runs_cancelled += 1
+        if left:
+            self.run_left[run] = left
+        else:
+            del self.run_left[run]
+            self.calls.discard(run)
+        return run
+
     def allow_dups(self, tp: TP) -> None:
         for msg in self.logs[tp].records.values():
             if msg.ident in self.truth.acked:
@@ -590,7 +697,7 @@ class ShellSim:
         return (tp, key if self.ordering == "key" else "*")
 
     def _pushed(self, d: Delivery) -> None:
-        ident = int(dict(d.headers)["id"])
+        ident = _ident(d)
         truth = self.truth
         self.stats.pushes += 1
         self.trace(f"push {ident} attempt {d.attempt}")
@@ -607,7 +714,7 @@ class ShellSim:
         if here is None or here.ident != ident:
             return  # cut from the log since it was fetched (the member not told yet): gone
         lane = self._lane(tp, d.key)
-        for other in self.calls:
+        for other in expand(self.calls):  # (no ``Run`` with an ordering gate)
             if (
                 other is not d
                 and not other.stale
@@ -627,7 +734,7 @@ class ShellSim:
     def _decided(self, d: Delivery, decision: Decision | None) -> None:
         if decision is None:
             return
-        ident = int(dict(d.headers)["id"])
+        ident = _ident(d)
         truth = self.truth
         action = decision.action
         self.trace(f"decided {ident} {action.value}")
@@ -767,7 +874,7 @@ class ShellSim:
         places: list[Sequence[Delivery]] = [
             queued,
             list(self.taken),
-            [d for d in self.calls if not d.moved],
+            expand(d for d in self.calls if isinstance(d, Run) or not d.moved),
             list(self.parked),
         ]
         for part in core.parts.values():
@@ -895,9 +1002,14 @@ class ShellSim:
                 elif y < 0.16:
                     behaviour = "endless"
             key = rng.choice(self.keys) if self.ordering != "none" else None
-            msg = Msg(self.next_ident, behaviour, key=key, value=b"v" * rng.randint(0, 40))
+            value = b"v" * rng.randint(0, 40)
             if self.value_max > 40 and rng.random() < 0.3:
-                msg = Msg(msg.ident, behaviour, key=key, value=b"v" * rng.randint(0, 300))
+                value = b"v" * rng.randint(0, 300)
+            ident = self.next_ident
+            if self.headless.random() < HEADLESS_SHARE:  # its id in its value: a run's record
+                msg = Msg(ident, behaviour, key=key, value=ident_value(ident, value), headed=False)
+            else:
+                msg = Msg(ident, behaviour, key=key, value=value)
             self.truth.behaviour[msg.ident] = behaviour
             self.next_ident += 1
             log = self.logs[tp]
@@ -1036,7 +1148,7 @@ class ShellSim:
         held = [h.delivery for p in runner.partitions.parts.values() for h in p.held.values()]
         released = runner.guard.release()
         self.stats.guard_releases += bool(released)
-        self.truth.released.update(int(dict(d.headers)["id"]) for d in held)
+        self.truth.released.update(_ident(d) for d in held)
         self.trace(f"release {released}")
 
     def _only_real_poison_held(self) -> bool:
@@ -1045,7 +1157,7 @@ class ShellSim:
         assert self.runner is not None
         for part in self.runner.partitions.parts.values():
             for held in part.held.values():
-                ident = int(dict(held.delivery.headers)["id"])
+                ident = _ident(held.delivery)
                 behaviour = self.truth.behaviour[ident]
                 if behaviour.startswith(("poison", "garbled", "endless")):
                     continue

@@ -15,7 +15,7 @@ Everything runs on one virtual clock; randomness comes from one seeded ``random.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +38,25 @@ class Msg:
     key: bytes | None = None
     value: bytes | None = b"v"
     extra: tuple[tuple[str, bytes], ...] = ()  # more headers (a retry tier record's cp-*)
+    headed: bool = True
+    """Its id is in an ``id`` header; else the record has no header of its own and its value
+    begins with the id (``ident_value``): batch mode takes such records as ``Run`` items."""
+
+
+def ident_value(ident: int, rest: bytes) -> bytes:
+    """The value of a record produced without headers: its id, ``;``, then ``rest``."""
+    return b"%d;%s" % (ident, rest)
+
+
+def ident_of(headers: Iterable[tuple[str, bytes]] | None, value: bytes | None) -> int:
+    """A message's id wherever it went (a push, the DLQ, a retry tier): its ``id`` header,
+    else the head of its value (``ident_value``)."""
+    for key, raw in headers or ():
+        if key == "id":
+            return int(raw)
+    if value is None or b";" not in value:
+        raise AssertionError(f"a message without its id: headers {headers!r}, value {value!r}")
+    return int(value.split(b";", 1)[0])
 
 
 class Record:
@@ -72,7 +91,10 @@ class Record:
         return self._msg.value
 
     def headers(self) -> Any:
-        return [("id", str(self._msg.ident).encode()), *self._msg.extra]
+        msg = self._msg
+        if msg.headed:
+            return [("id", str(msg.ident).encode()), *msg.extra]
+        return list(msg.extra) or None  # (confluent_kafka's: None for a record without any)
 
     def timestamp(self) -> tuple[int, int]:
         return (1, 0)
