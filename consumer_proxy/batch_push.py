@@ -110,8 +110,8 @@ class BatchPush(Push):
                     call = OpenCall(me, clock())
                     self.open[call] = began  # for ``cancel_calls``
                     try:
-                        if self.rate is not None:
-                            await self.rate.acquire(len(began))
+                        if self.rate is not None:  # (messages: a ``Run`` holds several)
+                            await self.rate.acquire(sum(item.count for item in began))
                         started = clock()
                         outcome = await (
                             self._deliver(began, probe, endpoint, carried)
