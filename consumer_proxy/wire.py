@@ -6,9 +6,12 @@ Built from the core's ``Delivery`` with the generated protobuf classes; no I/O.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import repeat
 
 from .core.partitions import SOURCE_PRIMARY, Delivery, PartitionState, Ready, Run
 from .proto.v1 import handler_pb2
+
+_NONE = repeat(None)  # the user headers of a ``Run`` whose records have none (never ends)
 
 
 def message(delivery: Delivery, group: str) -> handler_pb2.Message:
@@ -59,7 +62,10 @@ def batch_request(batch: Sequence[Ready], group: str, carried: Sequence[int] = (
             if part is not last:
                 last = part
                 common = _common(part, group)
-            for record, offset in zip(d.records, d.offsets, strict=True):
+            heads = d.headers
+            for record, offset, user in zip(
+                d.records, d.offsets, _NONE if heads is None else heads, strict=False
+            ):
                 m = add()
                 m.CopyFrom(common)
                 m.offset = offset
@@ -74,6 +80,8 @@ def batch_request(batch: Sequence[Ready], group: str, carried: Sequence[int] = (
                 if value is not None:
                     m.value = value
                     m.has_value = True
+                if user:
+                    m.headers.extend([handler_pb2.Header(key=k, value=v) for k, v in user])
             continue
         m = add()
         origin = d.given_origin
