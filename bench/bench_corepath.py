@@ -42,7 +42,9 @@ STEPS = ("intake", "take", "begin", "request", "finish", "commit")
 ACK = Classifier().from_response(handler_pb2.HandleMessageResponse())
 
 
-TRACEPARENT = [("traceparent", b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")]
+TRACEPARENT: list[tuple[str, str | bytes | None]] = [
+    ("traceparent", b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+]
 
 
 def polls(n: int, headers: bool = False) -> list[list[Message]]:
