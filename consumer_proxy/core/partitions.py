@@ -218,9 +218,9 @@ class Run:
     epoch: int
     records: list[Record]
     offsets: list[int]
-    sizes: list[int]  # each record's key and value bytes
+    sizes: list[int]  # each record's key, value and user header bytes
     size: int  # their sum
-    headers: list[UserHeaders] | None = None  # each record's user headers; None: no record has
+    headers: list[UserHeaders] | None = None  # each record's user headers (None: none has any)
     openings_mark: int = 0  # as a ``Delivery``'s, once begun
     successes_mark: int = -1
     alone: ClassVar[bool] = False  # (never set: a message goes alone as a ``Delivery``)
