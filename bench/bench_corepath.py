@@ -11,7 +11,8 @@ plan after each poll) through a ``PartitionSet`` the way ``BatchPush`` drives it
 Two contenders in interleaved rounds: ``runs`` (batch mode's ready runs, ``core.partitions.Run``)
 and ``messages`` (a ``Delivery`` per record, the path without them). Ratio: the median of the
 per-round ratios of their totals (messages ÷ runs: how many times cheaper the run path is).
-No broker (``--bootstrap`` is not taken).
+No broker (``--bootstrap`` is not taken). ``--headers``: each record carries a W3C
+``traceparent`` header (55 bytes), as a traced producer's do.
 """
 
 from __future__ import annotations
@@ -41,9 +42,16 @@ STEPS = ("intake", "take", "begin", "request", "finish", "commit")
 ACK = Classifier().from_response(handler_pb2.HandleMessageResponse())
 
 
-def polls(n: int) -> list[list[Message]]:
-    """``n`` 100-byte records in consume() batches of ``POLL``, each a run per partition."""
+TRACEPARENT: list[tuple[str, str | bytes | None]] = [
+    ("traceparent", b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+]
+
+
+def polls(n: int, headers: bool = False) -> list[list[Message]]:
+    """``n`` 100-byte records in consume() batches of ``POLL``, each a run per partition
+    (``headers``: each with a ``traceparent``)."""
     value = b"x" * 100
+    carried = TRACEPARENT if headers else None
     offsets = [0] * PARTITIONS
     out = []
     for _ in range(n // POLL):
@@ -54,7 +62,12 @@ def polls(n: int) -> list[list[Message]]:
                 ts = (1, 1_764_000_000_000 + offset)
                 records.append(
                     Message(
-                        topic="t", partition=partition, offset=offset, value=value, timestamp=ts
+                        topic="t",
+                        partition=partition,
+                        offset=offset,
+                        value=value,
+                        headers=carried,
+                        timestamp=ts,
                     )
                 )
                 offsets[partition] += 1
@@ -117,11 +130,13 @@ def main() -> int:
     parser = OPTIONS.parser(__doc__.splitlines()[1])
     parser.add_argument("-n", type=int, default=200_000, help="records")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    parser.add_argument("--headers", action="store_true", help="a traceparent on each record")
     args = parser.parse_args()
     n = 20_000 if args.quick else args.n
     rounds = 1 if args.quick else args.rounds
-    result = Result("bench_corepath", params={"n": n, "rounds": rounds, "poll": POLL, "call": CALL})
-    batches = polls(n)
+    params = {"n": n, "rounds": rounds, "poll": POLL, "call": CALL, "headers": args.headers}
+    result = Result("bench_corepath", params=params)
+    batches = polls(n, args.headers)
     measured: dict[str, list[dict[str, float]]] = {"runs": [], "messages": []}
     for round_ in range(rounds):
         for who in rotated(tuple(measured), round_):

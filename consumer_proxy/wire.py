@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .core.partitions import SOURCE_PRIMARY, Delivery, PartitionState, Ready, Run
+from .core.records import UserHeaders
 from .proto.v1 import handler_pb2
 
 
@@ -74,6 +75,13 @@ def batch_request(batch: Sequence[Ready], group: str, carried: Sequence[int] = (
                 if value is not None:
                     m.value = value
                     m.has_value = True
+            heads = d.headers
+            if heads is not None:  # (a second pass: the run without headers pays nothing)
+                messages = request.messages
+                first = len(messages) - len(heads)
+                for index, user in enumerate(heads, first):
+                    if user:
+                        _add_headers(messages[index], user)
             continue
         m = add()
         origin = d.given_origin
@@ -106,7 +114,7 @@ def batch_request(batch: Sequence[Ready], group: str, carried: Sequence[int] = (
             m.value = value
             m.has_value = True
         if d.headers:
-            m.headers.extend([handler_pb2.Header(key=k, value=v) for k, v in d.headers])
+            _add_headers(m, d.headers)
     messages = request.messages
     for i in carried:
         trace = batch[i].trace
@@ -115,6 +123,14 @@ def batch_request(batch: Sequence[Ready], group: str, carried: Sequence[int] = (
         if trace.tracestate:
             m.tracestate = trace.tracestate
     return request.SerializeToString()
+
+
+def _add_headers(m: handler_pb2.Message, user: UserHeaders) -> None:
+    """Write a message's user headers (measured: ``headers.add`` of each costs two thirds of
+    extending by a list of ``Header`` objects)."""
+    add = m.headers.add
+    for key, value in user:
+        add(key=key, value=value)
 
 
 def _common(part: PartitionState, group: str) -> handler_pb2.Message:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from confluent_kafka import Message
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, example, find, given, settings
 from hypothesis import strategies as st
 
 from consumer_proxy.batch_push import BatchPush
@@ -22,7 +22,7 @@ from consumer_proxy.core.batching import BatchLimits, take
 from consumer_proxy.core.decision import Decision
 from consumer_proxy.core.outcomes import Classification, Outcome
 from consumer_proxy.core.partitions import SOURCE_REDRIVE, Delivery, Ready, Run, expand
-from consumer_proxy.core.records import Origin
+from consumer_proxy.core.records import H_ATTEMPT, H_TOPIC, Origin
 from consumer_proxy.proto.v1 import handler_pb2
 from consumer_proxy.push import OpenCall
 from consumer_proxy.readyq import ReadyDeque, take_all
@@ -126,13 +126,23 @@ def test_what_the_window_has_no_room_for_waits_in_the_backlog() -> None:
     assert [r.offset() for r in part.backlog] == list(range(4, 10))
 
 
+TRACEPARENT = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+HEADERS: list[list[tuple[str, bytes]] | None] = [
+    None,
+    [("h", b"x" * 3)],
+    [("traceparent", TRACEPARENT), ("cp-mine", b"u")],  # (a user's own cp- name)
+    [(H_TOPIC, b"src"), ("h", b"y"), (H_ATTEMPT, b"2")],  # (the proxy's: dropped)
+    [(H_ATTEMPT, b"2")],  # (no user headers left)
+]
+"""A record's headers in ``records_strategy``: none, the user's, the proxy's among them."""
+
 records_strategy = st.lists(
     st.tuples(
         st.integers(0, 1),  # partition
         st.integers(-3, 4),  # offset step from the previous record of the partition
         st.integers(0, 300),  # value bytes
         st.integers(0, 2),  # leader epoch bump
-        st.booleans(),  # a user header
+        st.integers(0, len(HEADERS) - 1),  # its headers (``HEADERS``)
         st.sampled_from([None, b"", b"k"]),  # key
         st.sampled_from([-1, 0, 7, 1_764_000_000_000]),  # timestamp (-1: none)
     ),
@@ -142,8 +152,8 @@ records_strategy = st.lists(
 
 @relaxed
 @example(  # two partitions' backlogs drained by one call's acks: they interleave otherwise
-    steps=[(1, 0, 0, 0, False, None, -1), (0, 0, 0, 0, False, None, -1)]
-    + [(p, 1, 0, 0, False, None, -1) for p in (1, 1, 0, 0, 1)],
+    steps=[(1, 0, 0, 0, 0, None, -1), (0, 0, 0, 0, 0, None, -1)]
+    + [(p, 1, 0, 0, 0, None, -1) for p in (1, 1, 0, 0, 1)],
     cuts=[7],
     window=2,
     budget=1024,
@@ -157,7 +167,7 @@ records_strategy = st.lists(
     acks=st.integers(0, 5),
 )
 def test_batch_intake_is_record_by_record_intake(
-    steps: list[tuple[int, int, int, int, bool, bytes | None, int]],
+    steps: list[tuple[int, int, int, int, int, bytes | None, int]],
     cuts: list[int],
     window: int,
     budget: int,
@@ -237,6 +247,13 @@ class RunRig(Rig):
 
 
 @relaxed
+@example(  # a run holding records with headers (``HEADERS``), split, retried, acked
+    steps=[(0, 1, 10, 0, h, None, 7) for h in (0, 2, 3, 1, 4, 0)],
+    cuts=[],
+    window=8,
+    budget=2500,
+    calls=[(2, 700, "acks"), (3, 700, "one retry"), (6, 700, "acks")],
+)
 @given(
     steps=records_strategy,
     cuts=st.lists(st.integers(1, 10), max_size=6),
@@ -252,7 +269,7 @@ class RunRig(Rig):
     ),
 )
 def test_ready_runs_are_message_by_message(
-    steps: list[tuple[int, int, int, int, bool, bytes | None, int]],
+    steps: list[tuple[int, int, int, int, int, bytes | None, int]],
     cuts: list[int],
     window: int,
     budget: int,
@@ -305,7 +322,7 @@ def test_ready_runs_are_message_by_message(
 
 
 def _batches(
-    steps: list[tuple[int, int, int, int, bool, bytes | None, int]], cuts: list[int]
+    steps: list[tuple[int, int, int, int, int, bytes | None, int]], cuts: list[int]
 ) -> list[list[Rec]]:
     """The records of ``records_strategy``'s steps: offsets stepping from the previous
     record of the partition, leader epochs bumped, headers, keys, values, timestamps; in
@@ -323,7 +340,7 @@ def _batches(
                 offset,
                 partition=partition,
                 epoch=epoch[partition],
-                headers=[("h", b"x" * 3)] if header else None,
+                headers=HEADERS[header],
                 key=key,
                 value=b"v" * size,
                 timestamp_ms=timestamp_ms,
@@ -505,32 +522,82 @@ def test_a_busy_groups_full_windows_run_almost_no_young_collector_passes() -> No
     assert _young_passes_while_churning(10_000) >= 10
 
 
-def test_a_run_of_records_without_headers_is_one_ready_item() -> None:
+def test_a_run_holds_records_with_headers() -> None:
     # Given a core handing out runs
     rig = RunRig(window=100, budget=1 << 20, runs=True)
-    # When a batch brings 5 records of partition 0, the third with a header, then 2 of
-    # partition 1
-    records = [Rec("t", o, headers=[("h", b"x")] if o == 2 else None) for o in range(5)]
+    # When a batch brings 5 records of partition 0, the third with a user header, the fourth
+    # with a trace context, a user's own cp- header and the proxy's (as a record re-produced
+    # from a dead-letter topic onto a primary one has), then 2 of partition 1
+    headers = {
+        2: [("h", b"x")],
+        3: [("traceparent", TRACEPARENT), (H_TOPIC, b"src"), ("cp-mine", b"u")],
+    }
+    records = [Rec("t", o, headers=headers.get(o)) for o in range(5)]
     rig.core.intake_batch(records + [Rec("t", o, partition=1) for o in range(2)])
-    # Then the records before and after the header are a run each, the header's a message
-    # of its own, and the windows and bytes count every message
+    # Then each partition's records are one run, and the windows and bytes count every
+    # message and its user headers (the proxy's dropped, as record by record)
     items = list(rig.items)
-    assert [type(item).__name__ for item in items] == ["Run", "Delivery", "Run", "Run"]
     assert [item.offsets if isinstance(item, Run) else [item.offset] for item in items] == [
-        [0, 1],
-        [2],
-        [3, 4],
+        [0, 1, 2, 3, 4],
         [0, 1],
     ]
+    user = [("traceparent", TRACEPARENT), ("cp-mine", b"u")]
     windows = [(p.tracker.in_flight, p.bytes) for p in rig.core.parts.values() if p.tracker]
-    assert windows == [(5, 7), (2, 2)]  # (the header counts 2 bytes)
-    # ... and a run becomes the messages the record-by-record path makes
-    first = items[0]
-    assert isinstance(first, Run)
-    assert [(d.offset, d.size, d.value, d.headers, d.origin) for d in first.deliveries()] == [
-        (0, 1, b"v", [], Origin("t", 0, 0, 7, 0)),
-        (1, 1, b"v", [], Origin("t", 0, 1, 7, 0)),
+    assert windows == [(5, 5 + 2 + 11 + len(TRACEPARENT) + 8), (2, 2)]
+    # ... and a run becomes the messages the record-by-record path makes, headers and all
+    first, second = items
+    assert isinstance(first, Run) and isinstance(second, Run) and second.headers is None
+    assert [(d.offset, d.size, d.headers, d.origin) for d in first.deliveries()] == [
+        (0, 1, [], Origin("t", 0, 0, 7, 0)),
+        (1, 1, [], Origin("t", 0, 1, 7, 0)),
+        (2, 3, [("h", b"x")], Origin("t", 0, 2, 7, 0)),
+        (3, 1 + 11 + len(TRACEPARENT) + 8, user, Origin("t", 0, 3, 7, 0)),
+        (4, 1, [], Origin("t", 0, 4, 7, 0)),
     ]
+
+
+def test_a_run_with_headers_goes_out_as_message_by_message() -> None:
+    # Given the same records with headers taken as runs and as messages
+    records = [
+        Rec("t", o, headers=HEADERS[o % len(HEADERS)], key=b"k" if o % 2 else None)
+        for o in range(12)
+    ]
+    runs, messages = RunRig(100, 1 << 20, True), RunRig(100, 1 << 20, False)
+    for rig in (runs, messages):
+        rig.core.intake_batch(records)
+    assert [type(item).__name__ for item in runs.items] == ["Run"]
+    # When calls of 5 messages take them (the run split twice, its headers with it)
+    for _ in range(3):
+        # Then each request is the same bytes: every message's user headers, in order
+        assert runs.call(BatchLimits(5, 1 << 20), None) == messages.call(
+            BatchLimits(5, 1 << 20), None
+        )
+    assert not runs.items and runs.commits() == messages.commits() == [(0, 12, "", None)]
+    # (and the requests carry them)
+    again = RunRig(100, 1 << 20, True)
+    again.core.intake_batch(records)
+    decoded = handler_pb2.HandleMessageBatchRequest.FromString(
+        again.call(BatchLimits(12, 1 << 20), None)
+    ).messages
+    assert [[(h.key, h.value) for h in m.headers] for m in decoded][1:4] == [
+        [("h", b"xxx")],
+        [("traceparent", TRACEPARENT), ("cp-mine", b"u")],
+        [("h", b"y")],
+    ]
+
+
+def _makes_a_run_with_headers(
+    steps: list[tuple[int, int, int, int, int, bytes | None, int]],
+) -> bool:
+    rig = RunRig(8, 2500, True)
+    rig.core.intake_batch(_batches(steps, [])[0])
+    return any(isinstance(i, Run) and i.count > 1 and i.headers for i in rig.items)
+
+
+def test_the_property_tests_records_make_runs_with_headers() -> None:
+    # Given the records of the property tests above / Then some make a run holding records
+    # with headers (their headers compared with message by message there)
+    assert _makes_a_run_with_headers(find(records_strategy, _makes_a_run_with_headers))
 
 
 def test_a_partition_without_a_committed_offset_takes_its_first_batch_as_a_run() -> None:

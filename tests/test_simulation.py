@@ -281,6 +281,8 @@ def _break_a_run_split(monkeypatch: pytest.MonkeyPatch) -> None:
         if head.count > 1:
             del head.records[-1], head.offsets[-1]
             head.size -= head.sizes.pop()
+            if head.headers is not None:
+                del head.headers[-1]
         return head
 
     monkeypatch.setattr(Run, "split", losing_split)
@@ -314,7 +316,7 @@ TIERS: Kind = lambda sim: bool(sim.tier_delays_ms)  # noqa: E731
         (_revert_protocol_error_rule, BATCH, 2),
         (_revert_guard_hold, ANY, 2),
         (_revert_guard_probe, ANY, 2),
-        # a fault in batch mode's ``Run`` items (records produced without headers)
+        # a fault in batch mode's ``Run`` items
         (_break_a_run_split, BATCH, 2),
     ],
 )

@@ -209,15 +209,18 @@ class Run:
     (``wire.batch_request``) and finished as one when every message of it is a plain ack
     (``finish_acked``). Anywhere else it becomes the ``Delivery`` objects the record-by-record
     path makes (``deliveries``): a failure, a retry, a stale or leaving partition, a traced
-    or unary call, a cancelled call, shutdown. Its records have no headers (a record with
-    headers is a ``Delivery`` of its own) and were tracked when it was made."""
+    or unary call, a cancelled call, shutdown. Its records were tracked when it was made; a
+    record with headers keeps its user headers in ``headers`` (what ``split_headers`` leaves
+    of them, counted in its size, as the record-by-record path does: on a primary topic the
+    proxy's own headers are dropped there too)."""
 
     part: PartitionState
     epoch: int
     records: list[Record]
     offsets: list[int]
-    sizes: list[int]  # each record's key and value bytes
+    sizes: list[int]  # each record's key, value and user header bytes
     size: int  # their sum
+    headers: list[UserHeaders] | None = None  # each record's user headers (None: none has any)
     openings_mark: int = 0  # as a ``Delivery``'s, once begun
     successes_mark: int = -1
     alone: ClassVar[bool] = False  # (never set: a message goes alone as a ``Delivery``)
@@ -233,8 +236,19 @@ class Run:
         """The first ``n`` messages as a run of their own; this one keeps the rest."""
         sizes = self.sizes[:n]
         size = sum(sizes)
-        head = Run(self.part, self.epoch, self.records[:n], self.offsets[:n], sizes, size)
+        headers = self.headers
+        head = Run(
+            self.part,
+            self.epoch,
+            self.records[:n],
+            self.offsets[:n],
+            sizes,
+            size,
+            None if headers is None else headers[:n],
+        )
         del self.records[:n], self.offsets[:n], self.sizes[:n]
+        if headers is not None:
+            del headers[:n]
         self.size -= size
         return head
 
@@ -246,7 +260,12 @@ class Run:
         openings = self.openings_mark
         successes = self.successes_mark
         out = []
-        for record, offset, size in zip(self.records, self.offsets, self.sizes, strict=True):
+        headers = self.headers
+        if headers is None:
+            headers = [_NO_USER_HEADERS] * len(self.offsets)
+        for record, offset, size, user in zip(
+            self.records, self.offsets, self.sizes, headers, strict=True
+        ):
             ts = record.timestamp()[1]
             delivery = Delivery(
                 part,
@@ -254,7 +273,7 @@ class Run:
                 offset,
                 record.key(),
                 record.value(),
-                _NO_USER_HEADERS,
+                user,
                 None,
                 size,
                 SOURCE_PRIMARY,
@@ -679,8 +698,8 @@ class PartitionSet:
         """Track and admit records[start:end] of a ``_plain`` partition at once, as
         ``_accept`` of each would, as far as the window and the byte budget have room and
         the offsets increase above the last tracked one. With ``runs`` the records go out
-        as ``Run`` items, a record with headers as a ``Delivery`` between two (its user
-        headers count in its size). Returns how many were taken and their key and value
+        as one ``Run`` item (a record's user headers count in its size), else as
+        ``Delivery`` items. Returns how many were taken and their key and value
         bytes (what a backlog counts of them)."""
         tracker = part.tracker
         assert tracker is not None
@@ -700,7 +719,7 @@ class PartitionSet:
         track = offsets.append
         weigh = sizes.append
         total = stored = 0
-        begun = 0  # where the run being made starts (in ``records``, ``offsets``, ``sizes``)
+        marked: list[tuple[int, UserHeaders]] = []  # (with ``runs``) records with headers
         taken = 0
         no_headers = _NO_USER_HEADERS
         for record in records:
@@ -718,14 +737,14 @@ class PartitionSet:
             size = len(key or b"") + len(value or b"")
             stored += size
             headers = record.headers()
-            if headers or not runs:
-                if taken > begun:
-                    append(self._run(part, records, offsets, sizes, begun, taken))
-                if headers:
-                    user = split_headers(headers)[0]
-                    size += sum(len(k) + len(v) for k, v in user)
-                else:
-                    user = no_headers
+            if headers:
+                user = split_headers(headers)[0]
+                size += sum(len(k) + len(v) for k, v in user)
+                if runs:
+                    marked.append((taken, user))
+            else:
+                user = no_headers
+            if not runs:
                 ts = record.timestamp()[1]
                 # (no Origin: ``Delivery.origin`` makes it from the fields if it is asked for)
                 append(
@@ -743,15 +762,14 @@ class PartitionSet:
                         ts if ts > 0 else 0,
                     )
                 )
-                begun = taken + 1
             track(offset)
             weigh(size)
             total += size
             previous = offset
             taken += 1
         if taken:
-            if taken > begun:
-                append(self._run(part, records, offsets, sizes, begun, taken))
+            if runs:
+                append(self._run(part, records[:taken], offsets, sizes, marked))
             tracker.track_run(offsets)
             part.received_end = max(part.received_end, previous + 1)
             part.bytes += total
@@ -765,19 +783,15 @@ class PartitionSet:
         records: Sequence[Record],
         offsets: list[int],
         sizes: list[int],
-        start: int,
-        end: int,
+        marked: list[tuple[int, UserHeaders]],
     ) -> Run:
-        """The ``Run`` of the records taken from ``start`` to ``end``."""
-        run_sizes = sizes[start:end]
-        return Run(
-            part,
-            part.epoch,
-            list(records[start:end]),
-            offsets[start:end],
-            run_sizes,
-            sum(run_sizes),
-        )
+        """The ``Run`` of the records taken, with the user headers of those ``marked``."""
+        headers: list[UserHeaders] | None = None
+        if marked:
+            headers = [_NO_USER_HEADERS] * len(offsets)
+            for index, user in marked:
+                headers[index] = user
+        return Run(part, part.epoch, list(records), offsets, sizes, sum(sizes), headers)
 
     def _backlog_run(
         self, part: PartitionState, records: Sequence[Record], start: int, end: int

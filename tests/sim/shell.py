@@ -138,8 +138,8 @@ backoff, an endless handler's five capped calls, the guard's operator: well with
 BYTE_BUDGET = 1024
 WALL_EPOCH_S = 1_700_000_000.0  # the core's wall clock (tier due times) is virtual too
 HEADLESS_SHARE = 0.5
-"""The share of records produced without any header (their id in their value): in batch mode
-plain runs of them are ``Run`` items; the others keep the record-by-record path covered."""
+"""The share of records produced without any header (their id in their value; the others
+carry it in a header): in batch mode ``Run`` items hold both."""
 
 
 def _ident(d: Delivery) -> int:
