@@ -42,7 +42,7 @@ from bench.producing import produce_at_rate, produce_bulk, sized_value
 from bench.proxy import BenchProxy, bench_config, drain, drain_figures
 from tests.support.kafka import create_topic, unique_name
 
-OPTIONS = BenchOptions(handler=True)
+OPTIONS = BenchOptions(handler=True, rounds=3)
 
 VALUE_BYTES = 100
 PC_ONE_PARTITION_20MS = 8327.0  # msg/s, quoted in issue 13 (quiet machine)
@@ -104,7 +104,6 @@ def sizes_line(sizes: dict[int, int]) -> str:
 def main() -> int:
     parser = OPTIONS.parser(__doc__.splitlines()[0])
     parser.add_argument("-n", type=int, default=200_000, help="messages (throughput run)")
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-messages", type=int, default=500)
     parser.add_argument("--concurrency", type=int, default=4, help="calls in flight")
     parser.add_argument(

@@ -28,7 +28,7 @@ from tests.support.kafka import create_topic, unique_name
 from tests.support.proxy import config_dict, start_proxy
 from tests.support.service import TestService
 
-OPTIONS = BenchOptions()
+OPTIONS = BenchOptions(rounds=3)
 
 
 async def one_round(bootstrap: str) -> tuple[float, float]:
@@ -69,7 +69,6 @@ async def one_round(bootstrap: str) -> tuple[float, float]:
 
 def main() -> int:
     parser = OPTIONS.parser(__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     rounds = 1 if args.quick else args.rounds
     result = Result("bench_ready", params={"rounds": rounds})

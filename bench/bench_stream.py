@@ -28,7 +28,7 @@ from bench.producing import produce_bulk
 from bench.proxy import BenchProxy, bench_config
 from tests.support.kafka import create_topic, unique_name
 
-OPTIONS = BenchOptions()
+OPTIONS = BenchOptions(rounds=3)
 
 PARTITIONS = 4
 LONG_RUNNING = {"heartbeat_timeout_ms": 6000, "max_processing_ms": 3_600_000}
@@ -84,7 +84,6 @@ def open_calls(bootstrap: str, calls: int, window_s: float) -> tuple[float, floa
 def main() -> int:
     parser = OPTIONS.parser(__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=20_000)
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--window", type=float, default=20.0, help="CPU sampling window, s")
     args = parser.parse_args()

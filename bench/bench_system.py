@@ -46,7 +46,7 @@ from bench.services import (
 )
 from tests.support.kafka import create_topic, unique_name
 
-OPTIONS = BenchOptions()
+OPTIONS = BenchOptions(rounds=3)
 
 SYSTEMS = ("pc", "proxy_go", "proxy_sdk")
 PC_CONCURRENCY = 16
@@ -121,7 +121,6 @@ def run_proxy(
 def main() -> int:
     parser = OPTIONS.parser(__doc__.splitlines()[1])
     parser.add_argument("-n", type=int, default=200_000, help="records")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     parser.add_argument("--profile-sdk", action="store_true", help="profile the SDK service")
     args = parser.parse_args()
     n = 50_000 if args.quick else args.n

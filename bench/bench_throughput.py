@@ -59,7 +59,7 @@ from consumer_proxy.adapters import group_consumer_config
 from consumer_proxy.config import ProxyConfig
 from tests.support.kafka import create_topic, unique_name
 
-OPTIONS = BenchOptions(handler=True, proxy_client=True)
+OPTIONS = BenchOptions(handler=True, proxy_client=True, rounds=3, warmup=1)
 
 VALUE_BYTES = 100
 MAX_MESSAGES = 500
@@ -182,10 +182,6 @@ def throughput_rounds(
 def main() -> int:
     parser = OPTIONS.parser(__doc__.splitlines()[1])
     parser.add_argument("-n", type=int, default=200_000, help="records")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
-    parser.add_argument(
-        "--warmup", type=int, default=1, help="rounds run first and not counted (--quick: 0)"
-    )
     parser.add_argument(
         "--workers",
         type=int,

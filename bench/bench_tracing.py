@@ -39,7 +39,7 @@ from bench.proxy import proxy_backlog_run
 from tests.support.collector import Collector
 from tests.support.kafka import create_topic, unique_name
 
-OPTIONS = BenchOptions()
+OPTIONS = BenchOptions(rounds=5, warmup=1)
 PARTITIONS = 4
 MODES: dict[str, float | None] = {"off": None, "0%": 0.0, "1%": 0.01, "100%": 1.0}
 """Tracing off, or on at a sampling ratio; 0 % (on, nothing sampled: what a message not
@@ -125,10 +125,6 @@ def main() -> int:
     parser.add_argument("-n", type=int, default=20000, help="unary: messages per run (20000)")
     parser.add_argument(
         "--batch-n", type=int, default=100000, help="batch: messages per run (100000)"
-    )
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of the modes (default 5)")
-    parser.add_argument(
-        "--warmup", type=int, default=1, help="rounds run first and not counted (default 1)"
     )
     parser.add_argument(
         "--window-from",

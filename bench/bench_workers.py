@@ -43,7 +43,7 @@ from bench.producing import produce_bulk
 from bench.proxy import proxy_backlog_run
 from tests.support.kafka import create_topic, unique_name
 
-OPTIONS = BenchOptions()
+OPTIONS = BenchOptions(rounds=2)
 
 PARTITIONS = 8
 HANDLER_MS = 5.0
@@ -88,7 +88,6 @@ def main() -> int:
     parser = OPTIONS.parser(__doc__.splitlines()[1])
     parser.add_argument("-n", type=int, default=30000, help="messages per run (default 30000)")
     parser.add_argument("--concurrency", type=int, default=100, help="per worker (default 100)")
-    parser.add_argument("--rounds", type=int, default=2, help="default 2")
     parser.add_argument(
         "--variants",
         nargs="+",

@@ -32,7 +32,10 @@ class BenchOptions:
     ``run_all_args``: extra arguments ``run_all`` passes (small sizes for a bench without
     ``--quick``). ``handler``: takes ``--handler go|python`` (the bench handler service, Go by
     default). ``proxy_client``: takes ``--proxy-client KEY=VALUE ...`` (librdkafka properties
-    for the proxy: ``client_settings(args.proxy_client)``).
+    for the proxy: ``client_settings(args.proxy_client)``). ``rounds``: takes ``--rounds N``
+    (interleaved rounds, this many by default; 0: no such option). ``warmup``: takes
+    ``--warmup N`` (rounds run first and not counted, this many by default; None: no such
+    option).
     """
 
     bootstrap: bool = True
@@ -41,6 +44,8 @@ class BenchOptions:
     run_all_args: tuple[str, ...] = ()
     handler: bool = False
     proxy_client: bool = False
+    rounds: int = 0
+    warmup: int | None = None
 
     def parser(self, description: str) -> argparse.ArgumentParser:
         """An argument parser with the declared shared options."""
@@ -67,6 +72,20 @@ class BenchOptions:
                 metavar="KEY=VALUE",
                 help="librdkafka properties for the proxy (kafka.client), e.g. "
                 "fetch.wait.max.ms=20",
+            )
+        if self.rounds:
+            parser.add_argument(
+                "--rounds",
+                type=int,
+                default=self.rounds,
+                help=f"interleaved rounds (default {self.rounds})",
+            )
+        if self.warmup is not None:
+            parser.add_argument(
+                "--warmup",
+                type=int,
+                default=self.warmup,
+                help=f"rounds run first and not counted (default {self.warmup})",
             )
         return parser
 
