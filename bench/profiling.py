@@ -62,10 +62,7 @@ def staged_proxy_main(out: str, argv: list[str]) -> int:
                     produced.append((record.offset(), record.timestamp()[1]))
 
     def stamp_deliveries(stage: str, deliveries: Any) -> None:
-        now_ms = time.time() * 1000.0
-        book = stamps[stage].append
-        for d in deliveries:
-            book((d.offset, now_ms - d.origin.timestamp_ms))
+        stamps[stage].extend(item_latencies(deliveries, time.time() * 1000.0))
 
     gc_started = [0.0, 0.0]
 
@@ -152,6 +149,21 @@ def staged_proxy_main(out: str, argv: list[str]) -> int:
     finally:
         Path(out).write_text(json.dumps({**stamps, "gc": pauses, "produced": produced}))
     return code
+
+
+def item_latencies(items: Any, now_ms: float) -> list[tuple[int, float]]:
+    """Each message of ready items (``Delivery``s, and batch mode's ``Run``s: a run is its
+    records) as ``(offset, ms since its record's timestamp)`` at ``now_ms``."""
+    from consumer_proxy.core.partitions import Run
+
+    found: list[tuple[int, float]] = []
+    for item in items:
+        if isinstance(item, Run):
+            for record, offset in zip(item.records, item.offsets, strict=True):
+                found.append((offset, now_ms - record.timestamp()[1]))
+        else:
+            found.append((item.offset, now_ms - item.origin.timestamp_ms))
+    return found
 
 
 def _thread_cpu_ns() -> dict[str, int]:

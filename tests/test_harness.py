@@ -9,10 +9,13 @@ from pathlib import Path
 from bench.bench_latency import per_record_added
 from bench.bench_throughput import PROXY_DELIVERY, floor_client
 from bench.measure import rotated
+from bench.profiling import item_latencies
 from bench.proxy import bench_config
 from consumer_proxy.config import ProxyConfig, load_config
 from tests.support.cache import KEEP_S, prune, used
 from tests.support.proxy import FAST_CONSUMER, ProxyProcess, config_dict, make_config, write_config
+from tests.support.records import Rec
+from tests.test_batch_intake import RunRig
 
 ARGS = ("127.0.0.1:9092", "orders", ["orders"], ["127.0.0.1:50051"])
 
@@ -116,3 +119,13 @@ def test_builds_of_other_source_versions_unused_for_a_week_are_pruned(tmp_path: 
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         p.name for p in (current, recent, half_written, other_command)
     )
+
+
+def test_the_latency_stages_stamp_each_message_of_a_ready_run() -> None:
+    # Given batch mode's ready items: a message alone (as a retry is), then a run
+    rig = RunRig(window=100, budget=1_000_000, runs=True)
+    rig.core.intake_batch([Rec("t", offset, timestamp_ms=1_000 + offset) for offset in range(4)])
+    (run,) = rig.items
+    items = [*run.split(1).deliveries(), run]
+    # When bench_latency --stages stamps them / Then each message once, by its own timestamp
+    assert item_latencies(items, 2_000.0) == [(o, 1_000.0 - o) for o in range(4)]
