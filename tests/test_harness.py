@@ -12,6 +12,7 @@ from bench.measure import rotated
 from bench.profiling import item_latencies
 from bench.proxy import bench_config
 from consumer_proxy.config import ProxyConfig, load_config
+from consumer_proxy.core.partitions import Run
 from tests.support.cache import KEEP_S, prune, used
 from tests.support.proxy import FAST_CONSUMER, ProxyProcess, config_dict, make_config, write_config
 from tests.support.records import Rec
@@ -126,6 +127,7 @@ def test_the_latency_stages_stamp_each_message_of_a_ready_run() -> None:
     rig = RunRig(window=100, budget=1_000_000, runs=True)
     rig.core.intake_batch([Rec("t", offset, timestamp_ms=1_000 + offset) for offset in range(4)])
     (run,) = rig.items
+    assert isinstance(run, Run)
     items = [*run.split(1).deliveries(), run]
     # When bench_latency --stages stamps them / Then each message once, by its own timestamp
     assert item_latencies(items, 2_000.0) == [(o, 1_000.0 - o) for o in range(4)]
