@@ -21,8 +21,16 @@ from consumer_proxy.config import DeliveryConfig
 from consumer_proxy.core.batching import BatchLimits, take
 from consumer_proxy.core.decision import Decision
 from consumer_proxy.core.outcomes import Classification, Outcome
-from consumer_proxy.core.partitions import SOURCE_REDRIVE, Delivery, Ready, Run, expand
-from consumer_proxy.core.records import H_ATTEMPT, H_TOPIC, Origin
+from consumer_proxy.core.partitions import (
+    SOURCE_REDRIVE,
+    Delivery,
+    PartitionState,
+    Ready,
+    Record,
+    Run,
+    expand,
+)
+from consumer_proxy.core.records import H_ATTEMPT, H_TOPIC, Origin, UserHeaders
 from consumer_proxy.proto.v1 import handler_pb2
 from consumer_proxy.push import OpenCall
 from consumer_proxy.readyq import ReadyDeque, take_all
@@ -402,6 +410,85 @@ def test_a_call_mixing_runs_and_given_origins_encodes_as_message_by_message() ->
         ("t", 1, 4, 1, 1),
         ("t", 0, 2, 3, 1),
     ]
+
+
+binary = st.binary(max_size=40)
+run_records = st.lists(
+    st.tuples(
+        st.integers(1, 2**40),  # offset step from the run's previous record
+        st.one_of(st.none(), st.just(b""), binary),  # key
+        st.one_of(st.none(), st.just(b""), binary),  # value
+        st.one_of(  # user headers
+            st.none(), st.lists(st.tuples(st.text(max_size=8), binary), min_size=1, max_size=3)
+        ),
+        st.one_of(  # timestamp: none, zero, negative, positive, big
+            st.sampled_from([-1, 0]), st.integers(-(2**40), 2**62)
+        ),
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+@relaxed
+@given(
+    runs=st.lists(
+        st.tuples(
+            st.sampled_from([("t", 0), ("t", 1), ("tøpic/ü", 2**31 - 1)]),  # its partition
+            st.integers(0, 2**63 - 2**46),  # its first offset
+            run_records,
+            st.booleans(),  # a ``Delivery`` (a redriven message) after it
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    group=st.text(max_size=12),
+)
+def test_a_runs_messages_encode_as_protobuf_encodes_each_message(
+    runs: list[tuple[tuple[str, int], int, list[tuple[int, Any, Any, Any, int]], bool]],
+    group: str,
+) -> None:
+    # Given runs of real fetched records (keys and values None, empty or binary, user
+    # headers, offsets up to 2**63, timestamps none, zero, negative or big) of partitions
+    # that repeat or not, and redriven messages between them
+    parts = {tp: PartitionState(*tp) for tp in (("t", 0), ("t", 1), ("tøpic/ü", 2**31 - 1))}
+    batch: list[Ready] = []
+    for tp, first, steps, redriven in runs:
+        records: list[Record] = []
+        offsets: list[int] = []
+        heads: list[UserHeaders] = []
+        offset = first
+        for step, key, value, headers, timestamp_ms in steps:
+            offset += step
+            records.append(
+                Message(
+                    topic=tp[0],
+                    partition=tp[1],
+                    offset=offset,
+                    key=key,
+                    value=value,
+                    headers=headers,
+                    timestamp=(0 if timestamp_ms == -1 else 1, timestamp_ms),
+                )
+            )
+            offsets.append(offset)
+            heads.append(headers or [])
+        sizes = [0] * len(offsets)
+        has_headers = any(heads)
+        batch.append(Run(parts[tp], 0, records, offsets, sizes, 0, heads if has_headers else None))
+        if redriven:
+            origin = Origin("src", 7, 2**62, 11, 2)
+            batch.append(Delivery(parts[tp], 0, 9, None, b"r", [], origin, 1, SOURCE_REDRIVE, 3))
+    # When they go out in one call
+    encoded = batch_request(batch, group)
+    # Then the request is the bytes protobuf encodes of each message as the unary path
+    # builds it (field by field, from each message's Origin)
+    expected = handler_pb2.HandleMessageBatchRequest()
+    for d in expand(batch):
+        one = message(d, group)
+        one.attempt = d.attempt
+        expected.messages.append(one)
+    assert encoded == expected.SerializeToString()
 
 
 def test_a_calls_plain_acks_finish_together() -> None:
