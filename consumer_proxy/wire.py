@@ -56,13 +56,16 @@ def batch_request(batch: Sequence[Ready], group: str, carried: Sequence[int] = (
     Message = handler_pb2.Message
     last: PartitionState | None = None
     common = Message()  # the fields a run of one partition's source records shares
-    template = b""  # ``common`` with ``has_value`` as one encoded request message
+    templated: PartitionState | None = None
+    template = b""  # its ``common`` with ``has_value``, encoded as one request message
     for d in batch:
         if isinstance(d, Run):
             part = d.part
-            if part is not last:
-                last = part
-                common = _common(part, group)
+            if part is not templated:
+                if part is not last:
+                    last = part
+                    common = _common(part, group)
+                templated = part
                 template = _template(common)
             first = len(messages)
             # The run's messages with their shared fields, parsed in one go (measured:

@@ -22,7 +22,9 @@ from consumer_proxy.core.batching import BatchLimits, take
 from consumer_proxy.core.decision import Decision
 from consumer_proxy.core.outcomes import Classification, Outcome
 from consumer_proxy.core.partitions import (
+    SOURCE_PRIMARY,
     SOURCE_REDRIVE,
+    TP,
     Delivery,
     PartitionState,
     Ready,
@@ -413,6 +415,7 @@ def test_a_call_mixing_runs_and_given_origins_encodes_as_message_by_message() ->
 
 
 binary = st.binary(max_size=40)
+TPS = [("t", 0), ("t", 1), ("tøpic/ü", 2**31 - 1)]
 run_records = st.lists(
     st.tuples(
         st.integers(1, 2**40),  # offset step from the run's previous record
@@ -434,10 +437,11 @@ run_records = st.lists(
 @given(
     runs=st.lists(
         st.tuples(
-            st.sampled_from([("t", 0), ("t", 1), ("tøpic/ü", 2**31 - 1)]),  # its partition
+            st.sampled_from(TPS),  # its partition
             st.integers(0, 2**63 - 2**46),  # its first offset
             run_records,
-            st.booleans(),  # a ``Delivery`` (a redriven message) after it
+            st.sampled_from(["", "redriven", "retried"]),  # a ``Delivery`` after it
+            st.sampled_from(TPS),  # the partition of a retried one
         ),
         min_size=1,
         max_size=4,
@@ -445,15 +449,15 @@ run_records = st.lists(
     group=st.text(max_size=12),
 )
 def test_a_runs_messages_encode_as_protobuf_encodes_each_message(
-    runs: list[tuple[tuple[str, int], int, list[tuple[int, Any, Any, Any, int]], bool]],
+    runs: list[tuple[tuple[str, int], int, list[tuple[int, Any, Any, Any, int]], str, TP]],
     group: str,
 ) -> None:
     # Given runs of real fetched records (keys and values None, empty or binary, user
     # headers, offsets up to 2**63, timestamps none, zero, negative or big) of partitions
-    # that repeat or not, and redriven messages between them
-    parts = {tp: PartitionState(*tp) for tp in (("t", 0), ("t", 1), ("tøpic/ü", 2**31 - 1))}
+    # that repeat or not, and redriven or retried messages between them
+    parts = {tp: PartitionState(*tp) for tp in TPS}
     batch: list[Ready] = []
-    for tp, first, steps, redriven in runs:
+    for tp, first, steps, after, retried_tp in runs:
         records: list[Record] = []
         offsets: list[int] = []
         heads: list[UserHeaders] = []
@@ -476,9 +480,14 @@ def test_a_runs_messages_encode_as_protobuf_encodes_each_message(
         sizes = [0] * len(offsets)
         has_headers = any(heads)
         batch.append(Run(parts[tp], 0, records, offsets, sizes, 0, heads if has_headers else None))
-        if redriven:
+        if after == "redriven":
             origin = Origin("src", 7, 2**62, 11, 2)
             batch.append(Delivery(parts[tp], 0, 9, None, b"r", [], origin, 1, SOURCE_REDRIVE, 3))
+        elif after == "retried":  # (a source record's: its partition's shared fields)
+            retried = Delivery(
+                parts[retried_tp], 0, 5, b"k", None, [], None, 1, SOURCE_PRIMARY, 2, 9
+            )
+            batch.append(retried)
     # When they go out in one call
     encoded = batch_request(batch, group)
     # Then the request is the bytes protobuf encodes of each message as the unary path
