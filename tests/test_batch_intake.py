@@ -618,6 +618,45 @@ def test_a_busy_groups_full_windows_run_almost_no_young_collector_passes() -> No
     assert _young_passes_while_churning(10_000) >= 10
 
 
+def _young_passes_while_filling(threshold: int, windows: int = 4, window: int = 20_000) -> int:
+    """Young collector passes while ``windows`` partitions' windows of ``window`` fill from
+    empty and as many records again wait in their backlogs, in consume() batches of 5,000
+    (``bench_throughput``'s proxy: 4 windows of 20,000), with ``run``'s ``threshold``."""
+    rig = RunRig(window, 1 << 30, runs=True)
+    for partition in range(2, windows):
+        rig.core.assign("t", partition, 0, "")
+    rig.core.pause_plan()
+    value = b"v" * 100
+    saved = gc.get_threshold()
+    gc.collect()
+    gc.set_threshold(threshold, *saved[1:])
+    try:
+        before: int = gc.get_stats()[0]["collections"]
+        for start in range(0, int(1.5 * window), 5000):
+            for partition in range(windows):
+                rig.core.intake_batch(
+                    [
+                        Message(topic="t", partition=partition, offset=o, value=value)
+                        for o in range(start, start + 5000)
+                    ]
+                )
+        after: int = gc.get_stats()[0]["collections"]
+        assert sum(len(p.backlog) for p in rig.core.parts.values()) == windows * window // 2
+        return after - before
+    finally:
+        gc.set_threshold(*saved)
+
+
+def test_the_windows_filling_up_run_no_young_collector_pass() -> None:
+    # Given the collector set as ``consumer-proxy run`` sets it
+    # When a fresh group's 4 windows of 20,000 fill and 40,000 more records wait in their
+    # backlogs (bench_throughput's proxy: a young pass walks every record held, 6-15 ms)
+    passes = _young_passes_while_filling(YOUNG_GC_THRESHOLD)
+    # Then the collector never walked them (at 50,000 it did, twice)
+    assert passes == 0
+    assert _young_passes_while_filling(50_000) >= 2
+
+
 def test_a_run_holds_records_with_headers() -> None:
     # Given a core handing out runs
     rig = RunRig(window=100, budget=1 << 20, runs=True)
