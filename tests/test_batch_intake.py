@@ -151,7 +151,7 @@ records_strategy = st.lists(
         st.integers(0, 1),  # partition
         st.integers(-3, 4),  # offset step from the previous record of the partition
         st.integers(0, 300),  # value bytes
-        st.integers(0, 2),  # leader epoch bump
+        st.integers(0, 2),  # leader epoch: 2 bumped; 1 after a step back: the log's again
         st.integers(0, len(HEADERS) - 1),  # its headers (``HEADERS``)
         st.sampled_from([None, b"", b"k"]),  # key
         st.sampled_from([-1, 0, 7, 1_764_000_000_000]),  # timestamp (-1: none)
@@ -161,6 +161,13 @@ records_strategy = st.lists(
 
 
 @relaxed
+@example(  # an offset reset inside one batch reads a lower leader epoch again
+    steps=[(0, 1, 0, 0, 0, None, 7), (0, 1, 0, 2, 0, None, 7), (0, -1, 0, 1, 0, None, 7)],
+    cuts=[],
+    window=8,
+    budget=1024,
+    acks=0,
+)
 @example(  # two partitions' backlogs drained by one call's acks: they interleave otherwise
     steps=[(1, 0, 0, 0, 0, None, -1), (0, 0, 0, 0, 0, None, -1)]
     + [(p, 1, 0, 0, 0, None, -1) for p in (1, 1, 0, 0, 1)],
@@ -335,15 +342,20 @@ def _batches(
     steps: list[tuple[int, int, int, int, int, bytes | None, int]], cuts: list[int]
 ) -> list[list[Rec]]:
     """The records of ``records_strategy``'s steps: offsets stepping from the previous
-    record of the partition, leader epochs bumped, headers, keys, values, timestamps; in
-    consume() batches ending where ``cuts`` say (each a length)."""
+    record of the partition, leader epochs bumped (or read again lower after a step back, as
+    an offset reset reads the log again), headers, keys, values, timestamps; in consume()
+    batches ending where ``cuts`` say (each a length)."""
     records: list[Rec] = []
     last = {0: -1, 1: -1}
     epoch = {0: 0, 1: 0}
+    seen: dict[tuple[int, int], int] = {}  # the epoch each (partition, offset) was read in
     for partition, step, size, bump, header, key, timestamp_ms in steps:
         offset = max(0, last[partition] + step)
+        if offset <= last[partition] and bump == 1:  # an offset reset reads the log again
+            epoch[partition] = seen.get((partition, offset), epoch[partition])
         last[partition] = offset
         epoch[partition] += bump == 2
+        seen[(partition, offset)] = epoch[partition]
         records.append(
             Rec(
                 "t",
