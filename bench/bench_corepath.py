@@ -12,11 +12,17 @@ Two contenders in interleaved rounds: ``runs`` (batch mode's ready runs, ``core.
 and ``messages`` (a ``Delivery`` per record, the path without them). Ratio: the median of the
 per-round ratios of their totals (messages ÷ runs: how many times cheaper the run path is).
 No broker (``--bootstrap`` is not taken). ``--headers``: each record carries a W3C
-``traceparent`` header (55 bytes), as a traced producer's do.
+``traceparent`` header (55 bytes), as a traced producer's do. ``--ahead N``: the first N polls
+are taken in before any call (the windows fill, the rest waits in the backlog, as in
+``bench_throughput``'s proxy). The collector's young passes wait for
+``cli.YOUNG_GC_THRESHOLD`` allocations, as in ``consumer-proxy run`` (since 2026-11-27 03:00;
+before, Python's 700: a record with headers held several young objects, and the passes over
+them were about half of its intake; ``--python-gc`` for that).
 """
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections import deque
@@ -25,6 +31,7 @@ from confluent_kafka import Message
 
 from bench.measure import Result, rotated
 from bench.options import BenchOptions
+from consumer_proxy.cli import YOUNG_GC_THRESHOLD
 from consumer_proxy.config import CircuitBreakerConfig, DeliveryConfig
 from consumer_proxy.core.batching import BatchLimits, take
 from consumer_proxy.core.outcomes import Classifier
@@ -135,6 +142,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     parser.add_argument("--headers", action="store_true", help="a traceparent on each record")
     parser.add_argument(
+        "--python-gc",
+        action="store_true",
+        help="Python's collector thresholds (by default the young passes wait for "
+        "consumer_proxy.cli.YOUNG_GC_THRESHOLD allocations, as in `consumer-proxy run`)",
+    )
+    parser.add_argument(
         "--ahead",
         type=int,
         default=0,
@@ -146,8 +159,12 @@ def main() -> int:
     rounds = 1 if args.quick else args.rounds
     params = {"n": n, "rounds": rounds, "poll": POLL, "call": CALL, "headers": args.headers}
     params["ahead"] = args.ahead
+    params["young_gc_threshold"] = gc.get_threshold()[0] if args.python_gc else YOUNG_GC_THRESHOLD
     result = Result("bench_corepath", params=params)
     batches = polls(n, args.headers)
+    if not args.python_gc:  # (the records made above are out of the young passes then)
+        gc.collect()
+        gc.set_threshold(YOUNG_GC_THRESHOLD, *gc.get_threshold()[1:])
     measured: dict[str, list[dict[str, float]]] = {"runs": [], "messages": []}
     for round_ in range(rounds):
         for who in rotated(tuple(measured), round_):
