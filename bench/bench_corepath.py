@@ -12,11 +12,17 @@ Two contenders in interleaved rounds: ``runs`` (batch mode's ready runs, ``core.
 and ``messages`` (a ``Delivery`` per record, the path without them). Ratio: the median of the
 per-round ratios of their totals (messages ÷ runs: how many times cheaper the run path is).
 No broker (``--bootstrap`` is not taken). ``--headers``: each record carries a W3C
-``traceparent`` header (55 bytes), as a traced producer's do.
+``traceparent`` header (55 bytes), as a traced producer's do. ``--ahead N``: the first N polls
+are taken in before any call (the windows fill, the rest waits in the backlog, as in
+``bench_throughput``'s proxy). The collector's young passes wait for
+``cli.YOUNG_GC_THRESHOLD`` allocations, as in ``consumer-proxy run`` (since 2026-11-27 03:00;
+before, Python's 700: a record with headers held several young objects, and the passes over
+them were about half of its intake; ``--python-gc`` for that).
 """
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections import deque
@@ -25,6 +31,7 @@ from confluent_kafka import Message
 
 from bench.measure import Result, rotated
 from bench.options import BenchOptions
+from consumer_proxy.cli import YOUNG_GC_THRESHOLD
 from consumer_proxy.config import CircuitBreakerConfig, DeliveryConfig
 from consumer_proxy.core.batching import BatchLimits, take
 from consumer_proxy.core.outcomes import Classifier
@@ -75,8 +82,11 @@ def polls(n: int, headers: bool = False) -> list[list[Message]]:
     return out
 
 
-def one_run(batches: list[list[Message]], runs: bool) -> dict[str, float]:
-    """µs a message of each step, draining ``batches`` through a fresh core."""
+def one_run(batches: list[list[Message]], runs: bool, ahead: int = 0) -> dict[str, float]:
+    """µs a message of each step, draining ``batches`` through a fresh core (``ahead``: the
+    first that many polls are taken in before any call, as the proxy's fetcher runs ahead
+    of its calls: what the windows have no room for waits in the backlog, and comes out
+    of it as acks make room, in ``finish``)."""
     ready: deque[Ready] = deque()
     core = PartitionSet(
         "g",
@@ -98,11 +108,12 @@ def one_run(batches: list[list[Message]], runs: bool) -> dict[str, float]:
     spent = dict.fromkeys(STEPS, 0.0)
     clock = time.perf_counter
     count = 0
-    for records in batches:
+    for polled, records in enumerate(batches, 1):
         a = clock()
         core.intake_batch(records)
         spent["intake"] += clock() - a
-        while ready:
+        count += len(records)
+        while ready and polled >= min(ahead, len(batches)):
             a = clock()
             batch = take(ready, limits, drop)
             b = clock()
@@ -121,7 +132,6 @@ def one_run(batches: list[list[Message]], runs: bool) -> dict[str, float]:
         plan, _ = core.commit_plan()
         core.committed(plan)
         spent["commit"] += clock() - a
-        count += len(records)
     assert not ready and core.bytes == 0
     return {step: 1e6 * seconds / count for step, seconds in spent.items()}
 
@@ -131,16 +141,34 @@ def main() -> int:
     parser.add_argument("-n", type=int, default=200_000, help="records")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     parser.add_argument("--headers", action="store_true", help="a traceparent on each record")
+    parser.add_argument(
+        "--python-gc",
+        action="store_true",
+        help="Python's collector thresholds (by default the young passes wait for "
+        "consumer_proxy.cli.YOUNG_GC_THRESHOLD allocations, as in `consumer-proxy run`)",
+    )
+    parser.add_argument(
+        "--ahead",
+        type=int,
+        default=0,
+        help="polls taken in before the first call (24: the windows fill and 40,000 records "
+        "wait in the backlog, as in bench_throughput's proxy)",
+    )
     args = parser.parse_args()
     n = 20_000 if args.quick else args.n
     rounds = 1 if args.quick else args.rounds
     params = {"n": n, "rounds": rounds, "poll": POLL, "call": CALL, "headers": args.headers}
+    params["ahead"] = args.ahead
+    params["young_gc_threshold"] = gc.get_threshold()[0] if args.python_gc else YOUNG_GC_THRESHOLD
     result = Result("bench_corepath", params=params)
     batches = polls(n, args.headers)
+    if not args.python_gc:  # (the records made above are out of the young passes then)
+        gc.collect()
+        gc.set_threshold(YOUNG_GC_THRESHOLD, *gc.get_threshold()[1:])
     measured: dict[str, list[dict[str, float]]] = {"runs": [], "messages": []}
     for round_ in range(rounds):
         for who in rotated(tuple(measured), round_):
-            steps = one_run(batches, who == "runs")
+            steps = one_run(batches, who == "runs", args.ahead)
             measured[who].append(steps)
             shown = ", ".join(f"{step} {us:.3f}" for step, us in steps.items())
             print(f"  round {round_ + 1} {who:<8}: {sum(steps.values()):.3f} us/msg ({shown})")

@@ -28,17 +28,21 @@ from .tools.render import printable
 log = logging.getLogger("consumer_proxy")
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
-YOUNG_GC_THRESHOLD = 50_000
+YOUNG_GC_THRESHOLD = 200_000
 """Allocations between two of the collector's young passes in ``run`` (Python's default: 700).
-Every message held is a few container objects that live until it is acked, thousands at a
-time at high rates: by default a young pass ran every ~230 messages and walked them again,
-about 1 us of the proxy's ~4.5 us per message (``bench/bench_throughput.py``). The count is
-of allocations less deallocations, so once a busy group's windows are full (as many messages
-acked as taken in) passes almost stop; at 10,000 they went on during the ramp-up and, every
-tenth, walked all that had survived: 37 young passes (3.3 ms each) and 3 older ones (23 ms)
-in a 1.4 s run of the bench, a seventh of the event loop's time; at 50,000, the core's path
-costs 15 % less CPU with 30,000-60,000 messages held. Garbage cycles wait longer for a pass
-(at most this many objects); what a group holds is bounded by its windows."""
+Every message held is a few container objects (the fetched ``confluent_kafka.Message`` is
+one) that live until it is acked, thousands at a time at high rates: by default a young pass
+ran every ~230 messages and walked them again, about 1 us of the proxy's ~4.5 us per message
+(``bench/bench_throughput.py``). The count is of allocations less deallocations, so once a
+busy group's windows are full (as many messages acked as taken in) passes almost stop; what
+is left are the passes while the windows fill, each walking the messages taken in since the
+last one: at 10,000, 37 young passes (3.3 ms each) and 3 older ones (23 ms) in a 1.4 s run of
+the bench; at 50,000, two passes of 6-15 ms a 200,000-record drain (the windows and backlogs
+hold up to ~120,000 records there), 0.1-0.15 us a message of the event loop's CPU and 0.05-0.1
+of the consumer thread's; at 200,000, none. The bound: garbage cycles wait for a pass until
+this many objects were allocated and not freed (200,000 objects of small cycles: ~18 MB; the
+proxy makes few: its per-message objects are freed by their counts), and what a group holds
+is bounded by its windows."""
 
 _EPILOG = """\
 examples:

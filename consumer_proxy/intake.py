@@ -140,6 +140,7 @@ class Intake:
                 commit_due=not waiting and committer.due,
                 quiet=quiet,
                 commits_failing=partitions.commits_failing,
+                commit_answering=committer.answering,
             )
 
     async def _consume_giving_way(self, batch: int, timeout_s: float) -> list[Any]:

@@ -50,19 +50,29 @@ def batch_request(batch: Sequence[Ready], group: str, carried: Sequence[int] = (
     trace context (``Message.traceparent``, and ``Message.tracestate`` when there is one;
     ``Tracer.begin_batch``; never with a ``Run`` in ``batch``: a traced call is expanded)."""
     request = handler_pb2.HandleMessageBatchRequest()
-    add = request.messages.add
+    messages = request.messages
+    add = messages.add
+    merge = request.MergeFromString
     Message = handler_pb2.Message
     last: PartitionState | None = None
     common = Message()  # the fields a run of one partition's source records shares
+    templated: PartitionState | None = None
+    template = b""  # its ``common`` with ``has_value``, encoded as one request message
     for d in batch:
         if isinstance(d, Run):
             part = d.part
-            if part is not last:
-                last = part
-                common = _common(part, group)
-            for record, offset in zip(d.records, d.offsets, strict=True):
-                m = add()
-                m.CopyFrom(common)
+            if part is not templated:
+                if part is not last:
+                    last = part
+                    common = _common(part, group)
+                templated = part
+                template = _template(common)
+            first = len(messages)
+            # The run's messages with their shared fields, parsed in one go (measured:
+            # ~0.2 us a message cheaper than ``add`` and ``CopyFrom`` of each).
+            merge(template * len(d.offsets))
+            made = messages[first:] if first else messages
+            for m, record, offset in zip(made, d.records, d.offsets, strict=True):
                 m.offset = offset
                 ts = record.timestamp()[1]
                 if ts > 0:
@@ -72,13 +82,12 @@ def batch_request(batch: Sequence[Ready], group: str, carried: Sequence[int] = (
                     m.key = key
                     m.has_key = True
                 value = record.value()
-                if value is not None:
+                if value is None:
+                    m.has_value = False
+                else:
                     m.value = value
-                    m.has_value = True
             heads = d.headers
             if heads is not None:  # (a second pass: the run without headers pays nothing)
-                messages = request.messages
-                first = len(messages) - len(heads)
                 for index, user in enumerate(heads, first):
                     if user:
                         _add_headers(messages[index], user)
@@ -115,7 +124,6 @@ def batch_request(batch: Sequence[Ready], group: str, carried: Sequence[int] = (
             m.has_value = True
         if d.headers:
             _add_headers(m, d.headers)
-    messages = request.messages
     for i in carried:
         trace = batch[i].trace
         m = messages[i]
@@ -142,3 +150,12 @@ def _common(part: PartitionState, group: str) -> handler_pb2.Message:
         attempt=1,
         source=SOURCE_PRIMARY,  # type: ignore[arg-type]
     )
+
+
+def _template(common: handler_pb2.Message) -> bytes:
+    """``common`` and ``has_value`` (most records have a value) encoded as one message of a
+    ``HandleMessageBatchRequest``: the request parses a run's messages from its repetition."""
+    message = handler_pb2.Message()
+    message.CopyFrom(common)
+    message.has_value = True
+    return handler_pb2.HandleMessageBatchRequest(messages=[message]).SerializeToString()

@@ -21,8 +21,18 @@ from consumer_proxy.config import DeliveryConfig
 from consumer_proxy.core.batching import BatchLimits, take
 from consumer_proxy.core.decision import Decision
 from consumer_proxy.core.outcomes import Classification, Outcome
-from consumer_proxy.core.partitions import SOURCE_REDRIVE, Delivery, Ready, Run, expand
-from consumer_proxy.core.records import H_ATTEMPT, H_TOPIC, Origin
+from consumer_proxy.core.partitions import (
+    SOURCE_PRIMARY,
+    SOURCE_REDRIVE,
+    TP,
+    Delivery,
+    PartitionState,
+    Ready,
+    Record,
+    Run,
+    expand,
+)
+from consumer_proxy.core.records import H_ATTEMPT, H_TOPIC, Origin, UserHeaders
 from consumer_proxy.proto.v1 import handler_pb2
 from consumer_proxy.push import OpenCall
 from consumer_proxy.readyq import ReadyDeque, take_all
@@ -141,7 +151,7 @@ records_strategy = st.lists(
         st.integers(0, 1),  # partition
         st.integers(-3, 4),  # offset step from the previous record of the partition
         st.integers(0, 300),  # value bytes
-        st.integers(0, 2),  # leader epoch bump
+        st.integers(0, 2),  # leader epoch: 2 bumped; 1 after a step back: the log's again
         st.integers(0, len(HEADERS) - 1),  # its headers (``HEADERS``)
         st.sampled_from([None, b"", b"k"]),  # key
         st.sampled_from([-1, 0, 7, 1_764_000_000_000]),  # timestamp (-1: none)
@@ -151,6 +161,13 @@ records_strategy = st.lists(
 
 
 @relaxed
+@example(  # an offset reset inside one batch reads a lower leader epoch again
+    steps=[(0, 1, 0, 0, 0, None, 7), (0, 1, 0, 2, 0, None, 7), (0, -1, 0, 1, 0, None, 7)],
+    cuts=[],
+    window=8,
+    budget=1024,
+    acks=0,
+)
 @example(  # two partitions' backlogs drained by one call's acks: they interleave otherwise
     steps=[(1, 0, 0, 0, 0, None, -1), (0, 0, 0, 0, 0, None, -1)]
     + [(p, 1, 0, 0, 0, None, -1) for p in (1, 1, 0, 0, 1)],
@@ -325,15 +342,20 @@ def _batches(
     steps: list[tuple[int, int, int, int, int, bytes | None, int]], cuts: list[int]
 ) -> list[list[Rec]]:
     """The records of ``records_strategy``'s steps: offsets stepping from the previous
-    record of the partition, leader epochs bumped, headers, keys, values, timestamps; in
-    consume() batches ending where ``cuts`` say (each a length)."""
+    record of the partition, leader epochs bumped (or read again lower after a step back, as
+    an offset reset reads the log again), headers, keys, values, timestamps; in consume()
+    batches ending where ``cuts`` say (each a length)."""
     records: list[Rec] = []
     last = {0: -1, 1: -1}
     epoch = {0: 0, 1: 0}
+    seen: dict[tuple[int, int], int] = {}  # the epoch each (partition, offset) was read in
     for partition, step, size, bump, header, key, timestamp_ms in steps:
         offset = max(0, last[partition] + step)
+        if offset <= last[partition] and bump == 1:  # an offset reset reads the log again
+            epoch[partition] = seen.get((partition, offset), epoch[partition])
         last[partition] = offset
         epoch[partition] += bump == 2
+        seen[(partition, offset)] = epoch[partition]
         records.append(
             Rec(
                 "t",
@@ -402,6 +424,92 @@ def test_a_call_mixing_runs_and_given_origins_encodes_as_message_by_message() ->
         ("t", 1, 4, 1, 1),
         ("t", 0, 2, 3, 1),
     ]
+
+
+binary = st.binary(max_size=40)
+TPS = [("t", 0), ("t", 1), ("tøpic/ü", 2**31 - 1)]
+run_records = st.lists(
+    st.tuples(
+        st.integers(1, 2**40),  # offset step from the run's previous record
+        st.one_of(st.none(), st.just(b""), binary),  # key
+        st.one_of(st.none(), st.just(b""), binary),  # value
+        st.one_of(  # user headers
+            st.none(), st.lists(st.tuples(st.text(max_size=8), binary), min_size=1, max_size=3)
+        ),
+        st.one_of(  # timestamp: none, zero, negative, positive, big
+            st.sampled_from([-1, 0]), st.integers(-(2**40), 2**62)
+        ),
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+@relaxed
+@given(
+    runs=st.lists(
+        st.tuples(
+            st.sampled_from(TPS),  # its partition
+            st.integers(0, 2**63 - 2**46),  # its first offset
+            run_records,
+            st.sampled_from(["", "redriven", "retried"]),  # a ``Delivery`` after it
+            st.sampled_from(TPS),  # the partition of a retried one
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    group=st.text(max_size=12),
+)
+def test_a_runs_messages_encode_as_protobuf_encodes_each_message(
+    runs: list[tuple[tuple[str, int], int, list[tuple[int, Any, Any, Any, int]], str, TP]],
+    group: str,
+) -> None:
+    # Given runs of real fetched records (keys and values None, empty or binary, user
+    # headers, offsets up to 2**63, timestamps none, zero, negative or big) of partitions
+    # that repeat or not, and redriven or retried messages between them
+    parts = {tp: PartitionState(*tp) for tp in TPS}
+    batch: list[Ready] = []
+    for tp, first, steps, after, retried_tp in runs:
+        records: list[Record] = []
+        offsets: list[int] = []
+        heads: list[UserHeaders] = []
+        offset = first
+        for step, key, value, headers, timestamp_ms in steps:
+            offset += step
+            records.append(
+                Message(
+                    topic=tp[0],
+                    partition=tp[1],
+                    offset=offset,
+                    key=key,
+                    value=value,
+                    headers=headers,
+                    timestamp=(0 if timestamp_ms == -1 else 1, timestamp_ms),
+                )
+            )
+            offsets.append(offset)
+            heads.append(headers or [])
+        sizes = [0] * len(offsets)
+        has_headers = any(heads)
+        batch.append(Run(parts[tp], 0, records, offsets, sizes, 0, heads if has_headers else None))
+        if after == "redriven":
+            origin = Origin("src", 7, 2**62, 11, 2)
+            batch.append(Delivery(parts[tp], 0, 9, None, b"r", [], origin, 1, SOURCE_REDRIVE, 3))
+        elif after == "retried":  # (a source record's: its partition's shared fields)
+            retried = Delivery(
+                parts[retried_tp], 0, 5, b"k", None, [], None, 1, SOURCE_PRIMARY, 2, 9
+            )
+            batch.append(retried)
+    # When they go out in one call
+    encoded = batch_request(batch, group)
+    # Then the request is the bytes protobuf encodes of each message as the unary path
+    # builds it (field by field, from each message's Origin)
+    expected = handler_pb2.HandleMessageBatchRequest()
+    for d in expand(batch):
+        one = message(d, group)
+        one.attempt = d.attempt
+        expected.messages.append(one)
+    assert encoded == expected.SerializeToString()
 
 
 def test_a_calls_plain_acks_finish_together() -> None:
@@ -520,6 +628,45 @@ def test_a_busy_groups_full_windows_run_almost_no_young_collector_passes() -> No
     # in the bench)
     assert passes <= 2
     assert _young_passes_while_churning(10_000) >= 10
+
+
+def _young_passes_while_filling(threshold: int, windows: int = 4, window: int = 20_000) -> int:
+    """Young collector passes while ``windows`` partitions' windows of ``window`` fill from
+    empty and as many records again wait in their backlogs, in consume() batches of 5,000
+    (``bench_throughput``'s proxy: 4 windows of 20,000), with ``run``'s ``threshold``."""
+    rig = RunRig(window, 1 << 30, runs=True)
+    for partition in range(2, windows):
+        rig.core.assign("t", partition, 0, "")
+    rig.core.pause_plan()
+    value = b"v" * 100
+    saved = gc.get_threshold()
+    gc.collect()
+    gc.set_threshold(threshold, *saved[1:])
+    try:
+        before: int = gc.get_stats()[0]["collections"]
+        for start in range(0, int(1.5 * window), 5000):
+            for partition in range(windows):
+                rig.core.intake_batch(
+                    [
+                        Message(topic="t", partition=partition, offset=o, value=value)
+                        for o in range(start, start + 5000)
+                    ]
+                )
+        after: int = gc.get_stats()[0]["collections"]
+        assert sum(len(p.backlog) for p in rig.core.parts.values()) == windows * window // 2
+        return after - before
+    finally:
+        gc.set_threshold(*saved)
+
+
+def test_the_windows_filling_up_run_no_young_collector_pass() -> None:
+    # Given the collector set as ``consumer-proxy run`` sets it
+    # When a fresh group's 4 windows of 20,000 fill and 40,000 more records wait in their
+    # backlogs (bench_throughput's proxy: a young pass walks every record held, 6-15 ms)
+    passes = _young_passes_while_filling(YOUNG_GC_THRESHOLD)
+    # Then the collector never walked them (at 50,000 it did, twice)
+    assert passes == 0
+    assert _young_passes_while_filling(50_000) >= 2
 
 
 def test_a_run_holds_records_with_headers() -> None:

@@ -29,6 +29,7 @@ def wait(
     commit_due: bool = False,
     quiet: int = 0,
     commits_failing: bool = False,
+    commit_answering: bool = False,
 ) -> float:
     return poll_wait(
         waiting=waiting,
@@ -37,6 +38,7 @@ def wait(
         commit_due=commit_due,
         quiet=quiet,
         commits_failing=commits_failing,
+        commit_answering=commit_answering,
     )
 
 
@@ -74,6 +76,16 @@ def test_with_every_partition_paused_the_intake_waits_for_room_instead_of_pollin
     assert room_wait(waiting=True, ready_low=True, fetching=True, since_poll_s=0.0) is None
     assert room_wait(waiting=True, ready_low=False, fetching=False, since_poll_s=0.0) is None
     assert room_wait(waiting=False, ready_low=False, fetching=False, since_poll_s=0.0) is None
+
+
+def test_while_a_sent_commits_answer_is_awaited_an_idle_group_polls_briefly() -> None:
+    # Given a group that held nothing for five polls, whose last commit was sent and its
+    # answer not come yet (the committer's next commit, due from the group's last acks,
+    # follows the answer)
+    # Then the intake waits a normal poll, served in slices, not an idle group's long wait
+    assert wait(quiet=5, commit_answering=True) == FETCH_WAIT_S
+    # ... and once the answer came, the long wait again
+    assert wait(quiet=5) == IDLE_FETCH_WAIT_S
 
 
 def test_a_commit_due_or_under_way_is_never_held_up_by_a_long_poll() -> None:

@@ -131,6 +131,17 @@ def _revert_no_long_poll_while_a_commit_is_due(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr("consumer_proxy.intake.poll_wait", old_poll_wait)
 
 
+def _revert_no_long_poll_while_a_commit_is_answered(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The intake starts a long poll while a sent commit's answer is awaited (poll_wait's
+    # commit_answering): the commit after the answer waits for the poll's chunk to end.
+    from consumer_proxy.core.cadence import poll_wait
+
+    def old_poll_wait(**kwargs: Any) -> float:
+        return poll_wait(**{**kwargs, "commit_answering": False})
+
+    monkeypatch.setattr("consumer_proxy.intake.poll_wait", old_poll_wait)
+
+
 def _revert_resume_when_the_pause_is_unknown(monkeypatch: pytest.MonkeyPatch) -> None:
     # A partition assigned (back) is believed unpaused: librdkafka kept its pause.
     assign = PartitionSet.assign
@@ -301,6 +312,7 @@ TIERS: Kind = lambda sim: bool(sim.tier_delays_ms)  # noqa: E731
         # the shell's fixes (the first three: issue 35's "found by random schedules")
         (_revert_stale_drop_gives_bytes_back, ANY, 2),
         (_revert_no_long_poll_while_a_commit_is_due, ANY, 2),
+        (_revert_no_long_poll_while_a_commit_is_answered, ANY, 2),
         (_revert_resume_when_the_pause_is_unknown, ANY, 2),
         (_revert_shutdown_cancels_retry_timers, ANY, 2),
         (_revert_shutdown_cancels_the_guard_probe, ANY, 2),

@@ -96,6 +96,7 @@ def poll_wait(
     commit_due: bool,
     quiet: int,
     commits_failing: bool,
+    commit_answering: bool,
 ) -> float:
     """How long the intake's next consume may wait for a first message.
 
@@ -103,7 +104,7 @@ def poll_wait(
     breaker); ``ready_low``: fewer messages are ready than the workers take in one round;
     ``fetching``: some assigned partition is not paused; ``commit_due``: a commit is due or
     on its way to the consumer thread; ``quiet``: polls in a row that found the group holding
-    nothing (:func:`quiet_polls`).
+    nothing (:func:`quiet_polls`); ``commit_answering``: a sent commit's answer is awaited.
     """
     # A paused partition resumes only from the intake, after the next consume returns: while
     # one waits for its window (not for the breaker) and another partition fetches (else
@@ -127,7 +128,11 @@ def poll_wait(
         # A commit is due or on its way to the consumer thread: a long poll ahead of it would
         # hold it up (measured: a group's last commit 0.3-0.4 s late).
         return STARVED_POLL_S
-    if quiet < 2 or commits_failing:
+    if quiet < 2 or commits_failing or commit_answering:
+        # (A sent commit's answer comes inside any consume, however long it waits, but the
+        # committer's next commit, due from a wake-up meanwhile (the group's last acks), is
+        # queued only after it: behind an idle wait's 2 s chunk it waited for the chunk's end,
+        # the group's last commit ~2 s late in 3 of 36 rounds of bench_throughput.)
         return FETCH_WAIT_S
     # Nothing held or paused for two polls, and no commit due, running or failing (the
     # committer is woken by the last ack and holds its lock until its commit returned; one

@@ -711,7 +711,6 @@ class PartitionSet:
         spare = budget.limit - budget.held  # bytes before the budget is spent
         runs = self.runs
         epoch = part.epoch
-        last_epoch = tracker.last_epoch
         items: list[Ready] = []
         append = items.append
         offsets: list[int] = []
@@ -728,10 +727,6 @@ class PartitionSet:
             offset = record.offset() or 0
             if offset <= previous:
                 break  # not increasing (a reset within the batch): record by record
-            leader = record.leader_epoch()
-            if leader != last_epoch and leader is not None:
-                tracker.saw_epoch(offset, leader)
-                last_epoch = tracker.last_epoch
             key = record.key()
             value = record.value()
             size = len(key or b"") + len(value or b"")
@@ -739,7 +734,8 @@ class PartitionSet:
             headers = record.headers()
             if headers:
                 user = split_headers(headers)[0]
-                size += sum(len(k) + len(v) for k, v in user)
+                for name, data in user:  # (measured: a third of ``sum`` over a generator)
+                    size += len(name) + len(data)
                 if runs:
                     marked.append((taken, user))
             else:
@@ -768,6 +764,7 @@ class PartitionSet:
             previous = offset
             taken += 1
         if taken:
+            self._saw_epochs(tracker, records, taken, offsets)
             if runs:
                 append(self._run(part, records[:taken], offsets, sizes, marked))
             tracker.track_run(offsets)
@@ -776,6 +773,26 @@ class PartitionSet:
             budget.held += total
             self._admit_run(items)
         return taken, stored
+
+    @staticmethod
+    def _saw_epochs(
+        tracker: PartitionTracker, records: Sequence[Record], taken: int, offsets: list[int]
+    ) -> None:
+        """Tell ``tracker`` the leader epochs of the first ``taken`` records (at ``offsets``,
+        increasing), before it tracks them, as ``_accept`` of each would. Epochs never
+        decrease along a log, so when the first and the last of them carry the same one, so
+        does every record between (one reading per run instead of one per record)."""
+        last_epoch = tracker.last_epoch
+        leader = records[0].leader_epoch()
+        if leader == records[taken - 1].leader_epoch():
+            if leader != last_epoch and leader is not None:
+                tracker.saw_epoch(offsets[0], leader)
+            return
+        for index in range(taken):
+            leader = records[index].leader_epoch()
+            if leader != last_epoch and leader is not None:
+                tracker.saw_epoch(offsets[index], leader)
+                last_epoch = tracker.last_epoch
 
     @staticmethod
     def _run(
@@ -944,8 +961,8 @@ class PartitionSet:
             _, ts = record.timestamp()
             origin = Origin(part.topic, part.partition, offset, max(ts, 0), 0)
         size = len(key or b"") + len(value or b"")
-        if user:  # (a generator per message costs more than the rest of the sum)
-            size += sum(len(k) + len(v) for k, v in user)
+        for name, data in user:  # (a generator per message cost more than the sum)
+            size += len(name) + len(data)
         part.bytes += size
         part.budget.held += size
         delivery = Delivery(

@@ -141,7 +141,7 @@ class SimSource:
         self.thread: _Thread | None = None
         self.crashed = False
         self.idle = False  # a consume is waiting longer than a normal poll
-        self.idle_while_due = False  # ... and it began while a commit was due
+        self.idle_while_due = False  # ... and it began while a commit was due or answered
         self._consuming_since: float | None = None  # when the running consume began
         self._give_way_at = math.inf  # ... when it gives way to a pause call queued
         self._unanswered: dict[asyncio.Future[Any], asyncio.TimerHandle] = {}
@@ -158,7 +158,9 @@ class SimSource:
 
     async def consume(self, max_messages: int, timeout_s: float) -> list[Any]:
         runner = self.sim.runner
-        due = runner is not None and runner.committer.due  # as the intake chose the wait
+        # (as the intake chose the wait: a commit due, or a sent one's answer awaited, after
+        # which the committer's next commit may be due at once)
+        due = runner is not None and (runner.committer.due or runner.committer.answering)
         result: list[Any] = await self._run(
             "consume", lambda: self._consume(max_messages, timeout_s, due)
         )

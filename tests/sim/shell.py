@@ -598,13 +598,14 @@ class ShellSim:
             return
         waited = asyncio.get_running_loop().time() - queued
         # A commit that falls due during an idle wait is served at the end of the wait's
-        # chunk (CONSUME_CHUNK_S); one due when the wait began must not wait behind it. (A
-        # rebalance served meanwhile waits for calls: up to revoke_grace_ms.)
+        # chunk (CONSUME_CHUNK_S); one due when the wait began, or while a sent commit's
+        # answer was awaited then (the next one follows the answer), must not wait behind
+        # it. (A rebalance served meanwhile waits for calls: up to revoke_grace_ms.)
         late = waited > FETCH_WAIT_S + 0.05 and self.rebalanced_at < queued
         if late and self.source.idle_while_due and not self._stopping():
             self.fail(
                 f"a commit due since t={queued:.3f}s waited {waited:.3f}s behind an idle "
-                "wait that began while it was due"
+                "wait that began while it was due (or a sent commit's answer awaited)"
             )
 
     def _stopping(self) -> bool:
