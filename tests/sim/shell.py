@@ -826,7 +826,6 @@ class ShellSim:
             *charged,
         ):
             self.fail(f"endless message {ident} dead-lettered as {status}, not by the cap")
-        self.truth.dlq.append(ident)
         self.truth.done.add(ident)
         self.stats.dead_lettered += 1
         self.trace(f"dlq {ident}")

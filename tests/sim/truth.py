@@ -16,7 +16,6 @@ class Truth:
     behaviour: dict[int, str] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)  # acked, dropped or confirmed in the DLQ
     acked: set[int] = field(default_factory=set)
-    dlq: list[int] = field(default_factory=list)
     dup_ok: set[int] = field(default_factory=set)  # may be delivered again (crash, budget)
     attempts: dict[int, int] = field(default_factory=dict)
     rejected: set[int] = field(default_factory=set)  # rejected by a bad deploy at least once
