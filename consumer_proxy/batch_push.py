@@ -171,8 +171,8 @@ class BatchPush(Push):
     async def _deliver_unary(
         self, batch: list[Delivery], probe: bool, endpoint: Any, carried: list[int]
     ) -> BatchOutcome:
-        # (``batch`` is expanded: a ``Run`` begun as one finishes message by message here)
-        """``batch`` as unary calls to ``endpoint``, all at once; one breaker record."""
+        """``batch`` as unary calls to ``endpoint``, all at once; one breaker record
+        (``batch`` is expanded: a ``Run`` begun as one finishes message by message here)."""
         one = self._unary_call
         self._m_in_flight.inc()
         try:

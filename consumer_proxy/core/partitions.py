@@ -501,12 +501,12 @@ class PartitionSet:
             self._admit = self._admit_ordered
             self._complete = self._done_ordered
             self._lane = _key_lane if delivery.ordering == "key" else _partition_lane
-        self.runs = runs and emit_batch is not None and self._admit_run == emit_batch
+        self.runs = (
+            runs and emit_batch is not None and self._admit_run == emit_batch and not self._watch
+        )
         """A run of records taken in at once goes out as ``Run`` items (batch mode's fast
         path; ``emit_batch`` takes them): not with an ordering gate or the head-of-line
         watch, whose bookkeeping is per message."""
-        if self._watch:
-            self.runs = False
 
     @property
     def bytes(self) -> int:
@@ -758,15 +758,16 @@ class PartitionSet:
                         ts if ts > 0 else 0,
                     )
                 )
+            else:
+                weigh(size)  # (a ``Run`` keeps each record's size)
             track(offset)
-            weigh(size)
             total += size
             previous = offset
             taken += 1
         if taken:
             self._saw_epochs(tracker, records, taken, offsets)
             if runs:
-                append(self._run(part, records[:taken], offsets, sizes, marked))
+                append(self._run(part, records, taken, offsets, sizes, marked))
             tracker.track_run(offsets)
             part.received_end = max(part.received_end, previous + 1)
             part.bytes += total
@@ -798,17 +799,20 @@ class PartitionSet:
     def _run(
         part: PartitionState,
         records: Sequence[Record],
+        taken: int,
         offsets: list[int],
         sizes: list[int],
         marked: list[tuple[int, UserHeaders]],
     ) -> Run:
-        """The ``Run`` of the records taken, with the user headers of those ``marked``."""
+        """The ``Run`` of the first ``taken`` records, with the user headers of those
+        ``marked`` (the records copied once)."""
         headers: list[UserHeaders] | None = None
         if marked:
             headers = [_NO_USER_HEADERS] * len(offsets)
             for index, user in marked:
                 headers[index] = user
-        return Run(part, part.epoch, list(records), offsets, sizes, sum(sizes), headers)
+        taken_records = list(islice(records, taken))
+        return Run(part, part.epoch, taken_records, offsets, sizes, sum(sizes), headers)
 
     def _backlog_run(
         self, part: PartitionState, records: Sequence[Record], start: int, end: int
