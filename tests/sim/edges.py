@@ -40,6 +40,9 @@ GROUP = "g"
 TIER_PREFIX = f"{GROUP}.retry."
 DLQ_RETRY_S = 0.2
 """How often the DLQ's producer tries a write again while the DLQ is down."""
+CUT_FOUND_S = 1.0
+"""The longest the error of a cut the consumer found waits for other partitions' records to
+be handed over with (``SimSource.told``)."""
 
 
 Call = tuple[str, Callable[[], Awaitable[Any]], "asyncio.Future[Any]", float]
@@ -135,7 +138,8 @@ class SimSource:
         self._rebalanced = False
         # (partitions, lost); None: join (assign everything)
         self.pending: list[tuple[list[TP], bool] | None] = [None]
-        self.errors: list[ErrorRecord] = []  # handed over by the next consume
+        self.errors: list[ErrorRecord] = []  # handed over by a consume (``told``)
+        self._errors_due = math.inf  # ... at the latest by then
         self.rebalancing = False  # the consumer thread is serving a rebalance
         self.arrived = _Arrivals()
         self.thread: _Thread | None = None
@@ -209,8 +213,14 @@ class SimSource:
                 await self._rebalance()
                 return []
             if self.errors:
-                errors, self.errors = self.errors, []
-                return errors  # type: ignore[return-value]
+                handed = self._around_cuts(max_messages)
+                if handed:
+                    return handed
+                left = min(end, self._give_way_at) - loop.time()
+                if left <= 0:
+                    return []
+                await self.arrived.wait(min(left, self._errors_due - loop.time()))
+                continue
             records = self.consumer.fetch(self.sim.rng, max_messages)
             if records:
                 return records
@@ -219,6 +229,42 @@ class SimSource:
                 return []
             if not await self.arrived.wait(left):
                 return []
+
+    def told(self, tp: TP) -> None:
+        """The consumer found a cut of ``tp``'s log below what it handed over: the error is
+        handed over once other partitions' records come, at most ``CUT_FOUND_S`` later
+        (librdkafka finds a cut with a request to the new leader, and queues the error
+        where it found it, among the records of partitions fetched meanwhile)."""
+        if not self.errors:
+            delay = self.sim.mixing.uniform(0.0, CUT_FOUND_S)
+            self._errors_due = asyncio.get_running_loop().time() + delay
+        self.errors.append(ErrorRecord(tp, KafkaError._LOG_TRUNCATION))
+        self.arrived.set()
+
+    def _around_cuts(self, max_messages: int) -> list[Any]:
+        """The errors of the cuts found, with the records around them, or nothing yet.
+
+        Until their errors are handed over the cut partitions are not fetched (their
+        position has gone back, and librdkafka queues what it fetches from there behind
+        the error); other partitions' records come before or after the errors in any
+        order. Half the times the cut partitions' records fetched anew come too, after the
+        errors: the position the intake then reads for a cut is past them."""
+        sim = self.sim
+        rng = sim.mixing
+        cut = {(error.topic(), error.partition()) for error in self.errors}
+        room = max(0, max_messages - len(self.errors))
+        out: list[Any] = self.consumer.fetch(rng, room, among=self.consumer.assigned - cut)
+        if not out and asyncio.get_running_loop().time() < self._errors_due:
+            return []
+        sim.stats.errors_among_records += bool(out)
+        errors, self.errors = self.errors, []
+        for error in errors:
+            out.insert(rng.randint(0, len(out)), error)
+        if rng.random() < 0.5 and len(out) < max_messages:
+            after = self.consumer.fetch(rng, max_messages - len(out), among=cut)
+            sim.stats.records_after_a_cut += bool(after)
+            out += after
+        return out
 
     async def _rebalance(self) -> None:
         try:
@@ -248,8 +294,14 @@ class SimSource:
             committed = self.consumer.assign(tps)
             await self.listener.partitions_assigned(
                 [
-                    TopicPartition(t, p, -1001 if off is None else off, metadata=meta)
-                    for (t, p), off, meta in committed
+                    TopicPartition(
+                        t,
+                        p,
+                        -1001 if off is None else off,
+                        metadata=meta,
+                        leader_epoch=-1 if epoch is None else epoch,
+                    )
+                    for (t, p), off, meta, epoch in committed
                 ]
             )
 
@@ -270,7 +322,7 @@ class SimSource:
                 # Acked messages beyond what the ack state could encode are redelivered.
                 if part.tracker is not None and not part.tracker.metadata(sim.budget)[1]:
                     sim.allow_dups(part.tp)
-        self.consumer.revoke(tps)
+        self._forget(tps)
 
     async def _lose(self, tps: list[TP]) -> None:
         """The session expired: another member may own ``tps`` now; nothing is committed, so
@@ -280,7 +332,14 @@ class SimSource:
         for tp in tps:
             sim.allow_dups(tp)
         await self.listener.partitions_lost([TopicPartition(*tp) for tp in tps])
+        self._forget(tps)
+
+    def _forget(self, tps: list[TP]) -> None:
+        """Give ``tps`` up: librdkafka drops what their queues held, a cut's error too."""
         self.consumer.revoke(tps)
+        gone = set(tps)
+        self.errors = [e for e in self.errors if (e.topic(), e.partition()) not in gone]
+        self.sim.unnoticed -= gone
 
     async def set_paused(self, pause: Sequence[TP], resume: Sequence[TP]) -> None:
         since = self._consuming_since

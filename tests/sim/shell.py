@@ -7,9 +7,12 @@ with simulated edges (``ports``, in ``tests/sim/edges.py``):
   flags survive revoke and re-assign, as librdkafka's) behind one serial "consumer thread",
   as ``fetcher.Fetcher``: every call waits its turn; ``consume`` waits in chunks of
   ``CONSUME_CHUNK_S`` that end early only for a queued call or a rebalance, serves the
-  rebalance callbacks (revoke, then assign back: cooperative-sticky) and re-reads positions
-  every ``POSITIONS_INTERVAL_S`` (so a reading may predate a log cut); a cancelled call still
-  runs to its end;
+  rebalance callbacks (revoke, then assign back: cooperative-sticky; the assignment reads
+  each committed offset with its metadata and leader epoch) and re-reads positions every
+  ``POSITIONS_INTERVAL_S`` (so a reading may predate a log cut); a cut the consumer finds is
+  handed over as a _LOG_TRUNCATION error up to ``CUT_FOUND_S`` later, among other
+  partitions' records and before the cut partition's records fetched anew (``told``); a
+  cancelled call still runs to its end;
 - ``SimPusher`` (``ports.Pusher``): the service (ok, poison, drop, flaky, timeouts; outages:
   UNAVAILABLE, hung, UNIMPLEMENTED for batch calls; bad deploys that reject every message;
   wrong-length batch answers, always for a batch holding a "garbled" message). Under
@@ -70,7 +73,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from confluent_kafka import KafkaError
 from prometheus_client import CollectorRegistry
 
 from consumer_proxy.config import (
@@ -109,7 +111,6 @@ from tests.sim.edges import (
     BEAT,
     GROUP,
     TIER_PREFIX,
-    ErrorRecord,
     SimPusher,
     SimSink,
     SimSource,
@@ -159,6 +160,8 @@ class ShellStats:
     rebalances: int = 0
     truncations: int = 0
     silent_truncations: int = 0  # cuts the member is not told of (librdkafka seeks back)
+    errors_among_records: int = 0  # consumes that handed a cut over among records
+    records_after_a_cut: int = 0  # ... among them the cut partition's, fetched anew after it
     handover_truncations: int = 0  # ... while a restored ack state described the cut range
     cuts_below_commit: int = 0  # at hand-over: the next owner must seek back (KIP-320)
     paused_at_revoke: int = 0  # partitions revoked and assigned back while paused
@@ -242,6 +245,8 @@ class ShellSim:
         self.handover_cuts = 0.3  # ... at this share of hand-overs
         self.below = random.Random(f"shell-below:{seed}")  # ... some below the commit
         self.below_share = 0.15
+        # Where a consume hands a cut's error over among records (``SimSource``).
+        self.mixing = random.Random(f"shell-mixing:{seed}")
         # A restart may bring another metadata budget (pods of a config roll).
         self.budgets = random.Random(f"shell-budget:{seed}")
         self.tps: list[TP] = [(TOPIC, p) for p in range(partitions)]
@@ -301,6 +306,7 @@ class ShellSim:
         self.runs_made: set[Run] = set()  # runs the core made (not split off by ``take``)
         self.given_back: dict[Delivery, tuple[int, int]] = {}
         self.cuts: dict[TP, int] = {}  # where a log was cut, until a commit comes back to it
+        self.unnoticed: set[TP] = set()  # ... told to the member, which has not taken it in
         self.rebalanced_at = -1.0  # when the consumer thread last served a rebalance
         self._operator_at = float("inf")  # the drain: when an operator releases the guard
         self._recoverable_since: float | None = None
@@ -388,6 +394,7 @@ class ShellSim:
 
     def start_member(self) -> None:
         loop = asyncio.get_running_loop()
+        self.unnoticed.clear()  # (a new member's consumer was told nothing)
         # Every clock the runner reads is the virtual loop's (monotonic and wall time), and
         # the core's random jitter is seeded from the schedule's.
         self.registry = CollectorRegistry()
@@ -511,6 +518,7 @@ class ShellSim:
         wrap("finish_acked", finished_acked)
         wrap("begin_batch", begun_batch)
         wrap("abandon", ended)
+        wrap("truncated", lambda _, tp, *__: self.unnoticed.discard(tp))
         for name in ("dead_lettered", "dead_letter_abandoned", "tier_written", "tier_abandoned"):
             wrap(name, unparked)
         tally = runner._tally
@@ -642,10 +650,11 @@ class ShellSim:
         last = self.last_commit.get(tp, 0)
         cut = self.cuts.get(tp)
         # Only a commit past the end of a cut log may be followed by one further back (it
-        # may have been planned before the cut, or before the member noticed it).
+        # may have been planned before the cut, or before the member noticed it: until then
+        # its commits may go back to the cut and past it again).
         if offset < last and not (cut is not None and last > cut):
             self.fail(f"commit of {tp} goes back from {last} to {offset}")
-        if cut is not None and offset <= cut:
+        if cut is not None and offset <= cut and tp not in self.unnoticed:
             del self.cuts[tp]
         self.last_commit[tp] = offset
         self.stats.commits += 1
@@ -1067,8 +1076,8 @@ class ShellSim:
         source.consumer.truncated(tp, cut)
         part = runner.partitions.parts.get(tp)
         if part is not None and cut < part.received_end:
-            source.errors.append(ErrorRecord(tp, KafkaError._LOG_TRUNCATION))
-            source.arrived.set()
+            source.told(tp)
+            self.unnoticed.add(tp)
         else:
             self.stats.silent_truncations += 1
 

@@ -15,7 +15,7 @@ Everything runs on one virtual clock; randomness comes from one seeded ``random.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,7 +157,9 @@ class Consumer:
         self.paused: set[TP] = set()  # survives revoke and re-assign, like librdkafka's flag
         self.position: dict[TP, int] = {}
 
-    def assign(self, tps: list[TP]) -> list[tuple[TP, int | None, str]]:
+    def assign(self, tps: list[TP]) -> list[tuple[TP, int | None, str, int | None]]:
+        """Take ``tps`` on: each with its committed offset, metadata and leader epoch (what
+        librdkafka's ``committed()`` reads)."""
         out = []
         for tp in tps:
             self.assigned.add(tp)
@@ -169,7 +171,14 @@ class Consumer:
                 # when the log was cut below it, it seeks back to the cut, silently.
                 position = min(position, self.logs[tp].epoch_end(epoch))
             self.position[tp] = position
-            out.append((tp, committed[0] if committed else None, committed[1] if committed else ""))
+            out.append(
+                (
+                    tp,
+                    committed[0] if committed else None,
+                    committed[1] if committed else "",
+                    epoch if committed else None,
+                )
+            )
         return out
 
     def revoke(self, tps: list[TP]) -> None:
@@ -190,9 +199,13 @@ class Consumer:
         if tp in self.position and self.position[tp] > offset:
             self.position[tp] = offset
 
-    def fetch(self, rng: random.Random, max_records: int) -> list[Record]:
+    def fetch(
+        self, rng: random.Random, max_records: int, among: Set[TP] | None = None
+    ) -> list[Record]:
+        """Up to ``max_records`` fetchable records (of the partitions ``among`` only, if
+        given), partition by partition in a random order."""
         out: list[Record] = []
-        tps = sorted(self.assigned - self.paused)
+        tps = sorted((self.assigned if among is None else self.assigned & among) - self.paused)
         rng.shuffle(tps)
         for tp in tps:
             log = self.logs[tp]
