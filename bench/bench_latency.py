@@ -187,7 +187,7 @@ def tail_figures(at: dict[str, dict[int, float]], floor: dict[int, float]) -> di
     stage of the proxy added, from the floor's consume returning the same record; and the
     share of all records whose poll began only after the floor had them (they waited in
     librdkafka while the proxy's consumer thread waited for its next call)."""
-    order = [s for s in STAGES if s not in ("asked", "answered") and at.get(s)]
+    order = [s for s in STAGES if s not in ("submitted", "asked", "answered") and at.get(s)]
     offsets = [o for o in at[order[-1]] if o in floor and all(o in at[s] for s in order)]
     if not offsets:
         return {}

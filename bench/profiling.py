@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 STAGES = (
+    "submitted",
     "asked",
     "consumer_thread",
     "event_loop",
@@ -24,7 +25,8 @@ STAGES = (
     "sent",
     "answered",
 )
-"""Where ``stages`` stamps a record on its way through the proxy: the consumer thread began
+"""Where ``stages`` stamps a record on its way through the proxy: the event loop submitted the
+consume that returned it to the consumer thread, the consumer thread began
 the consume that returned it (below the record's own latency there: it was waiting already),
 handed over by librdkafka on the consumer thread, received on the event loop, in the ready
 queue (taken in by the core), taken into a call (batch mode), its push starting (the request
@@ -77,15 +79,18 @@ def staged_proxy_main(out: str, argv: list[str]) -> int:
     run, consume = fetcher.Fetcher._run, fetcher.Fetcher.consume
 
     async def staged_run(self: Any, fn: Any) -> Any:
+        submitted = time.time() * 1000.0
+
         def call() -> Any:
             asked = time.time() * 1000.0
             result = fn()
             if fn.__name__ == "consume":
                 stamp("consumer_thread", result)
-                book = stamps["asked"].append
-                for record in result:
-                    if record.error() is None:
-                        book((record.offset(), asked - record.timestamp()[1]))
+                for stage, at in (("submitted", submitted), ("asked", asked)):
+                    book = stamps[stage].append
+                    for record in result:
+                        if record.error() is None:
+                            book((record.offset(), at - record.timestamp()[1]))
             return result
 
         return await run(self, call)
