@@ -8,8 +8,9 @@ messages that block their partition's commit (``PartitionSet.unblock``, with
 long the next poll may wait is
 ``core.cadence.poll_wait``'s choice, from the workers' supply and the ``Committer``'s
 schedule; while every partition is paused, one for room, and the workers run dry, it waits
-for a call to end instead of polling (``core.cadence.room_wait``). The first poll says the
-consumer is up (``on_started``).
+for a call to end instead of polling (``core.cadence.room_wait``). After a poll that was not
+full it lets the call slots its records woke send before it queues the next consume
+(``core.cadence.turns_before_poll``). The first poll says the consumer is up (``on_started``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ from confluent_kafka import KafkaError, KafkaException
 
 from .committer import Committer
 from .config import DeliveryConfig
-from .core.cadence import FETCH_WAIT_S, gives_way, poll_wait, quiet_polls, room_wait
+from .core.cadence import (
+    FETCH_WAIT_S,
+    gives_way,
+    poll_wait,
+    quiet_polls,
+    room_wait,
+    turns_before_poll,
+)
 from .core.decision import HEAD_BLOCKED, Action
 from .core.partitions import Record
 from .ports import Clock, MessageSource
@@ -142,6 +150,8 @@ class Intake:
                 commits_failing=partitions.commits_failing,
                 commit_answering=committer.answering,
             )
+            for _ in range(turns_before_poll(taken=len(messages), batch=batch)):
+                await asyncio.sleep(0)  # the call slots these records woke send first
 
     async def _consume_giving_way(self, batch: int, timeout_s: float) -> list[Any]:
         """A consume that gives way to room freed while it waits (``cadence.gives_way``):

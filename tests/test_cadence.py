@@ -10,6 +10,7 @@ from consumer_proxy.core.cadence import (
     IDLE_FETCH_WAIT_S,
     QUIET_TICKS,
     ROOM_WAIT_S,
+    SEND_TURNS,
     STARVED_POLL_S,
     WAITING_POLL_S,
     CommitCadence,
@@ -17,6 +18,7 @@ from consumer_proxy.core.cadence import (
     poll_wait,
     quiet_polls,
     room_wait,
+    turns_before_poll,
 )
 from consumer_proxy.core.ejection import breaker_hears
 
@@ -145,3 +147,14 @@ def test_the_breaker_hears_neither_an_ejected_instances_failure_nor_a_protocol_e
     assert breaker_hears(False, ejected=True) is False  # a success counts, ejected or not
     assert breaker_hears(True, ejected=True) is None
     assert breaker_hears(None, ejected=False) is None
+
+
+def test_after_a_poll_that_was_not_full_the_call_slots_send_before_the_next_consume() -> None:
+    # A trickle (fewer records than a fetch, an error among them counted too): the loop turns
+    # in which woken call slots send, and grpc's task sends, come first
+    assert turns_before_poll(taken=1, batch=5000) == SEND_TURNS == 2
+    assert turns_before_poll(taken=4999, batch=5000) == SEND_TURNS
+    # An empty poll has nothing to send; a full one is a backlog: its next records are in
+    # the client already, so its consume is queued at once
+    assert turns_before_poll(taken=0, batch=5000) == 0
+    assert turns_before_poll(taken=5000, batch=5000) == 0

@@ -33,7 +33,7 @@ from consumer_proxy.core.tracker import PartitionTracker
 from consumer_proxy.fetcher import CONSUME_SLICE_S
 from consumer_proxy.parking import Parking
 from tests.sim import world
-from tests.sim.edges import SimSource
+from tests.sim.edges import SimPusher, SimSource
 from tests.sim.shell import ShellSim, ShellStats, run_shell
 from tests.sim.truth import InvariantViolation
 from tests.sim.vloop import run_virtual
@@ -724,3 +724,52 @@ def test_a_call_of_runs_cancelled_by_a_lost_partition_gives_their_messages_back(
     # check), and everything drains
     _run(sim, body)
     assert sim.stats.runs_cancelled > 0
+
+
+@pytest.mark.parametrize("batch", [None, BatchConfig()], ids=["unary", "batch"])
+def test_a_poll_that_was_not_full_has_its_calls_sent_before_the_next_consume_is_queued(
+    batch: BatchConfig | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a member reading a trickle: polls of fewer records than a fetch, free call slots,
+    # and the order in which the intake queues its consumes and the calls go out
+    events: list[tuple[str, int]] = []
+    consume, push, push_batch = SimSource.consume, SimPusher.push, SimPusher.push_batch
+
+    async def queued(self: SimSource, max_messages: int, timeout_s: float) -> list[Any]:
+        events.append(("queued", 0))
+        records: list[Any] = await consume(self, max_messages, timeout_s)
+        got = [r for r in records if r.error() is None]
+        events.append(("polled", len(got) if len(records) < max_messages else -1))
+        return records
+
+    async def sent(self: SimPusher, request: Any, *args: Any) -> Any:
+        events.append(("sent", 1))
+        return await push(self, request, *args)
+
+    async def sent_batch(self: SimPusher, payload: bytes, count: int, *args: Any) -> Any:
+        events.append(("sent", count))
+        return await push_batch(self, payload, count, *args)
+
+    monkeypatch.setattr(SimSource, "consume", queued)
+    monkeypatch.setattr(SimPusher, "push", sent)
+    monkeypatch.setattr(SimPusher, "push_batch", sent_batch)
+    sim = ShellSim(31).plain(batch=batch)
+    sim.concurrency = 50
+
+    async def body() -> None:
+        for _ in range(40):
+            sim.produce()
+            await _for(sim, 0.5, 0.1)
+
+    _run(sim, body)
+    # When a poll hands over records (not a full fetch: a backlog queues its next consume at
+    # once), Then at least one call for them goes out before the intake queues its next
+    # consume: the consumer thread, woken by a queued consume, would take the interpreter's
+    # lock at the next turn of the loop, and the calls would wait for it
+    trickles = [i for i, (what, n) in enumerate(events[:-1]) if what == "polled" and n > 0]
+    assert len(trickles) > 30
+    sent_first = 0
+    for i in trickles:
+        following = next(what for what, _ in events[i + 1 :] if what in ("sent", "queued"))
+        sent_first += following == "sent"
+    assert sent_first / len(trickles) > 0.9, (sent_first, len(trickles))
