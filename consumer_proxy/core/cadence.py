@@ -65,10 +65,11 @@ def turns_before_poll(*, taken: int, batch: int) -> int:
     between the intake and the call slot its records woke, or between the slot and the
     task in which grpc.aio sends the call (a turn later). The loop then waits for the lock
     back, and the call goes out late. Two turns first let the woken slots send (measured at
-    1,000 msg/s, batch mode, the proxy's stages: a consume began 0.24-0.30 ms after it was
-    queued and a call went out 0.13-0.17 ms after its records reached the loop, p50; with
-    the turns 0.08-0.11 and 0.08-0.12). A full poll (a backlog: the next records wait in the
-    client already) queues its consume at once, as does an empty one."""
+    1,000 msg/s, batch mode, ``bench_latency --stages``, 6 rounds each: a consume began
+    0.28-0.72 ms after it was queued and a call went out 0.15-0.38 ms after its records
+    reached the loop, p50; with the turns 0.09-0.12 and 0.11-0.17). A full poll (a backlog:
+    the next records wait in the client already) queues its consume at once, as does an
+    empty one."""
     return SEND_TURNS if 0 < taken < batch else 0
 
 
