@@ -54,8 +54,9 @@ def staged_proxy_main(out: str, argv: list[str]) -> int:
 
     produced: list[tuple[int, float]] = []
 
-    def stamp(stage: str, records: Any) -> None:
-        now_ms = time.time() * 1000.0
+    def stamp(stage: str, records: Any, at_ms: float | None = None) -> None:
+        """Book each record's latency at ``at_ms`` (wall clock, ms; by default now)."""
+        now_ms = time.time() * 1000.0 if at_ms is None else at_ms
         book = stamps[stage].append
         for record in records:
             if record.error() is None:
@@ -86,11 +87,8 @@ def staged_proxy_main(out: str, argv: list[str]) -> int:
             result = fn()
             if fn.__name__ == "consume":
                 stamp("consumer_thread", result)
-                for stage, at in (("submitted", submitted), ("asked", asked)):
-                    book = stamps[stage].append
-                    for record in result:
-                        if record.error() is None:
-                            book((record.offset(), at - record.timestamp()[1]))
+                stamp("submitted", result, submitted)
+                stamp("asked", result, asked)
             return result
 
         return await run(self, call)
