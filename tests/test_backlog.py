@@ -187,3 +187,30 @@ def test_records_fetched_again_across_an_epoch_change_record_the_change_again() 
     for offset in range(30):
         tracker.done(offset)
     assert tracker.commit_epoch(tracker.committable()) == 6
+
+
+def test_a_commit_after_a_cut_with_every_record_in_the_backlog_carries_the_backlogs_epoch() -> None:
+    # Given partition 1 committed at 10 by a client that sent no leader epoch, and the byte
+    # budget spent by partition 0, so partition 1's records all wait in its backlog
+    rig = CoreRig(DeliveryConfig(max_in_flight=100, max_in_flight_bytes=1024), tps=(("t", 0),))
+    core = rig.core
+    core.intake(Rec("t", 0, value=b"x" * 1500))
+    core.assign("t", 1, 10, "")
+    for offset in range(10, 15):
+        core.intake(Rec("t", offset, partition=1, epoch=7))
+    part = core.parts[("t", 1)]
+    assert part.tracker is not None and part.tracker.in_flight == 0 and len(part.backlog) == 5
+    # When the log is cut at 8 (an unclean election: epoch 9) and its new records come
+    core.truncated(("t", 1), 8)
+    for offset in range(8, 12):
+        core.intake(Rec("t", offset, partition=1, epoch=9))
+    assert len(part.backlog) == 4
+    # Then the commit back to 8 carries a leader epoch: the backlog's first record's, an upper
+    # bound of record 7's (before the fix it carried none, and the next owner could not find
+    # a second cut below 8: it would skip the records written at the reused offsets)
+    plan, _ = core.commit_plan()
+    (commit,) = [c for c in plan if c.part is part]
+    assert (commit.offset, commit.epoch) == (8, 9)
+    # And so does the commit as the partition leaves
+    final = core.final_commit(part)
+    assert final is not None and (final.offset, final.epoch) == (8, 9)

@@ -320,6 +320,21 @@ class Commit:
     epoch: int | None = None  # the leader epoch of the record before ``offset`` (KIP-320)
 
 
+def _commit_epoch(part: PartitionState, offset: int) -> int | None:
+    """The leader epoch to commit ``offset`` with (its tracker's ``commit_epoch``). When the
+    tracker knows none (nothing tracked since a cut, and no epoch committed before), the
+    epoch of the backlog's first record: fetched after everything tracked, so at or above
+    ``offset``, and epochs never decrease along a log, so it bounds the epoch of the record
+    before ``offset`` from above, as ``commit_epoch``'s own fallback does. Without it, a commit
+    made while every record waits in the backlog carries no epoch, and the next owner cannot
+    find a second cut below it."""
+    assert part.tracker is not None
+    epoch = part.tracker.commit_epoch(offset)
+    if epoch is None and part.backlog:
+        epoch = part.backlog[0].leader_epoch()
+    return epoch
+
+
 def _repeats(part: PartitionState, offset: int, metadata: str, epoch: int | None) -> bool:
     """A commit of ``offset`` and ``metadata`` in leader ``epoch`` (that of the record
     before it) says nothing the last one did not. A known epoch other than the last commit's
@@ -572,7 +587,7 @@ class PartitionSet:
             return None
         offset = tracker.committable()
         meta = tracker.metadata(self._budget)[0]
-        epoch = tracker.commit_epoch(offset)
+        epoch = _commit_epoch(part, offset)
         if _repeats(part, offset, meta, epoch):
             return None
         return Commit(part, offset, meta, epoch)
@@ -1678,7 +1693,7 @@ class PartitionSet:
                 self.counters.over_budget += 1
                 over.append(part)
             part.meta_over_budget = not complete
-            epoch = tracker.commit_epoch(offset)
+            epoch = _commit_epoch(part, offset)
             if not _repeats(part, offset, meta, epoch):
                 plan.append(Commit(part, offset, meta, epoch))
         return plan, over
