@@ -721,7 +721,10 @@ class PartitionSet:
         if start >= end or not tracker.takes_run_from(records[start].offset() or 0):
             return 0, 0
         previous = (records[start].offset() or 0) - 1
+        # (a new list: a ``Run`` of all of it keeps it, one of fewer a copy of its head)
         records = records[start : start + min(end - start, self._max_in_flight - tracker.in_flight)]
+        if not isinstance(records, list):
+            records = list(records)
         budget = part.budget
         spare = budget.limit - budget.held  # bytes before the budget is spent
         runs = self.runs
@@ -813,20 +816,20 @@ class PartitionSet:
     @staticmethod
     def _run(
         part: PartitionState,
-        records: Sequence[Record],
+        records: list[Record],
         taken: int,
         offsets: list[int],
         sizes: list[int],
         marked: list[tuple[int, UserHeaders]],
     ) -> Run:
         """The ``Run`` of the first ``taken`` records, with the user headers of those
-        ``marked`` (the records copied once)."""
+        ``marked``: ``records`` itself when it holds no more (``_take_run``'s own list)."""
         headers: list[UserHeaders] | None = None
         if marked:
             headers = [_NO_USER_HEADERS] * len(offsets)
             for index, user in marked:
                 headers[index] = user
-        taken_records = list(islice(records, taken))
+        taken_records = records if taken == len(records) else records[:taken]
         return Run(part, part.epoch, taken_records, offsets, sizes, sum(sizes), headers)
 
     def _backlog_run(
