@@ -60,6 +60,15 @@ LOADS = (("unary", 1000.0), ("batch", 1000.0), ("batch", 10000.0))
 TARGET_ADDED_P99_MS = 1.0
 BATCH_MAX_MESSAGES = 100  # the proxy's default batch.max_messages
 WARM_UP = 20
+FLOOR_BEHIND_MS = 50.0
+"""A floor whose median p50 is over this did not keep up with the load (a bare loop's p50 was
+1.7-3.5 ms at 1,000 and 10,000 msg/s on these machines): the machine could not carry it."""
+
+
+def floor_behind(floor_p50s: list[float]) -> bool:
+    """The floor fell behind the load in these rounds (:data:`FLOOR_BEHIND_MS`): the proxy's
+    added latency then measures the machine's backlog, not the proxy."""
+    return statistics.median(floor_p50s) > FLOOR_BEHIND_MS
 
 
 def consumer_for(
@@ -367,6 +376,15 @@ def main() -> int:
                 f"{name}.proxy_p99_over_floor_p99",
                 med(p["p99"] / f["p99"] for f, p in zip(runs["floor"], runs["proxy"], strict=True)),
             )
+            behind = floor_behind([r["p50"] for r in runs["floor"]])
+            result.figures[f"{name}.floor_behind"] = behind
+            if behind:
+                print(
+                    f"  WARNING {name}: the floor itself fell behind (median p50 "
+                    f"{med(r['p50'] for r in runs['floor']):.0f} ms): this machine did not carry "
+                    "the load, and the figures above say nothing about the proxy",
+                    flush=True,
+                )
             if args.baseline_root:  # the same rounds: what the change moved
                 base = [
                     b["p99"] - f["p99"] for f, b in zip(runs["floor"], runs[BASELINE], strict=True)

@@ -6,7 +6,7 @@ import os
 import time
 from pathlib import Path
 
-from bench.bench_latency import per_record_added
+from bench.bench_latency import floor_behind, per_record_added
 from bench.bench_throughput import PROXY_DELIVERY, floor_client
 from bench.measure import rotated
 from bench.profiling import item_latencies
@@ -131,3 +131,11 @@ def test_the_latency_stages_stamp_each_message_of_a_ready_run() -> None:
     items = [*run.split(1).deliveries(), run]
     # When bench_latency --stages stamps them / Then each message once, by its own timestamp
     assert item_latencies(items, 2_000.0) == [(o, 1_000.0 - o) for o in range(4)]
+
+
+def test_a_latency_run_says_when_the_floor_itself_fell_behind_the_load() -> None:
+    # Given rounds whose floor delivered at a p50 of a few ms, and rounds (a slow, loaded
+    # machine at 1,000 msg/s) where it fell seconds behind
+    # Then only the latter are said to be behind, by their median round
+    assert not floor_behind([2.1, 3.4, 28.0])
+    assert floor_behind([427.0, 6225.1, 3.0])
