@@ -189,9 +189,9 @@ def test_records_fetched_again_across_an_epoch_change_record_the_change_again() 
     assert tracker.commit_epoch(tracker.committable()) == 6
 
 
-def test_a_commit_after_a_cut_with_every_record_in_the_backlog_carries_the_backlogs_epoch() -> None:
-    # Given partition 1 committed at 10 by a client that sent no leader epoch, and the byte
-    # budget spent by partition 0, so partition 1's records all wait in its backlog
+def _epochless_partition_in_the_backlog() -> tuple[PartitionSet, PartitionState]:
+    """Partition 1 committed at 10 with no leader epoch, its records at 10..14 (epoch 7)
+    all waiting in its backlog: partition 0 spent the byte budget."""
     rig = CoreRig(DeliveryConfig(max_in_flight=100, max_in_flight_bytes=1024), tps=(("t", 0),))
     core = rig.core
     core.intake(Rec("t", 0, value=b"x" * 1500))
@@ -200,17 +200,39 @@ def test_a_commit_after_a_cut_with_every_record_in_the_backlog_carries_the_backl
         core.intake(Rec("t", offset, partition=1, epoch=7))
     part = core.parts[("t", 1)]
     assert part.tracker is not None and part.tracker.in_flight == 0 and len(part.backlog) == 5
-    # When the log is cut at 8 (an unclean election: epoch 9) and its new records come
-    core.truncated(("t", 1), 8)
-    for offset in range(8, 12):
-        core.intake(Rec("t", offset, partition=1, epoch=9))
-    assert len(part.backlog) == 4
-    # Then the commit back to 8 carries a leader epoch: the backlog's first record's, an upper
-    # bound of record 7's (before the fix it carried none, and the next owner could not find
-    # a second cut below 8: it would skip the records written at the reused offsets)
+    return core, part
+
+
+def test_a_commit_with_every_record_in_the_backlog_carries_the_backlogs_epoch() -> None:
+    # Given partition 1 committed at 10 by a client that sent no leader epoch (an operator's
+    # reset), and the byte budget spent by partition 0, so partition 1's records all wait in
+    # its backlog: nothing tracked tells an epoch
+    core, part = _epochless_partition_in_the_backlog()
+    # When commits are planned
     plan, _ = core.commit_plan()
+    # Then 10 is committed again, with the backlog's first record's epoch: an upper bound of
+    # record 9's (before session 19's fix no commit was made, and one made back to a cut
+    # carried no epoch: the next owner could not find a second cut below it)
     (commit,) = [c for c in plan if c.part is part]
-    assert (commit.offset, commit.epoch) == (8, 9)
+    assert (commit.offset, commit.metadata, commit.epoch) == (10, "", 7)
     # And so does the commit as the partition leaves
     final = core.final_commit(part)
-    assert final is not None and (final.offset, final.epoch) == (8, 9)
+    assert final is not None and (final.offset, final.epoch) == (10, 7)
+
+
+def test_a_commit_after_a_cut_that_dropped_the_whole_backlog_carries_its_records_epoch() -> None:
+    # Given partition 1 committed at 10 by a client that sent no leader epoch, and its
+    # records at 10..14 (epoch 7) waiting in its backlog behind partition 0's spent budget
+    core, part = _epochless_partition_in_the_backlog()
+    # When the log is cut at 8 (an unclean election), which drops every record of the backlog,
+    # before any record written after the cut comes
+    core.truncated(("t", 1), 8)
+    assert not part.backlog
+    # Then the commit back to 8 carries the epoch of the first record the cut dropped: fetched
+    # at or above the commit, before the cut, so an upper bound of record 7's epoch (before
+    # the fix it carried none, and the next owner could not find a second cut below 8)
+    plan, _ = core.commit_plan()
+    (commit,) = [c for c in plan if c.part is part]
+    assert (commit.offset, commit.epoch) == (8, 7)
+    final = core.final_commit(part)
+    assert final is not None and (final.offset, final.epoch) == (8, 7)

@@ -41,6 +41,9 @@ from tests.sim.world import Msg
 
 SCHEDULES = 80
 STEPS = 150
+SEED_BACKLOG_ONLY = 0
+"""A seed whose first poll of two partitions returns partition 0's records first (as do 3, 4,
+6, 8 and 10; not 1, 2, 5, 7, 9 or 11)."""
 
 
 @pytest.fixture(autouse=True)
@@ -69,6 +72,11 @@ def test_random_schedules_through_the_real_shell_keep_every_invariant() -> None:
     assert total.restarts > 60 and total.crashes > 25
     assert total.truncations > 70 and total.silent_truncations > 50
     assert total.handover_truncations > 15 and total.cuts_below_commit > 5
+    # ... cuts the member is told of below the commit (17 on 2026-11-27), and operators'
+    # resets that leave a commit without a leader epoch (53), a cut below one of which hid
+    # records from every consumer (6)
+    assert total.told_cuts_below_commit > 8 and total.epochless_resets > 25
+    assert total.hidden_by_reset > 2
     # ... a told cut's error handed over among other partitions' records (18 on 2026-11-27),
     # some with the cut partition's records fetched anew after it (4)
     assert total.errors_among_records > 8 and total.records_after_a_cut > 1
@@ -325,7 +333,7 @@ TIERS: Kind = lambda sim: bool(sim.tier_delays_ms)  # noqa: E731
         (_revert_a_heartbeat_moves_the_expiry, LONG, 2),
         (_revert_a_cancelled_call_is_no_attempt, BATCH, 2),
         # the core's, as the moved schedules reach them: cuts, tiers, batch answers, the guard
-        (_revert_positions_after_a_cut, ANY, 3),
+        (_revert_positions_after_a_cut, ANY, 4),
         (_revert_commit_epochs, ANY, 2),
         (_revert_tier_done_when_written, TIERS, 2),
         (_revert_protocol_error_rule, BATCH, 2),
@@ -349,7 +357,9 @@ def test_the_schedules_find_each_fix_reverted(
     # intake's consume gave way to room freed: after 28, 2, 2, 19, 27 seeds; 2, 1, 1, 68 of
     # their kind; 19, 2, 2, 1, 1 and 1; each may take up to ``budget`` times the seeds of the
     # test above: a stale position reading needs a cut between two readings, and was found
-    # after 190 seeds while the intake polled every 5 ms beside a partition waiting for room)
+    # after 190 seeds while the intake polled every 5 ms beside a partition waiting for room,
+    # after 314 (seed 10313) since the schedules tell of cuts below the commit and have
+    # operators reset offsets)
     seeds = [seed for seed in range(10_000, 10_000 + 4 * SCHEDULES) if kind(ShellSim(seed))]
     with pytest.raises(InvariantViolation):
         for seed in seeds[: budget * SCHEDULES]:
@@ -622,6 +632,17 @@ def _now() -> float:
     return asyncio.get_running_loop().time()
 
 
+async def _hand_over(sim: ShellSim, tp: tuple[str, int]) -> None:
+    """Revoke ``tp`` and assign it back (a rebalance that keeps it), and wait until the
+    consumer thread served it (``ShellSim.cut_at_handover`` runs in between)."""
+    assert sim.source is not None
+    asked = _now()
+    sim.source.pending.append(([tp], False))
+    sim.source.arrived.set()
+    while sim.rebalanced_at < asked:
+        await _for(sim, 0.01, 0.01)
+
+
 def test_a_commit_is_made_again_when_the_leader_epoch_under_it_changed() -> None:
     # Found by the 1M-step soak (seeds 6 and 107). Given a partition committed at 10
     sim = ShellSim(3).plain()
@@ -653,17 +674,13 @@ def test_a_commit_is_made_again_when_the_leader_epoch_under_it_changed() -> None
         # commit), so that its next owner's client finds the cut (KIP-320) and reads the
         # records written at 5..9 after it, acks them (while 10 is slow: no commit falls
         # due), and restarts
-        assert sim.source is not None
-        asked = _now()
         cut.append(True)
-        sim.source.pending.append(([tp], False))
-        sim.source.arrived.set()
-        while sim.rebalanced_at < asked:
-            await _for(sim, 0.01, 0.01)
+        await _hand_over(sim, tp)
         added.clear()
         for _ in range(5):
             add()
         add("timeout:1")
+        assert sim.source is not None
         sim.source.arrived.set()
         while not sim.truth.acked.issuperset(added[:5]):
             await _for(sim, 0.01, 0.01)
@@ -675,6 +692,69 @@ def test_a_commit_is_made_again_when_the_leader_epoch_under_it_changed() -> None
     # acked message)
     _run(sim, body)
     assert sim.commits[tp][0] == 11
+
+
+def test_a_commit_back_to_a_cut_below_an_epochless_commit_carries_a_leader_epoch() -> None:
+    # Found while modelling an operator's reset in the schedules. Given a partition B
+    # committed at 10 with no leader epoch (an operator's reset), and B's record at 10
+    # fetched in the same poll as, after, poison pills of A that spend the byte budget while
+    # the DLQ is down: it waits in B's backlog (B pauses), and B has nothing tracked
+    sim = ShellSim(SEED_BACKLOG_ONLY, partitions=2).plain()
+    sim.commit_interval_ms, sim.value_max = 100, 300
+    a, b = sim.tps
+    cut: list[bool] = []  # armed for the hand-over below
+
+    def add(tp: tuple[str, int], behaviour: str = "ok", size: int = 1) -> Msg:
+        msg = Msg(sim.next_ident, behaviour, value=b"v" * size)
+        sim.next_ident += 1
+        sim.truth.behaviour[msg.ident] = behaviour
+        sim.logs[tp].append(msg)
+        return msg
+
+    for _ in range(10):
+        sim.truth.done.add(add(b).ident)  # a previous owner's
+    sim.logs[b].done_below = 10
+    sim.commits[b] = (10, "")
+    sim.operator_epochless.add(b)
+    for _ in range(5):
+        add(b)
+    for _ in range(4):
+        add(a, "poison", 300)
+    sim.dlq_down = True
+
+    def cut_below_once(tps: Any) -> None:
+        if b in tps and cut == [True]:
+            cut.append(True)
+            sim.cut_log(b, 3)
+
+    sim.cut_at_handover = cut_below_once  # type: ignore[method-assign]
+
+    async def body() -> None:
+        await _for(sim, 1.0, 0.05)
+        assert sim.runner is not None and sim.source is not None
+        part = sim.runner.partitions.parts[b]
+        assert part.budget.spent and [r.offset() for r in part.backlog] == [10]
+        assert part.tracker is not None and part.tracker.pending == 0
+        # When the member is told of a cut of B at 7, below the commit (an unclean
+        # election): the cut drops every record of B's backlog, and B commits back to 7
+        sim.cut_log(b, 7)
+        while sim.commits[b][0] != 7:
+            await _for(sim, 0.05, 0.05)
+        assert not part.backlog and part.tracker.pending == 0
+        # ... and a second unclean election cuts B's log at 3 while B changes hands
+        cut.append(True)
+        await _hand_over(sim, b)
+        assert cut == [True, True]
+        for _ in range(6):
+            add(b)
+        sim.dlq_down = False
+
+    # Then the commit back to 7 carried a leader epoch (of the records the first cut
+    # dropped), the next owner's client found the second cut by it (``ShellSim.assigned``
+    # fails an assignment at an epoch-less commit the proxy made above a cut), and every
+    # record written at 3..8 after it is delivered (the drain fails a record never done)
+    _run(sim, body)
+    assert sim.commits[b][0] == 9 and sim.commit_epochs[b] == 2
 
 
 def test_a_commit_answer_nobody_waits_for_any_more_leaves_no_timer_behind() -> None:

@@ -883,11 +883,16 @@ class PartitionSet:
         part.received_end = offset
         # Positions read so far may predate the cut: none of them may move the commit.
         part.positions_from = self._positions_seen + 1
+        assert part.tracker is not None
+        first_cut = next((r for r in part.backlog if (r.offset() or 0) >= offset), None)
+        if first_cut is not None:  # its epoch, when nothing tracked knows one (``bound_epoch``)
+            epoch = first_cut.leader_epoch()
+            if epoch is not None:
+                part.tracker.bound_epoch(first_cut.offset() or 0, epoch)
         part.backlog = deque(r for r in part.backlog if (r.offset() or 0) < offset)
         part.budget.waiting -= part.backlog_bytes
         part.backlog_bytes = sum(_record_size(r) for r in part.backlog)
         part.budget.waiting += part.backlog_bytes
-        assert part.tracker is not None
         part.tracker.truncate(offset)
         # Messages cut from the log that wait on a timer here (a retry, a tier due time) give
         # their bytes back now, and their offsets free for the new records' entries. Those

@@ -158,6 +158,15 @@ class PartitionTracker:
             if len(epochs) > MAX_EPOCH_CHANGES:
                 del epochs[0]  # the oldest offsets then get the first kept: an upper bound
 
+    def bound_epoch(self, offset: int, epoch: int) -> None:
+        """A record at ``offset`` in leader ``epoch`` was fetched but never tracked (a cut
+        dropped it from the backlog). When nothing tracked tells an epoch, it bounds the epoch
+        of every record before it from above, as :meth:`commit_epoch`'s fallback does: a
+        commit below it then still carries an epoch by which the next owner finds a second
+        cut below the commit (KIP-320)."""
+        if not self._epochs:
+            self._epochs.append((offset, epoch))
+
     def commit_epoch(self, offset: int) -> int | None:
         """The leader epoch of the record before ``offset`` (:meth:`committable`: the last
         record a commit there covers), or None when nothing is known of it.

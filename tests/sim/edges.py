@@ -292,6 +292,7 @@ class SimSource:
             self.sim.cut_at_handover(tps)
             self.sim.trace(f"assign {tps}")
             committed = self.consumer.assign(tps)
+            self.sim.assigned(committed)
             await self.listener.partitions_assigned(
                 [
                     TopicPartition(

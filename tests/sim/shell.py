@@ -32,14 +32,18 @@ them lose their partitions: no final commit; a third of the hand-overs cut the l
 range the restored ack state describes, which the member is not told, some of them below the
 commit: the simulated consumer validates a committed leader epoch as librdkafka does, KIP-320),
 restarts (graceful, or a crash: nothing is committed after it; each with another metadata
-budget, as pods of a config roll), cuts logs (told, or silent), takes the service, the DLQ and
+budget, as pods of a config roll; at some an operator resets a partition to its committed
+offset, which leaves the commit without a leader epoch), cuts logs (told, some of them below
+the commit, or silent), takes the service, the DLQ and
 commits down, deploys a bad service and releases a held dead-letter guard as an operator. Half
 the seeds of ordering none have 1-3 retry tiers (a third of them waiting a minute to an hour,
 far longer than the run) and some head-of-line unblocking. Checked at every step:
 
 - a commit never passes an offset whose message is not done, nor marks one done in its
   metadata; commits never go back (but after a cut); nothing acked is pushed again unless a
-  crash, a loss, a cut or the metadata budget allowed it;
+  crash, a loss, a cut or the metadata budget allowed it; no member is assigned at a commit
+  above a cut that carries no leader epoch, unless an operator's reset left it so (what is
+  written below it then is skipped by every consumer, and the check lets it be);
 - no message is dead-lettered or moved to a retry tier by an outage (only poison pills and
   counted failures: its own, a deadline or silence charged while the service answered
   others, head_block_ms), none while the dead-letter guard holds, and a guard probe's ack
@@ -164,6 +168,10 @@ class ShellStats:
     records_after_a_cut: int = 0  # ... among them the cut partition's, fetched anew after it
     handover_truncations: int = 0  # ... while a restored ack state described the cut range
     cuts_below_commit: int = 0  # at hand-over: the next owner must seek back (KIP-320)
+    told_cuts_below_commit: int = 0  # ... while the member owns the partition: it is told
+    epochless_resets: int = 0  # an operator's reset left a commit without a leader epoch
+    backlog_epoch_commits: int = 0  # commits whose epoch came from the backlog's first record
+    hidden_by_reset: int = 0  # records a cut below such a commit hid from every consumer
     paused_at_revoke: int = 0  # partitions revoked and assigned back while paused
     restarts: int = 0
     crashes: int = 0
@@ -245,6 +253,18 @@ class ShellSim:
         self.handover_cuts = 0.3  # ... at this share of hand-overs
         self.below = random.Random(f"shell-below:{seed}")  # ... some below the commit
         self.below_share = 0.15
+        # Some cuts the member is told of are below the commit (its own generator: the
+        # schedule's draws stay as they were).
+        self.told_below = random.Random(f"shell-told-below:{seed}")
+        self.told_below_share = 0.2
+        # At some restarts an operator resets a partition's offset to where it is committed
+        # (``kafka-consumer-groups --reset-offsets --to-current``): the commit is written
+        # again without a leader epoch.
+        self.resets = random.Random(f"shell-reset:{seed}")
+        self.reset_share = 0.3
+        self.operator_epochless: set[TP] = set()  # ... until the proxy commits it again
+        self.hidden: dict[TP, int] = {}  # records written below this are skipped (a cut
+        # below such a commit, which the next owner could not find)
         # Where a consume hands a cut's error over among records (``SimSource``).
         self.mixing = random.Random(f"shell-mixing:{seed}")
         # A restart may bring another metadata budget (pods of a config roll).
@@ -647,6 +667,9 @@ class ShellSim:
                     and not (state.epoch is not None and log.epochs[o] > state.epoch)
                 ):
                     self.fail(f"commit metadata of {tp} marks {o} done (message {found.ident})")
+        self.operator_epochless.discard(tp)  # the proxy's commit replaces the operator's
+        if epoch is not None:
+            self._count_backlog_epoch(tp, offset)
         last = self.last_commit.get(tp, 0)
         cut = self.cuts.get(tp)
         # Only a commit past the end of a cut log may be followed by one further back (it
@@ -659,6 +682,15 @@ class ShellSim:
         self.last_commit[tp] = offset
         self.stats.commits += 1
         self.trace(f"commit {tp} {offset} {metadata}")
+
+    def _count_backlog_epoch(self, tp: TP, offset: int) -> None:
+        """Count a commit whose epoch only the backlog knew (the tracker knew none)."""
+        runner = self.runner
+        part = runner.partitions.parts.get(tp) if runner is not None else None
+        # (the offset the commit was planned for: asked again, the tracker forgets nothing)
+        tracker = part.tracker if part is not None and part.backlog else None
+        if tracker is not None and tracker.commit_epoch(offset) is None:
+            self.stats.backlog_epoch_commits += 1
 
     @staticmethod
     def _where(d: Delivery) -> tuple[PartitionState, int, int]:
@@ -1025,6 +1057,9 @@ class ShellSim:
             log.append(msg, gap=1 if rng.random() < 0.05 else 0)
             self.lanes.setdefault(self._lane(tp, key), []).append((log.end - 1, msg.ident))
             self.stats.produced += 1
+            if log.end <= self.hidden.get(tp, -1):
+                self.truth.done.add(msg.ident)  # skipped (``assigned``)
+                self.stats.hidden_by_reset += 1
         if self.source is not None:
             self.source.arrived.set()
 
@@ -1053,13 +1088,57 @@ class ShellSim:
             # epoch it carries makes the next owner seek back: ``cut_at_handover`` cuts
             # below commits to check that).
             return
-        self.cut_log(tp, rng.randint(floor, log.end - 1))
+        cut = rng.randint(floor, log.end - 1)
+        if floor > 0 and self.told_below.random() < self.told_below_share:
+            # Below the commit: the member received past it, so its consumer finds the cut.
+            cut = self.told_below.randint(max(0, floor - 8), floor - 1)
+            self.stats.told_cuts_below_commit += 1
+        self.cut_log(tp, cut)
+
+    def operator_reset(self) -> None:
+        """Between two members, an operator resets a partition to its committed offset
+        (``kafka-consumer-groups --reset-offsets --to-current``): the commit is written again
+        with no leader epoch. A cut below it is then hidden from the next owner (KIP-320
+        needs the epoch), until the proxy commits the partition again with one."""
+        tps = sorted(tp for tp in self.tps if tp in self.commit_epochs)
+        if not tps:
+            return
+        tp = self.resets.choice(tps)
+        del self.commit_epochs[tp]
+        self.operator_epochless.add(tp)
+        self.stats.epochless_resets += 1
+        self.trace(f"reset {tp} without epoch")
+
+    def assigned(self, committed: Sequence[tuple[TP, int | None, str, int | None]]) -> None:
+        """The member's consumer was assigned these committed offsets and epochs. One with no
+        epoch cannot find a cut below it: the records written there since the cut, and those
+        written there from now on, are skipped. Only an operator's reset may leave such a
+        commit; the proxy commits with an epoch whenever it holds a record it fetched
+        (``partitions._commit_epoch``)."""
+        for tp, offset, _, epoch in committed:
+            if offset is None or epoch is not None:
+                continue
+            log, done = self.logs[tp], self.truth.done
+            hidden = [m.ident for o, m in log.records.items() if o < offset and m.ident not in done]
+            if not hidden and log.end >= offset:
+                continue
+            if tp not in self.operator_epochless:
+                self.fail(
+                    f"{tp} is assigned at {offset} with no leader epoch, below which the log "
+                    f"was cut (its end {log.end}, {len(hidden)} records not done): the next "
+                    "owner skips what is written there"
+                )
+            done.update(hidden)  # the operator's doing: no consumer can find them
+            self.stats.hidden_by_reset += len(hidden)
+            if log.end < offset:
+                self.hidden[tp] = offset  # ... nor those written below it from now on
 
     def cut_log(self, tp: TP, cut: int) -> None:
         """Cut ``tp``'s log at ``cut``; the member is told (a _LOG_TRUNCATION error from
         consume) only when it owns ``tp`` and received records at or past the cut:
         otherwise librdkafka seeks back silently."""
         log = self.logs[tp]
+        self.hidden.pop(tp, None)
         for msg in log.truncate(cut):
             self.truth.done.discard(msg.ident)  # gone: no longer owed to anyone
         for lane, entries in self.lanes.items():
@@ -1117,6 +1196,8 @@ class ShellSim:
             self.stats.crashes += crash
             self.stats.restarts += not crash
             self.budget = self.budgets.choice([64, 4000])
+            if self.resets.random() < self.reset_share:
+                self.operator_reset()
             self.start_member()
         elif x < 0.40:
             outages = ["unavailable", "hung"] + (["unimplemented"] if self.batch else [])
