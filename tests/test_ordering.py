@@ -37,6 +37,7 @@ from tests.support.kafka import (
 )
 from tests.support.ledger import Ledger
 from tests.support.proxy import (
+    STEADY_CONSUMER,
     ProxyProcess,
     caught_up,
     caught_up_now,
@@ -160,6 +161,7 @@ def test_key_order_holds_for_20000_messages_over_200_keys_through_three_members(
             [topic],
             [service.address],
             delivery={"ordering": "key", "concurrency": 100, "max_in_flight": 2000},
+            client=STEADY_CONSUMER,  # no member dies here
         )
         members = [ProxyProcess(config, tmp_path / f"member-{i}.log").start() for i in range(3)]
         try:
