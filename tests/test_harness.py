@@ -6,7 +6,7 @@ import os
 import time
 from pathlib import Path
 
-from bench.bench_latency import floor_behind, per_record_added
+from bench.bench_latency import TARGET_ADDED_P99_MS, added_target, floor_behind, per_record_added
 from bench.bench_throughput import PROXY_DELIVERY, floor_client
 from bench.measure import rotated
 from bench.profiling import item_latencies
@@ -139,3 +139,7 @@ def test_a_latency_run_says_when_the_floor_itself_fell_behind_the_load() -> None
     # Then only the latter is said to be behind
     assert not floor_behind(3.4) and not floor_behind(28.0)
     assert floor_behind(427.0)
+    # ... and the p99 added is judged by the target only where the floor kept up at 1,000
+    # msg/s (a run on a saturated machine printed "MET" beside its WARNING before)
+    assert added_target(1000.0, 3.4) == TARGET_ADDED_P99_MS
+    assert added_target(1000.0, 427.0) is None and added_target(10000.0, 3.4) is None

@@ -391,6 +391,24 @@ async def _for(sim: ShellSim, seconds: float, tick_s: float = 0.5) -> None:
         sim.check()
 
 
+def _append(sim: ShellSim, tp: tuple[str, int], behaviour: str = "ok", size: int = 1) -> Msg:
+    """Write a message of ``behaviour`` (its value ``size`` bytes) to ``tp``'s log."""
+    msg = Msg(sim.next_ident, behaviour, value=b"v" * size)
+    sim.next_ident += 1
+    sim.truth.behaviour[msg.ident] = behaviour
+    sim.logs[tp].append(msg)
+    return msg
+
+
+async def _until(sim: ShellSim, done: Callable[[], bool], what: str, tick_s: float) -> None:
+    """Let virtual time pass (the invariants checked every ``tick_s``) until ``done()``, for
+    at most 60 s of it."""
+    end = _now() + 60.0
+    while not done():
+        assert _now() < end, f"{what}: not within 60 s of virtual time"
+        await _for(sim, tick_s, tick_s)
+
+
 async def _commit_some(sim: ShellSim) -> None:
     """A few records produced, taken in and committed by ``sim``'s running member."""
     for _ in range(3):
@@ -458,16 +476,8 @@ def test_ack_state_from_before_an_unclean_truncation_never_skips_the_new_records
     # times while the others are acked, and a commit at 2 whose ack state marks 3..9 done
     sim = ShellSim(3).plain()
     tp = sim.tps[0]
-    log = sim.logs[tp]
-
-    def add(behaviour: str) -> None:
-        msg = Msg(sim.next_ident, behaviour)
-        sim.next_ident += 1
-        sim.truth.behaviour[msg.ident] = behaviour
-        log.append(msg)
-
     for offset in range(10):
-        add("timeout:5" if offset == 2 else "ok")
+        _append(sim, tp, "timeout:5" if offset == 2 else "ok")
     sim.commit_interval_ms = 100
 
     async def body() -> None:
@@ -482,7 +492,7 @@ def test_ack_state_from_before_an_unclean_truncation_never_skips_the_new_records
         # ack state
         sim.cut_log(tp, 5)
         for _ in range(3):
-            add("ok")
+            _append(sim, tp)
         await sim.stop_member(crash=True)
         sim.start_member()
 
@@ -639,8 +649,7 @@ async def _hand_over(sim: ShellSim, tp: tuple[str, int]) -> None:
     asked = _now()
     sim.source.pending.append(([tp], False))
     sim.source.arrived.set()
-    while sim.rebalanced_at < asked:
-        await _for(sim, 0.01, 0.01)
+    await _until(sim, lambda: sim.rebalanced_at >= asked, "the hand-over", 0.01)
 
 
 def test_a_commit_is_made_again_when_the_leader_epoch_under_it_changed() -> None:
@@ -652,11 +661,7 @@ def test_a_commit_is_made_again_when_the_leader_epoch_under_it_changed() -> None
     cut: list[bool] = []  # armed once the commit is at 10
 
     def add(behaviour: str = "ok") -> None:
-        msg = Msg(sim.next_ident, behaviour)
-        sim.next_ident += 1
-        sim.truth.behaviour[msg.ident] = behaviour
-        sim.logs[tp].append(msg)
-        added.append(msg.ident)
+        added.append(_append(sim, tp, behaviour).ident)
 
     def cut_once(tps: Any) -> None:
         if tp in tps and cut == [True]:
@@ -703,23 +708,15 @@ def test_a_commit_back_to_a_cut_below_an_epochless_commit_carries_a_leader_epoch
     sim.commit_interval_ms, sim.value_max = 100, 300
     a, b = sim.tps
     cut: list[bool] = []  # armed for the hand-over below
-
-    def add(tp: tuple[str, int], behaviour: str = "ok", size: int = 1) -> Msg:
-        msg = Msg(sim.next_ident, behaviour, value=b"v" * size)
-        sim.next_ident += 1
-        sim.truth.behaviour[msg.ident] = behaviour
-        sim.logs[tp].append(msg)
-        return msg
-
     for _ in range(10):
-        sim.truth.done.add(add(b).ident)  # a previous owner's
+        sim.truth.done.add(_append(sim, b).ident)  # a previous owner's
     sim.logs[b].done_below = 10
     sim.commits[b] = (10, "")
     sim.operator_epochless.add(b)
     for _ in range(5):
-        add(b)
+        _append(sim, b)
     for _ in range(4):
-        add(a, "poison", 300)
+        _append(sim, a, "poison", 300)
     sim.dlq_down = True
 
     def cut_below_once(tps: Any) -> None:
@@ -738,15 +735,14 @@ def test_a_commit_back_to_a_cut_below_an_epochless_commit_carries_a_leader_epoch
         # When the member is told of a cut of B at 7, below the commit (an unclean
         # election): the cut drops every record of B's backlog, and B commits back to 7
         sim.cut_log(b, 7)
-        while sim.commits[b][0] != 7:
-            await _for(sim, 0.05, 0.05)
+        await _until(sim, lambda: sim.commits[b][0] == 7, "the commit back to 7", 0.05)
         assert not part.backlog and part.tracker.pending == 0
         # ... and a second unclean election cuts B's log at 3 while B changes hands
         cut.append(True)
         await _hand_over(sim, b)
         assert cut == [True, True]
         for _ in range(6):
-            add(b)
+            _append(sim, b)
         sim.dlq_down = False
 
     # Then the commit back to 7 carried a leader epoch (of the records the first cut

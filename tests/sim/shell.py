@@ -1076,8 +1076,9 @@ class ShellSim:
         self.stats.losses += lost
 
     def truncate(self) -> None:
-        """An unclean leader election cuts a log at or above its commit; the member is told
-        (a _LOG_TRUNCATION error from consume) when the cut is below what it received."""
+        """An unclean leader election cuts a log at or above its commit (a fifth of the
+        times below it: ``told_below``); the member is told (a _LOG_TRUNCATION error from
+        consume) when the cut is below what it received."""
         rng = self.rng
         tp = rng.choice(self.tps)
         log = self.logs[tp]
