@@ -133,6 +133,14 @@ def _credentials(tls: TlsConfig) -> tuple[grpc.ChannelCredentials, list[tuple[st
     return creds, options
 
 
+def undecodable(classifier: Classifier) -> Classification:
+    """An answer (a unary response, a long call's event) that does not decode: grpc.aio hands
+    back None for it (and logs). A broken service answer, retried like INTERNAL (counted)."""
+    return classifier.from_status(
+        grpc.StatusCode.INTERNAL, "the service's response could not be decoded"
+    )
+
+
 async def read_stream(
     read: Callable[[], Awaitable[Any]],
     watch: CallWatch,
@@ -150,6 +158,8 @@ async def read_stream(
                 event = await read()
                 if event is aio.EOF:
                     return no_result(classifier)
+                if event is None:
+                    return undecodable(classifier)
                 if event.HasField("result"):
                     return classifier.from_response(event.result)
                 on_heartbeat(watch.heard(loop.time(), event.heartbeat.progress))
@@ -316,11 +326,7 @@ class Dispatcher:
             result = self._classifier.from_status(exc.code(), exc.details())
         else:
             if response is None:
-                # grpc.aio hands back None (and logs) when an OK response does not decode as
-                # a HandleMessageResponse: a broken service answer, retried like INTERNAL.
-                result = self._classifier.from_status(
-                    grpc.StatusCode.INTERNAL, "the service's response could not be decoded"
-                )
+                result = undecodable(self._classifier)
             else:
                 result = self._classifier.from_response(response)
         finally:

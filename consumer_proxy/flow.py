@@ -237,6 +237,12 @@ class StaticLimiter:
         ``retry_after`` still apply, but only an adaptive limit slows the whole group."""
 
 
+MAX_HOLD_S = 60.0
+"""The longest a ``retry_after`` holds the limit's growth: the service's answer is a hint (its
+redelivery delay is capped at ``backoff.max_ms``), and one absurd value must not freeze the
+limit for the life of the process."""
+
+
 class AdaptiveLimit:
     """The adaptive concurrency limit, pure logic: AIMD with a latency guard.
 
@@ -259,7 +265,7 @@ class AdaptiveLimit:
       high, the next refused call brings the next decrease at once, without waiting a round
       trip (refusals come back much faster than successes). A latency decrease waits a round
       trip, as does growth after any decrease.
-    - ``retry_after`` also holds growth for that long.
+    - ``retry_after`` also holds growth for that long (``MAX_HOLD_S`` at most).
     - The round trip (``srtt``) is an EWMA of successful calls; the latency window lasts one
       srtt; the baseline is the lowest window mean, drifting up with time constant
       ``baseline_tau_s`` so that a service that became slower for good is accepted eventually.
@@ -334,7 +340,7 @@ class AdaptiveLimit:
         """RESOURCE_EXHAUSTED, a ``retry_after`` of ``hold_s`` seconds, or a timeout, for a
         call that took ``rtt_s``."""
         if hold_s > 0:
-            self._hold_until = max(self._hold_until, now + hold_s)
+            self._hold_until = max(self._hold_until, now + min(hold_s, MAX_HOLD_S))
         if now - rtt_s >= self._last_decrease:
             self._decrease(now)
 

@@ -108,7 +108,10 @@ class Intake:
                 if good:
                     partitions.intake_batch(good)
                     good = []
-                if error.fatal():
+                # A consumed error is never flagged fatal() by confluent-kafka: librdkafka
+                # hands its consumer's fatal error over as a _FATAL event (a fenced static
+                # member, say), after which the consumer can neither fetch nor commit.
+                if error.fatal() or error.code() == KafkaError._FATAL:
                     raise KafkaException(error)
                 elif error.code() == KafkaError._LOG_TRUNCATION:
                     log.warning("group %s: %s", self.name, error.str())

@@ -12,7 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from consumer_proxy.config import KafkaConfig
 from consumer_proxy.core.codec import AckState
+from consumer_proxy.errors import KafkaUnavailableError
+from consumer_proxy.tools.kafka_ops import mark_past_end, time_bounds
 from consumer_proxy.tools.mark import MergeMark, fit_islands
 from consumer_proxy.tools.pacing import Pacer
 from consumer_proxy.tools.render import reason_template
@@ -95,6 +98,32 @@ def test_a_merge_that_would_overflow_the_metadata_takes_a_prefix_that_fits() -> 
     assert MergeMark.empty().with_merged(islands[:taken]).fits(1000)
     assert not MergeMark.empty().with_merged(islands[: taken + 1]).fits(1000)
     assert fit_islands(MergeMark.empty(), islands[:10], 1000) == 10
+
+
+def test_a_mark_that_goes_past_the_end_of_the_log_is_told() -> None:
+    # A mark of merges up to 100 (or one run up to 80) on a log that now ends at 60 (cut
+    # below it, or made anew) is not of this log; up to the end, or below it, it is
+    assert mark_past_end(MergeMark.empty(100), 60)
+    assert mark_past_end(MergeMark.empty(10).with_merged([(50, 80)]), 60)
+    assert not mark_past_end(MergeMark.empty(60), 60)
+    assert not mark_past_end(MergeMark.empty(10).with_merged([(50, 60)]), 60)
+    assert not mark_past_end(MergeMark.empty(), 0)
+
+
+def test_purge_by_time_fails_whole_when_one_partitions_lookup_failed() -> None:
+    # Given offsets_for_times' answer: partition 0 holds records at or after the time from
+    # offset 10, partition 1 none that late, partition 2's lookup failed (its leader moving)
+    kafka = KafkaConfig(bootstrap_servers="k:9092")
+    found = [(0, 10, None), (1, -1, None), (2, -1, "Broker: Not leader for partition")]
+    high = {0: 1000, 1: 1000, 2: 1000}
+    # Then the purge fails, naming the partition and saying nothing was deleted (read as "no
+    # record that late", the failed lookup would delete all of partition 2)
+    with pytest.raises(
+        KafkaUnavailableError, match=r"partition 2: Broker: Not leader.*nothing deleted"
+    ):
+        time_bounds(kafka, "g.dlq", found, high)
+    # and without the failure, a partition with no record that late is deleted to its end
+    assert time_bounds(kafka, "g.dlq", found[:2], high) == {0: 10, 1: 1000}
 
 
 # -- the pacer --------------------------------------------------------------------------------

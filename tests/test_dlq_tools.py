@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 import pytest
 import yaml
-from confluent_kafka import KafkaException, Producer
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
 from consumer_proxy.cli import main
 from consumer_proxy.config import KafkaConfig, ProxyConfig
@@ -615,6 +615,36 @@ def test_purge_on_a_terminal_asks_first_and_a_no_deletes_nothing(
     assert consume_all(kafka.bootstrap, f"{group}.dlq") == []
 
 
+def test_purge_merged_deletes_nothing_under_a_merge_mark_past_the_end_of_the_log(
+    kafka: Broker, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given a DLQ partition of 60 records that no merge sent back, under a merge mark that
+    # says 100 were (the log was cut below it, or the merge group's offsets were set by hand)
+    bootstrap, group = kafka.bootstrap, unique_name("dlqpast")
+    dlq_topic = f"{group}.dlq"
+    create_topic(bootstrap, dlq_topic)
+    produce(bootstrap, dlq_topic, [
+        dead_letter(i, status="INTERNAL", value=b"v", key=None, ts=BASE_MS + i) for i in range(60)
+    ])  # fmt: skip
+    marker = Consumer({"bootstrap.servers": bootstrap, "group.id": f"{group}.dlq-merge"})
+    try:
+        marker.commit(offsets=[TopicPartition(dlq_topic, 0, 100)], asynchronous=False)
+    finally:
+        marker.close()
+    path = group_config(bootstrap, tmp_path, group)
+
+    # When the merged records are purged
+    code, out, err = cli(capsys, "dlq", "purge", "--config", path, "--group", group,
+                         "--merged", "--yes")  # fmt: skip
+
+    # Then nothing is deleted, and the operator is told why and what sends them back
+    assert code == 0, err
+    assert "nothing to delete" in out
+    assert "partition 0: the merge mark goes past the end 60" in out
+    assert "dlq merge --from-start" in out
+    assert len(consume_all(bootstrap, dlq_topic)) == 60
+
+
 @pytest.mark.parametrize("command", ["report", "merge"])
 def test_without_pyspark_report_and_merge_say_how_to_install_it(
     small_dlq: dict[str, Any], command: str
@@ -753,6 +783,43 @@ def test_merge_by_status_then_another_then_purge_never_deletes_an_unmerged_recor
     # and across the three merges every dead letter was sent back exactly once
     sent = Counter(int(cp_of(m)[dlq_records.H_OFFSET]) for m in consume_all(bootstrap, redrive))
     assert sent == Counter(list(status_of))
+
+
+def test_a_merge_whose_filter_answers_differently_each_time_marks_exactly_what_it_wrote(
+    kafka: Broker, spark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given 200 dead letters in one partition
+    bootstrap, group = kafka.bootstrap, unique_name("dlqrand")
+    dlq_topic, redrive = f"{group}.dlq", f"{group}.redrive"
+    create_topic(bootstrap, dlq_topic)
+    create_topic(bootstrap, redrive)
+    offsets = [1000 + i for i in range(200)]
+    produce(bootstrap, dlq_topic, [
+        dead_letter(i, status=STATUSES[0], value=f"v{i}".encode(), key=None, ts=BASE_MS + i)
+        for i in range(200)
+    ])  # fmt: skip
+    path = group_config(bootstrap, tmp_path, group)
+
+    def run(*args: str) -> dict[str, Any]:
+        code, out, err = cli(capsys, "dlq", *args, "--config", path, "--group", group, "--json")
+        assert code == 0, err
+        result: dict[str, Any] = json.loads(out)
+        return result
+
+    # When a canary merge sends back a random half (a filter that gives another answer each
+    # time it is read), then a merge of everything else
+    canary = run("merge", "--where", "rand() < 0.5", "--yes")
+    rest = run("merge", "--yes")
+    sent = Counter(int(cp_of(m)[dlq_records.H_OFFSET]) for m in consume_all(bootstrap, redrive))
+
+    # Then the canary wrote what it counted, and every dead letter went back exactly once:
+    # none marked merged without being written (skipped by the second merge, and deleted by
+    # purge --merged), none written without being marked (sent again)
+    assert 0 < canary["merged"] < 200
+    assert canary["merged"] + rest["merged"] == 200
+    assert sent == Counter(offsets)
+    run("purge", "--merged", "--yes")
+    assert _held_offsets(bootstrap, dlq_topic) == []
 
 
 # -- the write as a controlled job: --rate and --to --------------------------------------------

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from confluent_kafka import Consumer, KafkaException
 
 from consumer_proxy.dlq import DeadLetterWriter
 from consumer_proxy.fetcher import Fetcher
@@ -44,6 +45,7 @@ from tests.support.kafka import (
 )
 from tests.support.ledger import Ledger
 from tests.support.proxy import (
+    FAST_CONSUMER,
     ProxyProcess,
     caught_up,
     caught_up_now,
@@ -642,3 +644,48 @@ def test_a_rebalance_storm_of_worker_processes_loses_nothing(kafka: Broker, tmp_
         bound=f"{events} changes x {max_members} members x concurrency {concurrency}",
     )
     _assert_committed_to_end(bootstrap, group, topic)
+
+
+async def test_a_fenced_static_member_fails_its_group_with_the_fatal_error(
+    kafka: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a proxy whose group runs as a static member (group.instance.id in kafka.client),
+    # caught up on 10 messages
+    bootstrap = kafka.bootstrap
+    topic, group = unique_name("fenced"), unique_name("fenced")
+    create_topic(bootstrap, topic, partitions=1)
+    await asyncio.to_thread(produce, bootstrap, topic, [f"m{i}" for i in range(10)])
+    member = {**FAST_CONSUMER, "group.instance.id": "member-1"}
+    async with TestService() as service:
+        proxy, task = start_proxy(
+            make_config(bootstrap, group, [topic], [service.address]), consumer_overrides=member
+        )
+        try:
+            await async_wait_until(lambda: caught_up(bootstrap, group, topic), timeout=60)
+            # When another consumer joins the group as the same static member, fencing it
+            # (librdkafka raises a fatal error: the consumer can do nothing more)
+            intruder = Consumer(
+                {"bootstrap.servers": bootstrap, "group.id": group, **member,
+                 "partition.assignment.strategy": "cooperative-sticky"}
+            )  # fmt: skip
+            intruder.subscribe([topic])
+            stop = asyncio.Event()
+
+            def poll() -> None:
+                while not stop.is_set():
+                    intruder.poll(0.2)
+
+            polling = asyncio.create_task(asyncio.to_thread(poll))
+            try:
+                # Then the proxy does not run on with a dead consumer: its run ends with the
+                # fatal error (the process exits 1, and is restarted), logged once
+                with pytest.raises(KafkaException, match=r"(?i)fenced|fatal"):
+                    await asyncio.wait_for(asyncio.shield(task), timeout=45)
+            finally:
+                stop.set()
+                await polling
+                await asyncio.to_thread(intruder.close)
+        finally:
+            await proxy.shutdown()
+            await asyncio.gather(task, return_exceptions=True)
+    assert sorted(d.offset for d in service.deliveries) == list(range(10))

@@ -16,6 +16,7 @@ from consumer_proxy.core.outcomes import Classification, Outcome
 from consumer_proxy.flow import (
     CLOSED,
     HALF_OPEN,
+    MAX_HOLD_S,
     OPEN,
     AdaptiveLimit,
     AdaptiveLimiter,
@@ -153,6 +154,22 @@ def test_retry_after_holds_growth_for_that_long() -> None:
         now += 0.01
     assert limit.value == held
     busy_round(limit, 1.05, 0.01)
+    assert limit.value > held
+
+
+def test_a_retry_after_from_the_far_future_holds_growth_for_at_most_the_cap() -> None:
+    # Given a limit that grew, then one answer whose retry_after is a timestamp in epoch ms
+    # (a service's bug), 56 years read as a delay
+    limit = AdaptiveLimit(1, 1000, 20)
+    busy_round(limit, 0.0, 0.01)
+    limit.on_overload(0.02, 0.001, hold_s=1_764_000_000.0)
+    held = limit.value
+    # When healthy, busy traffic goes on past the cap
+    now = 0.1
+    while now < MAX_HOLD_S + 1:
+        busy_round(limit, now, 0.01)
+        now += 0.01
+    # Then the limit grows again (it waited no longer than the cap)
     assert limit.value > held
 
 

@@ -16,13 +16,16 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from confluent_kafka import KafkaException
 
 from consumer_proxy.config import ProxyConfig
+from consumer_proxy.proto.v1 import handler_pb2
 from tests.support.kafka import (
     Broker,
     committed_offsets,
@@ -223,6 +226,75 @@ async def test_a_hung_service_dead_letters_nothing_and_the_cap_is_a_counted_fail
         assert capped_calls == 2
         late = cap.value("consumer_proxy_calls_cancelled_total", group=cap_group, cause="heartbeat")
         assert len(capped.deliveries) == 2 + (late or 0)
+
+
+async def test_a_long_call_answering_events_that_do_not_decode_is_retried_and_the_proxy_runs_on(
+    kafka: Broker,
+) -> None:
+    # Given 20 messages, and a service whose long call answers each one's first two attempts
+    # with an event that does not decode (a note cut in the middle of a character), then acks
+    bootstrap = kafka.bootstrap
+    topic, group = unique_name("garbled"), unique_name("garbled")
+    create_topic(bootstrap, topic, partitions=2)
+    await asyncio.to_thread(produce, bootstrap, topic, [f"m{i}" for i in range(20)])
+    attempts: dict[tuple[int, int], int] = {}
+    ack = handler_pb2.HandleMessageStreamEvent(result=handler_pb2.HandleMessageResponse())
+    garbled = (
+        handler_pb2.HandleMessageStreamEvent(
+            heartbeat=handler_pb2.Heartbeat(progress="x")
+        ).SerializeToString()[:-1]
+        + b"\xff"
+    )
+
+    async def stream(data: bytes, context: Any) -> AsyncIterator[bytes]:
+        message = handler_pb2.HandleMessageStreamRequest.FromString(data).message
+        key = (message.partition, message.offset)
+        attempts[key] = attempts.get(key, 0) + 1
+        if attempts[key] <= 2:
+            yield garbled
+            await asyncio.sleep(60)  # the proxy ends the call
+        yield ack.SerializeToString()
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                "consumerproxy.v1.MessageHandler",
+                {"HandleMessageStream": grpc.unary_stream_rpc_method_handler(stream)},
+            )
+        ]
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        config = _config(
+            bootstrap,
+            group,
+            topic,
+            [f"127.0.0.1:{port}"],
+            {"max_attempts": 5, "backoff": {"initial_ms": 20, "max_ms": 100}},
+        )
+        proxy, task = start_proxy(config)
+
+        # When the proxy works through them
+        async def finished() -> bool:
+            return task.done() or await caught_up(bootstrap, group, topic)
+
+        try:
+            await async_wait_until(finished, timeout=60)
+            # Then it is still running (it ran no group down on the answer), every message
+            # was acked at its third attempt, and none was dead-lettered
+            assert not task.done(), task
+        finally:
+            await proxy.shutdown()
+            await task
+    finally:
+        await server.stop(None)
+    assert sorted(attempts.values()) == [3] * 20
+    assert _dlq(bootstrap, group) == []
+    scrape = parse_metrics(proxy.metrics.exposition().decode())
+    assert scrape.total("consumer_proxy_messages_total", group=group, outcome="retry") == 40
+    assert scrape.total("consumer_proxy_messages_total", group=group, outcome="dead_letter") == 0
 
 
 # -- the service as a child process (the SDK), so it can be killed -----------------------------

@@ -358,13 +358,13 @@ def _merge(args: argparse.Namespace, kafka: KafkaConfig, group: GroupConfig) -> 
     for part in state:
         prefix = marks[part.partition].prefix
         start = part.low if args.from_start else max(part.low, prefix)
-        if start > part.high:
+        if not args.from_start and kafka_ops.mark_past_end(marks[part.partition], part.high):
             _progress(
-                f"warning: partition {part.partition}: merge mark {prefix} is past the end "
-                f"{part.high} (was the topic recreated?); nothing to merge there, --from-start "
-                "reads it again"
+                f"warning: partition {part.partition}: the merge mark goes past the end "
+                f"{part.high} (was the log cut or the topic recreated?); what it says was "
+                "merged there is skipped, --from-start reads it again"
             )
-            start = part.high
+        start = min(start, part.high)
         ranges[part.partition] = (start, part.high)
     in_range = sum(end - start for start, end in ranges.values())
     _progress(
@@ -412,7 +412,7 @@ def _merge(args: argparse.Namespace, kafka: KafkaConfig, group: GroupConfig) -> 
                 if not aborted:
                     write_seconds = _write(
                         session, java, kafka, group, target, ranges, cuts, selection, skip,
-                        args.rate, to_write,
+                        args.rate, to_write, taken if counts_as_merge else None,
                     )  # fmt: skip
     written = 0 if args.dry_run or aborted else sum(i.count for i in taken)
     new_marks: dict[int, MergeMark] = {}
@@ -440,7 +440,10 @@ def _write(
     skip: dict[int, MergeMark],
     rate: float | None,
     to_write: int,
+    marked: list[Island] | None,
 ) -> float:
+    """The write pass; ``marked``: the islands the merge mark will record, written exactly
+    (``jobs.write_selected``)."""
     pace = f" at most {rate:g}/s" if rate is not None else ""
     _progress(f"writing {to_write} records to {target}{pace} ...")
     # Only up to each partition's cut: what lies beyond stays for the next merge.
@@ -450,6 +453,7 @@ def _write(
         session, java, group.dlq_topic, write_ranges, selection, skip,
         jobs.WriteTarget(target, rate, kafka_ops.plain_conf(kafka)),
         _progress, lambda: kafka_ops.end_total(kafka, target) - baseline, to_write,
+        None if marked is None else [(i.partition, i.start, i.end) for i in marked],
     )  # fmt: skip
 
 
@@ -581,6 +585,14 @@ def _purge(args: argparse.Namespace, kafka: KafkaConfig, group: GroupConfig) -> 
             f"{kept} merged records stay until the unmerged records before them are merged "
             "(Kafka deletes prefixes only)"
         )
+    for p in plan:
+        if p.mark_past_end:
+            lines.append(
+                f"warning: partition {p.partition}: the merge mark goes past the end {p.high} "
+                "(was the log cut or the topic recreated?), so it does not say which of its "
+                "records were merged: nothing deleted there; `dlq merge --from-start` sends "
+                "them back"
+            )
     summary = PurgeSummary(
         group=group.name,
         topic=group.dlq_topic,

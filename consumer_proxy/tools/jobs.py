@@ -23,7 +23,7 @@ import json
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -376,16 +376,31 @@ def _flagged(
     ranges: Ranges,
     selection: Selection,
     merged: dict[int, MergeMark],
+    islands: Sequence[tuple[int, int, int]] | None = None,
 ) -> DataFrame:
     """The DLQ range with ``chosen`` (the filters hold) and ``already`` (a merge sent it back).
 
-    The merged intervals are few (the mark's metadata budget bounds them), so they are
-    broadcast and joined on the DLQ partition with the offset range as the join condition.
+    ``islands`` (partition, start, end): the selection pass's islands, which then say what is
+    chosen instead of the filters (see ``write_selected``). The merged intervals and the
+    islands are few (the mark's metadata budget bounds them), so they are broadcast and joined
+    on the DLQ partition with the offset range as the join condition.
     """
     from pyspark.sql import functions as F
 
     frame = dlq_frame(spark, kafka_options, topic, ranges)
-    frame = frame.withColumn("chosen", selection_condition(frame, selection))
+    if islands is None:
+        frame = frame.withColumn("chosen", selection_condition(frame, selection))
+    else:
+        chosen = spark.createDataFrame(
+            list(islands), "i_partition INT, i_start BIGINT, i_end BIGINT"
+        )
+        frame = frame.join(
+            F.broadcast(chosen),
+            (F.col("partition") == F.col("i_partition"))
+            & (F.col("offset") >= F.col("i_start"))
+            & (F.col("offset") < F.col("i_end")),
+            "inner",
+        ).select(*frame.columns, F.lit(True).alias("chosen"))
     intervals = _merged_in(ranges, merged)
     if not intervals:
         return frame.withColumn("already", F.lit(False))
@@ -516,8 +531,17 @@ def write_selected(
     progress: Progress,
     written_so_far: Callable[[], int],
     expected: int,
+    islands: Sequence[tuple[int, int, int]] | None = None,
 ) -> float:
     """The write pass: the selected, not yet merged records of ``ranges`` to the target.
+
+    ``islands`` (partition, start, end): the islands of the selection pass that the merge
+    mark will record; the records written are then exactly theirs, not merged before, and
+    the filters are not read again. A filter may answer differently each time it is read
+    (``rand()``, ``current_timestamp()``, the minutes the operator took to confirm): read
+    twice, it would mark records merged that were never written (and ``purge --merged``
+    would delete them). Without ``islands`` (``--to``: no mark is recorded) the filters
+    choose again.
 
     Key, value and every header (the user's and the ``cp-*`` ones) are kept, so the proxy
     delivers them with the original coordinates and the attempt count carried on. Returns the
@@ -527,7 +551,7 @@ def write_selected(
     from pyspark.errors import PySparkException
     from pyspark.sql import functions as F
 
-    flagged = _flagged(spark, kafka_options, topic, ranges, selection, merged)
+    flagged = _flagged(spark, kafka_options, topic, ranges, selection, merged, islands)
     records = flagged.where(F.col("chosen") & ~F.col("already")).select(
         F.col("key_bytes").alias("key"), F.col("value_bytes").alias("value"), "headers"
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -368,17 +368,27 @@ def plan_purge(
             raise unreachable(kafka, f"looking up offsets by time in {topic}", exc) from exc
         finally:
             consumer.close()
-        by_part = {p.partition: p for p in state}
-        for tp in found:
-            bounds[tp.partition] = tp.offset if tp.offset >= 0 else by_part[tp.partition].high
+        bounds = time_bounds(
+            kafka,
+            topic,
+            [
+                (tp.partition, tp.offset, None if tp.error is None else tp.error.str())
+                for tp in found
+            ],
+            {p.partition: p.high for p in state},
+        )
     plan = []
     for part in state:
+        past_end = False
         if until_ms is not None:
             bound = bounds[part.partition]
         elif merged:
             # The first record still held that no merge sent back (records purged by time
             # may have taken the unmerged ones before it).
             bound = part.mark.state.next_pending(part.low) if part.mark is not None else part.low
+            past_end = part.mark is not None and mark_past_end(part.mark, part.high)
+            if past_end:
+                bound = part.low  # the mark is not of this log: keep every record
         else:
             bound = part.high
         bound = min(max(bound, part.low), part.high)
@@ -391,11 +401,42 @@ def plan_purge(
                 delete_before=bound,
                 count=bound - part.low,
                 merged_kept=(
-                    part.mark.merged_between(bound, part.high) if part.mark is not None else 0
+                    part.mark.merged_between(bound, part.high)
+                    if part.mark is not None and not past_end
+                    else 0
                 ),
+                mark_past_end=past_end,
             )
         )
     return plan
+
+
+def time_bounds(
+    kafka: KafkaConfig,
+    topic: str,
+    found: Sequence[tuple[int, int, str | None]],
+    high: dict[int, int],
+) -> dict[int, int]:
+    """Per partition, the first offset whose timestamp is at or after the time looked up, from
+    ``found`` (partition, offset, error) of ``offsets_for_times``: the end when no record is
+    (offset -1). A partition whose lookup failed (its leader moving, say) fails the purge,
+    nothing deleted: its offset says nothing, and read as "no record that late" it would
+    delete the whole partition."""
+    failed = [f"partition {p}: {error}" for p, _offset, error in found if error is not None]
+    if failed:
+        raise KafkaUnavailableError(
+            f"Kafka at {kafka.bootstrap_servers}: looking up offsets by time in {topic} failed "
+            f"({'; '.join(failed)}); nothing deleted"
+        )
+    return {p: offset if offset >= 0 else high[p] for p, offset, _error in found}
+
+
+def mark_past_end(mark: MergeMark, high: int) -> bool:
+    """Whether a merge mark says records at or past the partition's end were merged: the log
+    was cut below it (an unclean election) or the topic made anew, and offsets under the mark
+    now hold records no merge sent back. ``merge`` reads such a partition from the mark on
+    and warns; ``purge --merged`` deletes nothing there."""
+    return any(end > high for _start, end in mark.merged_intervals())
 
 
 def delete_before(kafka: KafkaConfig, topic: str, bounds: dict[int, int]) -> dict[int, int]:

@@ -214,6 +214,7 @@ class PurgePartition:
     delete_before: int
     count: int
     merged_kept: int  # merged records kept because an unmerged one comes before them
+    mark_past_end: bool = False  # the merge mark goes past the end: nothing deleted here
 
 
 @dataclass
