@@ -447,6 +447,28 @@ async def _call_handler(handle: HandlerFunc, message: Message) -> Result | None:
     return result
 
 
+STOP_WAIT_S = 10.0
+"""How long ``Server.stop`` waits, after the grace, for handlers whose calls it cancelled."""
+
+NOTE_GAP = 0.25
+"""A long call's progress notes bring its next heartbeat forward, but to no less than this
+share of the heartbeat interval after the last one: at most four a heartbeat interval."""
+
+_CANCELLED_BY_ITSELF = (
+    "it raised asyncio.CancelledError while its call was not cancelled (it awaited a task or "
+    "future that something else cancelled); answered INTERNAL"
+)
+
+
+def _cancelled_by_itself() -> bool:
+    """Whether a CancelledError the handler raised is its own: its task is not being cancelled
+    (a cancelled call cancels the task running the handler). Answered as a failure (INTERNAL)
+    at once; raised on, the call would get no answer, and the proxy would wait out its
+    deadline and count a timeout, an outage's sign, for a broken message."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() == 0
+
+
 def _response(result: Result | None) -> handler_pb2.HandleMessageResponse:
     return handler_pb2.HandleMessageResponse() if result is None else result.to_proto()
 
@@ -568,6 +590,8 @@ class _MessageHandlerServicer(handler_pb2_grpc.MessageHandlerServicer):
         self._max_concurrency = max_concurrency
         self._in_flight = 0
         self._working: set[asyncio.Task[Any]] = set()  # long calls' handler tasks
+        self.admitted: set[asyncio.Task[Any]] = set()
+        """The tasks of the calls admitted and not yet ended (``Server.stop`` waits for them)."""
 
     async def HandleMessage(
         self, request: handler_pb2.HandleMessageRequest, context: Any
@@ -610,6 +634,12 @@ class _MessageHandlerServicer(handler_pb2_grpc.MessageHandlerServicer):
             log.exception("%s: handler failed", _where(message))
             self._spans.failed(grpc.StatusCode.INTERNAL)
             return grpc.StatusCode.INTERNAL, _describe(exc), handler_pb2.HandleMessageResponse()
+        except asyncio.CancelledError as exc:
+            if not _cancelled_by_itself():
+                raise
+            log.exception("%s: handler failed: %s", _where(message), _CANCELLED_BY_ITSELF)
+            self._spans.failed(grpc.StatusCode.INTERNAL)
+            return grpc.StatusCode.INTERNAL, _describe(exc), handler_pb2.HandleMessageResponse()
         return grpc.StatusCode.OK, "", _response(result)
 
     async def HandleMessageStream(
@@ -643,24 +673,44 @@ class _MessageHandlerServicer(handler_pb2_grpc.MessageHandlerServicer):
             )
             self._working.add(work)
             work.add_done_callback(self._working.discard)
+            loop = asyncio.get_running_loop()
+            last = loop.time()  # the last heartbeat (or the call's start)
             try:
                 while not work.done():
-                    waiter = asyncio.ensure_future(noted.wait())
+                    # A heartbeat every interval; a progress note brings the next one
+                    # forward, but never closer than NOTE_GAP of the interval to the last:
+                    # a handler noting progress in a tight loop must not flood the proxy.
+                    due = last + interval_s
+                    waiter: asyncio.Future[Any] | None = None
+                    if noted.is_set():
+                        due = min(due, last + interval_s * NOTE_GAP)
+                    else:
+                        waiter = asyncio.ensure_future(noted.wait())
                     try:
                         await asyncio.wait(
-                            {work, waiter}, timeout=interval_s, return_when=asyncio.FIRST_COMPLETED
+                            {work} if waiter is None else {work, waiter},
+                            timeout=max(0.0, due - loop.time()),
+                            return_when=asyncio.FIRST_COMPLETED,
                         )
                     finally:
-                        waiter.cancel()
+                        if waiter is not None:
+                            waiter.cancel()
                     if work.done():
                         break
+                    if waiter is not None and waiter.done() and not waiter.cancelled():
+                        continue  # a note came: its heartbeat is due again
                     noted.clear()
+                    last = loop.time()
                     yield handler_pb2.HandleMessageStreamEvent(
                         heartbeat=handler_pb2.Heartbeat(progress=_truncate(notes[0], 256))
                     )
             finally:
                 if not work.done():
-                    work.cancel()  # the call was cancelled: so is the handler
+                    # The call was cancelled: so is the handler. Its slot stays taken (and
+                    # stop() waits) until it has ended, as a unary call's does: a handler
+                    # cleaning up on its cancellation is still running.
+                    work.cancel()
+                    await asyncio.wait({work})
             code, details, response = work.result()
         if code != grpc.StatusCode.OK:
             await context.abort(code, _truncate(details))
@@ -710,6 +760,12 @@ class _MessageHandlerServicer(handler_pb2_grpc.MessageHandlerServicer):
                 log.exception("%s: handler failed", _where(message))
                 self._spans.failed(grpc.StatusCode.INTERNAL)
                 return _status_result(grpc.StatusCode.INTERNAL, _describe(exc))
+            except asyncio.CancelledError as exc:
+                if not _cancelled_by_itself():
+                    raise
+                log.exception("%s: handler failed: %s", _where(message), _CANCELLED_BY_ITSELF)
+                self._spans.failed(grpc.StatusCode.INTERNAL)
+                return _status_result(grpc.StatusCode.INTERNAL, _describe(exc))
 
     @contextlib.contextmanager
     def _admit(self) -> Iterator[bool]:
@@ -718,10 +774,15 @@ class _MessageHandlerServicer(handler_pb2_grpc.MessageHandlerServicer):
             yield False
             return
         self._in_flight += 1
+        task = asyncio.current_task()
+        if task is not None:
+            self.admitted.add(task)
         try:
             yield True
         finally:
             self._in_flight -= 1
+            if task is not None:
+                self.admitted.discard(task)
 
 
 # --------------------------------------------------------------------------------------------
@@ -852,6 +913,19 @@ class Server:
         await self.health.enter_graceful_shutdown()
         if self._server is not None:
             await self._server.stop(grace_s)
+        # gRPC's stop cancels the calls still running after the grace and returns without
+        # waiting for their handlers: one cleaning up on its cancellation (a rollback) would
+        # outlive the server. Wait for them, up to STOP_WAIT_S.
+        running = [t for t in self._servicer.admitted if not t.done()]
+        if running:
+            _done, late = await asyncio.wait(running, timeout=STOP_WAIT_S)
+            if late:
+                log.warning(
+                    "%d handler(s) still running %.0f s after their calls were cancelled; "
+                    "stopped without them",
+                    len(late),
+                    STOP_WAIT_S,
+                )
 
     async def wait_for_termination(self) -> None:
         """Return when the server has stopped."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from typing import Any
 
 import grpc
 import pytest
@@ -96,6 +97,109 @@ async def test_a_cancelled_call_cancels_the_handler_unary_streaming_and_batch_al
         batch.cancel()
         # Then the handler saw every cancellation, each of the batch's messages' too
         await async_wait_until(lambda: sorted(cancelled) == [1, 2, 3, 4], timeout=10)
+
+
+async def test_a_cancellation_the_handler_raises_itself_answers_internal_at_once() -> None:
+    # Given a handler that awaits a task something else cancelled (its call is not cancelled)
+    async def handle(message: cp.Message) -> cp.Result | None:
+        other = asyncio.create_task(asyncio.sleep(60))
+        asyncio.get_running_loop().call_soon(other.cancel)
+        await other
+        return None
+
+    async with cp.Server(handle) as server, grpc.aio.insecure_channel(server.address) as ch:
+        stub = handler_pb2_grpc.MessageHandlerStub(ch)
+        started = time.monotonic()
+        # When the proxy calls it, long-running, unary and batch (deadlines of 20 s)
+        with pytest.raises(grpc.aio.AioRpcError) as stream:
+            _ = [event async for event in stub.HandleMessageStream(_request(50), timeout=20)]
+        with pytest.raises(grpc.aio.AioRpcError) as unary:
+            await stub.HandleMessage(
+                handler_pb2.HandleMessageRequest(message=_request(50).message), timeout=20
+            )
+        batch = await stub.HandleMessageBatch(
+            handler_pb2.HandleMessageBatchRequest(messages=[_request(50).message]), timeout=20
+        )
+        took = time.monotonic() - started
+    # Then each answers INTERNAL at once, naming the cancellation (not the deadline, which
+    # the proxy would count as an outage's timeout)
+    assert stream.value.code() == unary.value.code() == grpc.StatusCode.INTERNAL
+    assert "CancelledError" in (unary.value.details() or "")
+    (result,) = batch.results
+    assert result.status_code == grpc.StatusCode.INTERNAL.value[0]
+    assert took < 10
+
+
+@pytest.mark.parametrize("method", ["stream", "unary"])
+async def test_a_cancelled_handler_keeps_its_slot_until_it_ends_and_stop_waits_for_it(
+    method: str,
+) -> None:
+    # Given a service of one slot whose handler cleans up for 1 s when cancelled
+    running: set[int] = set()
+
+    async def handle(message: cp.Message) -> cp.Result | None:
+        running.add(message.offset)
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            await asyncio.sleep(1.0)  # a rollback, say
+            raise
+        finally:
+            running.discard(message.offset)
+        return None
+
+    server = await cp.Server(handle, max_concurrency=1, grace_s=0.1).start()
+    async with grpc.aio.insecure_channel(server.address) as ch:
+        stub = handler_pb2_grpc.MessageHandlerStub(ch)
+
+        def call(offset: int) -> Any:
+            if method == "stream":
+                return stub.HandleMessageStream(_request(50, offset=offset), timeout=30)
+            request = handler_pb2.HandleMessageRequest(message=_request(50, offset=offset).message)
+            return stub.HandleMessage(request, timeout=30)
+
+        first = call(1)
+        await async_wait_until(lambda: running == {1}, timeout=10)
+        # When the proxy cancels its call, and calls again while the handler cleans up
+        first.cancel()
+        await asyncio.sleep(0.1)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            second = call(2)
+            if method == "stream":
+                _ = [event async for event in second]
+            else:
+                await second
+        # Then the second call is refused: the slot is the cleaning handler's still
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert running == {1}
+        # and stop() returns only once that handler has ended
+        third = call(3)
+        await asyncio.sleep(0.1)  # (refused, or running: either way, stop ends it)
+        third.cancel()
+        await server.stop()
+        assert running == set()
+
+
+async def test_progress_notes_in_a_tight_loop_bring_at_most_four_heartbeats_an_interval() -> None:
+    # Given a handler that notes its progress after every millisecond of work, for 1 s
+    async def handle(message: cp.Message) -> cp.Result | None:
+        for step in range(1000):
+            await message.progress(f"step {step}")
+            await asyncio.sleep(0.001)
+        return None
+
+    async with cp.Server(handle) as server, grpc.aio.insecure_channel(server.address) as ch:
+        stub = handler_pb2_grpc.MessageHandlerStub(ch)
+        # When the proxy asks for a heartbeat every 200 ms
+        started = time.monotonic()
+        events = [event async for event in stub.HandleMessageStream(_request(200), timeout=30)]
+        took = time.monotonic() - started
+    # Then the notes came with the heartbeats, at most four of them per interval (not one
+    # per note), and the result came last
+    beats = [e for e in events if e.HasField("heartbeat")]
+    assert 2 <= len(beats) <= 4 * (took / 0.2) + 1, (len(beats), took)
+    assert all(b.heartbeat.progress.startswith("step ") for b in beats)
+    assert events[-1].HasField("result")
 
 
 def test_a_handler_that_blocks_its_event_loop_stops_the_heartbeats() -> None:
