@@ -894,6 +894,16 @@ class ProxyConfig(BaseSettings):
         # The revoke callback runs inside the consumer's poll: waiting longer than
         # max.poll.interval.ms would get this member thrown out of the group mid-revoke.
         poll_ms = int(self.kafka.client.get("max.poll.interval.ms", 300_000))
+        # The consumers are not polled while the calls drain at shutdown: past the poll
+        # interval librdkafka leaves the group, and the drain's acks cannot be committed.
+        if self.shutdown_grace_s * 1000 + REVOKE_MARGIN_MS > poll_ms:
+            raise FieldProblem(
+                ("shutdown_grace_s",),
+                f"{self.shutdown_grace_s:g} s leaves less than {REVOKE_MARGIN_MS} ms of "
+                f"kafka.client max.poll.interval.ms ({poll_ms} ms): the consumers are not "
+                "polled while the calls drain, and past it they leave the group before the "
+                "drain's acks are committed; lower it or raise max.poll.interval.ms",
+            )
         for index, group in enumerate(self.groups):
             grace = group.delivery.revoke_grace_ms
             if grace + REVOKE_MARGIN_MS > poll_ms:

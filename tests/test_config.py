@@ -317,6 +317,14 @@ BAD_CONFIGS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
         f"{G}.delivery.revoke_grace_ms",
         "max.poll.interval.ms (300000 ms)",
     ),
+    (
+        # The consumer is not polled while the calls drain: past the poll interval librdkafka
+        # leaves the group, and the drain's acks can no longer be committed
+        "shutdown grace beyond the poll interval",
+        top(shutdown_grace_s=600),
+        "shutdown_grace_s",
+        "max.poll.interval.ms (300000 ms)",
+    ),
     ("group is not a mapping", top(groups=["billing"]), "groups.0", "valid dictionary"),
 ]
 

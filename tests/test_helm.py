@@ -478,6 +478,15 @@ GROUP = {"name": "billing", "topics": ["trips"], "service": {"endpoints": ["bill
         ),
         ({"kafka": {"bootstrap_servers": ""}}, "at '/kafka/bootstrap_servers': minLength"),
         ({"shutdown": {"graceSeconds": -5}}, "at '/shutdown/graceSeconds': minimum"),
+        (
+            {"shutdown": {"graceSeconds": 600}},
+            "shutdown.graceSeconds (600) leaves less than 30000 ms of kafka.client "
+            "max.poll.interval.ms (300000 ms)",
+        ),
+        (
+            {"groups": [{**GROUP, "delivery": {"revoke_grace_ms": 290000}}]},
+            "groups[0].delivery.revoke_grace_ms (290000) leaves less than 30000 ms",
+        ),
         ({"image": {"pullPolicy": "Sometimes"}}, "at '/image/pullPolicy'"),
         (
             {"kafka": {"client": {"sasl.password": "hunter2"}}},

@@ -191,6 +191,13 @@ pod can check (TLS files exist) is left to `consumer-proxy validate` in the init
 {{- fail (printf "kafka.client.%s is set by the proxy and cannot be overridden (the proxy owns %s)" $prop (join ", " $owned)) -}}
 {{- end -}}
 {{- end -}}
+{{- /* The proxy's _grace_within_poll_interval: the consumers are not polled while the calls
+drain at shutdown, nor while a revoke waits; each wait keeps 30000 ms (REVOKE_MARGIN_MS) of
+max.poll.interval.ms. */ -}}
+{{- $pollMs := float64 (get (default (dict) .Values.kafka.client) "max.poll.interval.ms" | default 300000) -}}
+{{- if gt (addf (mulf (float64 .Values.shutdown.graceSeconds) 1000) 30000) $pollMs -}}
+{{- fail (printf "shutdown.graceSeconds (%v) leaves less than 30000 ms of kafka.client max.poll.interval.ms (%v ms): the consumers are not polled while the calls drain, and past it they leave the group before the drain's acks are committed; lower it or raise max.poll.interval.ms" .Values.shutdown.graceSeconds $pollMs) -}}
+{{- end -}}
 {{- $defaults := include "consumer-proxy.groupDefaults" . | fromJson -}}
 {{- $names := dict -}}
 {{- range $i, $given := .Values.groups -}}
@@ -203,6 +210,9 @@ pod can check (TLS files exist) is left to `consumer-proxy validate` in the init
 {{- $backoff := $group.delivery.backoff -}}
 {{- if lt (float64 $backoff.max_ms) (float64 $backoff.initial_ms) -}}
 {{- fail (printf "%s.delivery.backoff.max_ms (%v) is below initial_ms (%v)" $at $backoff.max_ms $backoff.initial_ms) -}}
+{{- end -}}
+{{- if gt (addf (float64 $group.delivery.revoke_grace_ms) 30000) $pollMs -}}
+{{- fail (printf "%s.delivery.revoke_grace_ms (%v) leaves less than 30000 ms of kafka.client max.poll.interval.ms (%v ms): the revoke wait runs inside the consumer's poll; lower it or raise max.poll.interval.ms" $at $group.delivery.revoke_grace_ms $pollMs) -}}
 {{- end -}}
 {{- $adaptive := $group.delivery.adaptive -}}
 {{- if or (gt (float64 $adaptive.min) (float64 $adaptive.initial)) (gt (float64 $adaptive.initial) (float64 $adaptive.max)) -}}
