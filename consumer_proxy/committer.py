@@ -66,6 +66,11 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
+COMMITS_FAILING_S = 60.0
+"""Commits failing in a row this long make the group not ready (a coordinator moving fails
+a commit or two; an error that lasts needs an operator)."""
+
+
 class Committer:
     """Commits one group's done prefixes and ack state, and reads its lag."""
 
@@ -92,6 +97,8 @@ class Committer:
         """The committer ticks slowly (the group held nothing): traffic must wake it."""
         self._answering = False  # the commit under the lock was sent; its answer is awaited
         self._failures = 0  # commits failed in a row (told once, when the first fails)
+        self._failing_since: float | None = None  # the clock when the first of them failed
+        self._failing_with = ""  # the error of the last, told again when it changes kind
 
     def attach(self, source: MessageSource, clock: Clock) -> None:
         """The group's consumer and clock, once the group runs."""
@@ -137,7 +144,10 @@ class Committer:
                 self._failed(exc)
             else:
                 self._succeeded()
-            if cadence.committed(clock(), committed, self._partitions.holding()):
+            # A failed commit is work left: it is tried again every interval, not at a quiet
+            # group's slow ticks (the group may hold nothing, all of it acked but uncommitted).
+            busy = self._failures > 0 or self._partitions.holding()
+            if cadence.committed(clock(), committed, busy):
                 await self._update_lag()
             self.quiet = cadence.slow
             await self._gap(cadence, clock() + gap)
@@ -165,20 +175,47 @@ class Committer:
 
     def _failed(self, exc: KafkaException) -> None:
         self._failures += 1
+        error = exc.args[0] if exc.args else None
+        kind = error.name() if isinstance(error, KafkaError) else type(exc).__name__
         if self._failures == 1:
+            assert self.clock is not None
+            self._failing_since = self.clock()
             log.warning(
                 "group %s: commit failed, will retry (until one succeeds, failures are only "
-                'counted: consumer_proxy_commits_total{result="error"}): %s',
+                'counted: consumer_proxy_commits_total{result="error"}, or told when their '
+                "error changes): %s",
                 self.name,
+                exc,
+            )
+        elif kind != self._failing_with:
+            log.warning(
+                "group %s: commits still failing (%d in a row), now with another error: %s",
+                self.name,
+                self._failures,
                 exc,
             )
         else:
             log.debug("group %s: commit failed again: %s", self.name, exc)
+        self._failing_with = kind
 
     def _succeeded(self) -> None:
         if self._failures:
             log.info("group %s: commits succeed again after %d failed", self.name, self._failures)
             self._failures = 0
+            self._failing_since = None
+            self._failing_with = ""
+
+    def problem(self, now: float) -> str:
+        """What /readyz says of commits that have failed for ``COMMITS_FAILING_S`` or more in a
+        row ('' otherwise): the group goes on taking messages in, but nothing it does is
+        kept, and after a window past its last commit it stops."""
+        since = self._failing_since
+        if since is None or now - since < COMMITS_FAILING_S:
+            return ""
+        return (
+            f"commits to Kafka failing for {now - since:.0f} s ({self._failures} in a row, "
+            f"the last with {self._failing_with})"
+        )
 
     async def commit(self, *, wait: bool = True) -> int:
         """Commit every partition's done prefix and ack state; returns partitions committed.

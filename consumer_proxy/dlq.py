@@ -11,16 +11,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol, cast
 
-from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka import (
+    ConsumerGroupTopicPartitions,
+    KafkaError,
+    KafkaException,
+    Producer,
+    TopicPartition,
+)
 from confluent_kafka.admin import (  # type: ignore[attr-defined]
     AdminClient,
     ConfigResource,
     NewTopic,
+    OffsetSpec,
     ResourceType,
 )
 
@@ -490,6 +498,10 @@ def ensure_topics(kafka: KafkaConfig, group: GroupConfig, timeout_s: float = 30.
         raise TopicSetupError(f"cannot reach Kafka at {kafka.bootstrap_servers}: {exc}") from exc
     gate.reachable()
     existing = metadata.topics
+    try:
+        _tell_orphan_tiers(admin, group, existing, timeout_s)
+    except Exception as exc:  # noqa: BLE001 (a warning only: never a failed start)
+        log.debug("group %s: reading leftover retry tiers failed: %s", group.name, exc)
     wanted = [group.dlq_topic, group.redrive_topic, *group.retry_topics]
     missing = [t for t in wanted if t not in existing]
     absent_sources = [t for t in group.topics if t not in existing]
@@ -545,6 +557,58 @@ def ensure_topics(kafka: KafkaConfig, group: GroupConfig, timeout_s: float = 30.
                 break
             time.sleep(0.1)
     return created
+
+
+def _tell_orphan_tiers(
+    admin: AdminClient, group: GroupConfig, existing: dict[str, Any], timeout_s: float
+) -> None:
+    """Tell (an error, once a start) of retry tier topics beyond the configured tiers that hold
+    records the group has not consumed: a config with more tiers wrote them, their source
+    offsets are committed, and no consumer reads them now. Kafka keeps them (until its
+    retention), so putting the tiers back drains them."""
+    configured = len(group.retry_topics)
+    pattern = re.compile(re.escape(group.name) + r"\.retry\.([1-9][0-9]{0,3})")
+    beyond = sorted(
+        (int(found.group(1)), topic)
+        for topic in existing
+        if (found := pattern.fullmatch(topic)) and int(found.group(1)) > configured
+    )
+    if not beyond:
+        return
+    partitions = [
+        TopicPartition(topic, p) for _n, topic in beyond for p in existing[topic].partitions
+    ]
+    latest = OffsetSpec.latest()  # type: ignore[no-untyped-call]
+    asked = admin.list_offsets({tp: latest for tp in partitions}, request_timeout=timeout_s)
+    ends = {
+        (tp.topic, tp.partition): future.result(timeout=timeout_s).offset
+        for tp, future in asked.items()
+    }
+    request = [ConsumerGroupTopicPartitions(group.name, partitions)]
+    read = admin.list_consumer_group_offsets(request, request_timeout=timeout_s)[group.name]
+    committed = {
+        (tp.topic, tp.partition): max(tp.offset, 0)
+        for tp in read.result(timeout_s).topic_partitions
+    }
+    left = {
+        topic: sum(
+            max(0, ends[(topic, p)] - committed.get((topic, p), 0))
+            for p in existing[topic].partitions
+        )
+        for _n, topic in beyond
+    }
+    held = [(n, topic) for n, topic in beyond if left[topic]]
+    if held:
+        log.error(
+            "group %s: retry tier topics beyond the %d configured hold records no tier "
+            "consumes now: %s; their source offsets were committed when they were written, so "
+            "they are not delivered until delivery.retry_topics has at least %d tiers again "
+            "(until they are empty)",
+            group.name,
+            configured,
+            ", ".join(f"{topic} ({left[topic]} records)" for _n, topic in held),
+            held[-1][0],
+        )
 
 
 async def ensure_topics_unless_stopped(

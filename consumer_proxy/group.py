@@ -52,6 +52,11 @@ from .tracing import end_trace
 log = logging.getLogger(__name__)
 
 
+LEAVE_S = 12.0
+"""The longest the last commit and leaving the group may take at shutdown (after the drain's
+grace): within the chart's 15 s termination margin, with handover's 1 s to cancel calls."""
+
+
 class GroupRunner:
     """Runs one group from intake to commit."""
 
@@ -141,6 +146,22 @@ class GroupRunner:
         which instances get batches, which unary calls)."""
         return self.dispatcher.batch_support() if self.dispatcher is not None else ""
 
+    @property
+    def commit_problem(self) -> str:
+        """Said by /readyz while commits have failed in a row for long (``Committer.problem``)."""
+        clock = self.committer.clock
+        return self.committer.problem(clock()) if clock is not None else ""
+
+    @property
+    def stop_problem(self) -> str:
+        """Said by /readyz once the group stops: asked to, or failed (its error, clipped)."""
+        if not self._stopping.is_set():
+            return ""
+        failure = self._failure
+        if failure is None:
+            return "stopping"
+        return f"stopping: failed: {type(failure).__name__}: {str(failure)[:300]}"
+
     # -- lifecycle -----------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -215,12 +236,20 @@ class GroupRunner:
 
     def _reap(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None and not self._stopping.is_set():
+        if task.cancelled() or task.exception() is None:
+            return
+        if self._stopping.is_set():  # (while stopping: told, and the stop goes on)
             log.error(
-                "group %s: task %s failed", self.name, task.get_name(), exc_info=task.exception()
+                "group %s: task %s failed while the group stopped",
+                self.name,
+                task.get_name(),
+                exc_info=task.exception(),
             )
-            self._failure = task.exception()
-            self._stopping.set()
+            return
+        log.error("group %s: task %s failed", self.name, task.get_name(), exc_info=task.exception())
+        self._failure = task.exception()
+        self._stopping.set()
+        self._health_changed()
 
     async def _shutdown(self) -> None:
         self._stopping.set()
@@ -231,21 +260,52 @@ class GroupRunner:
         busy = (self.push.pushing if self.push else set()) | self._parking.tasks.keys()
         for task in self._tasks - busy:
             task.cancel()
-        await self._handover.settle(busy, self._grace_s)
+        await self._handover.settle(busy, self._grace_s, lambda: self._parking.tasks.keys())
         remaining = list(self._tasks)
         for task in remaining:
             task.cancel()
         await asyncio.gather(*remaining, return_exceptions=True)
         self._handover.stopped(self.ready)
-        if self.fetcher is not None:
-            with contextlib.suppress(KafkaException):
-                await self.commit()
-            await self.fetcher.close()
-        if self.writer is not None:
-            await self.writer.close()
-        if self.dispatcher is not None:
-            await self.dispatcher.close()
+        try:
+            if self.fetcher is not None:
+                await self._leave(self.fetcher)
+        finally:
+            if self.writer is not None:
+                await self.writer.close()
+            if self.dispatcher is not None:
+                await self.dispatcher.close()
         log.info("group %s: stopped", self.name)
+
+    async def _leave(self, fetcher: MessageSource) -> None:
+        """The last commit and leaving the group, for at most ``LEAVE_S`` together: with the
+        group coordinator out of reach, librdkafka holds a synchronous commit for up to
+        ``socket.timeout.ms`` (60 s) and a close longer, past the pod's termination grace.
+        The close is asked for even when the commit ran out the time, so the consumer's
+        thread ends after the calls it is stuck in; it is a daemon, and the process exits
+        without it."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        deadline = started + LEAVE_S
+        late = False
+        try:
+            async with asyncio.timeout_at(deadline):
+                with contextlib.suppress(KafkaException):
+                    await self.commit()
+        except TimeoutError:
+            late = True
+        try:
+            async with asyncio.timeout_at(deadline):
+                await fetcher.close()
+        except TimeoutError:
+            late = True
+        if late:
+            log.warning(
+                "group %s: the last commit and leaving the group took over %.0f s (is Kafka "
+                "reachable?); stopped without them: what was acked since the last commit is "
+                "delivered again, and the group rebalances once the session times out",
+                self.name,
+                loop.time() - started,
+            )
 
     def _breaker_changed(self, old: str, new: str) -> None:
         self.metrics.circuit_open.labels(self.name).set(0 if new == "closed" else 1)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from confluent_kafka import TopicPartition
@@ -131,14 +131,30 @@ class Handover:
             writes,
         )
 
-    async def settle(self, busy: set[asyncio.Task[Any]], grace_s: float) -> None:
-        """Shutdown: the pushes and DLQ writes under way (``busy``) get ``grace_s``; then the
-        open calls are cancelled first, so the service sees them cancelled and the messages
-        are given back (never an attempt); the caller cancels whatever is left."""
-        if not busy:
+    async def settle(
+        self,
+        busy: set[asyncio.Task[Any]],
+        grace_s: float,
+        writes: Callable[[], Iterable[asyncio.Task[Any]]] = tuple,
+    ) -> None:
+        """Shutdown: the pushes and DLQ writes under way (``busy``) get ``grace_s``, and so do
+        the DLQ and retry-tier writes their answers start meanwhile (``writes``: those under
+        way now; cancelled, a decided dead letter would hold the commit and be pushed again
+        after the restart). Then the open calls are cancelled first, so the service sees them
+        cancelled and the messages are given back (never an attempt); the caller cancels
+        whatever is left."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        pending = set(busy)
+        while True:
+            pending = {t for t in (*pending, *writes()) if not t.done()}
+            left = deadline - loop.time()
+            if not pending or left <= 0:
+                break
+            _, pending = await asyncio.wait(pending, timeout=left)
+        if not pending:
             return
-        _, pending = await asyncio.wait(busy, timeout=grace_s)
-        if pending and self.push is not None and self.push.cancel_calls(None, Cancel.SHUTDOWN):
+        if self.push is not None and self.push.cancel_calls(None, Cancel.SHUTDOWN):
             _, pending = await asyncio.wait(pending, timeout=CANCEL_WAIT_S)
         if pending:
             log.warning(

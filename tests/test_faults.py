@@ -689,3 +689,29 @@ async def test_a_fenced_static_member_fails_its_group_with_the_fatal_error(
             await proxy.shutdown()
             await asyncio.gather(task, return_exceptions=True)
     assert sorted(d.offset for d in service.deliveries) == list(range(10))
+
+
+async def test_a_dead_letter_decided_during_the_shutdown_drain_is_written_and_committed(
+    kafka: Broker,
+) -> None:
+    # Given a poison pill whose call is open (the service answers INVALID_ARGUMENT after 2 s)
+    bootstrap = kafka.bootstrap
+    topic, group = unique_name("drainpill"), unique_name("drainpill")
+    create_topic(bootstrap, topic, partitions=1)
+    await asyncio.to_thread(produce, bootstrap, topic, ["poison"])
+    poison = Behaviour(delay_s=2.0, status=grpc.StatusCode.INVALID_ARGUMENT, details="bad")
+    with ThreadedService(lambda m, n: poison) as service:
+        config = make_config(bootstrap, group, [topic], [service.address], shutdown_grace_s=20)
+        proxy, task = start_proxy(config)
+        try:
+            await async_wait_until(lambda: len(service.deliveries) == 1, timeout=60)
+        finally:
+            # When the proxy is stopped while that call is open
+            await proxy.shutdown()
+            await task
+    # Then the dead letter the answer decided was written within the grace, not cancelled,
+    # and the commit went past it: the next start does not push the pill again
+    dead = await asyncio.to_thread(consume_all, bootstrap, f"{group}.dlq")
+    assert [m.value() for m in dead] == [b"poison"]
+    assert committed_offsets(bootstrap, group, topic)[0][0] == 1
+    assert len(service.deliveries) == 1

@@ -6,13 +6,14 @@ source commit at the message."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from confluent_kafka import KafkaException
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from consumer_proxy.core import records as rec
 from consumer_proxy.dlq import DeadLetterWriter
@@ -451,3 +452,42 @@ async def test_status_shows_each_tiers_depth_and_oldest_due_time(kafka: Broker) 
     table = render_status(report)
     assert f"retry tier 1 {group}.retry.1 (5000 ms): depth 2, oldest due 2027-01-15" in table
     assert f"retry tier 2 {group}.retry.2 (60000 ms): depth missing" in table
+
+
+async def test_tier_topics_left_by_a_config_with_more_tiers_are_told_with_what_they_hold(
+    kafka: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a group that ran with three tiers: its tier 2 holds 3 records it never consumed,
+    # its tier 3 one record it did consume
+    bootstrap = kafka.bootstrap
+    topic, group = unique_name("fewer"), unique_name("fewer")
+    create_topic(bootstrap, topic)
+    for n in (1, 2, 3):
+        create_topic(bootstrap, f"{group}.retry.{n}")
+    await asyncio.to_thread(produce, bootstrap, f"{group}.retry.2", ["a", "b", "c"])
+    await asyncio.to_thread(produce, bootstrap, f"{group}.retry.3", ["d"])
+    consumed = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+    try:
+        consumed.commit(offsets=[TopicPartition(f"{group}.retry.3", 0, 1)], asynchronous=False)
+    finally:
+        consumed.close()
+    # When it starts with one tier
+    caplog.set_level(logging.WARNING, logger="consumer_proxy")
+    async with TestService() as service:
+        config = make_config(
+            bootstrap, group, [topic], [service.address],
+            delivery={"retry_topics": [{"delay_ms": 1000}]},
+        )  # fmt: skip
+        proxy, task = start_proxy(config)
+        try:
+            await async_wait_until(lambda: proxy.runners[0].started.is_set(), timeout=60)
+        finally:
+            await proxy.shutdown()
+            await task
+    # Then it says, once, that tier 2 holds 3 records no configured tier consumes, and how to
+    # drain them (tier 3 holds nothing unconsumed: not named)
+    told = [r.getMessage() for r in caplog.records if "retry tier topics beyond" in r.getMessage()]
+    assert len(told) == 1, told
+    assert f"{group}.retry.2 (3 records)" in told[0]
+    assert f"{group}.retry.3" not in told[0]
+    assert "at least 2 tiers" in told[0]

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from confluent_kafka import TopicPartition
 
-from consumer_proxy.committer import ANSWER_TIMEOUT_S
+from consumer_proxy.committer import ANSWER_TIMEOUT_S, COMMITS_FAILING_S
 from consumer_proxy.config import BatchConfig
 from consumer_proxy.core import batching, heartbeat
 from consumer_proxy.core.batching import PROTOCOL_ERROR, BatchOutcome
@@ -31,6 +31,8 @@ from consumer_proxy.core.outcomes import Classification, Classifier, Outcome
 from consumer_proxy.core.partitions import Delivery, PartitionSet, PartitionState, Run
 from consumer_proxy.core.tracker import PartitionTracker
 from consumer_proxy.fetcher import CONSUME_SLICE_S
+from consumer_proxy.group import LEAVE_S
+from consumer_proxy.health import group_verdict
 from consumer_proxy.parking import Parking
 from tests.sim import world
 from tests.sim.edges import SimPusher, SimSource
@@ -751,6 +753,77 @@ def test_a_commit_back_to_a_cut_below_an_epochless_commit_carries_a_leader_epoch
     # record written at 3..8 after it is delivered (the drain fails a record never done)
     _run(sim, body)
     assert sim.commits[b][0] == 9 and sim.commit_epochs[b] == 2
+
+
+def test_a_shutdown_with_kafka_out_of_reach_ends_within_the_grace_and_leave_s() -> None:
+    # Given a member that committed, then loses its group coordinator: commits and leaving
+    # the group are never answered (librdkafka holds them up to socket.timeout.ms, and longer)
+    sim = ShellSim(12).plain()
+
+    async def main() -> None:
+        sim.start_member()
+        await _commit_some(sim)
+        sim.kafka_hangs = True
+        sim.truth.dup_ok |= sim.truth.acked  # (its last acks may come again: no commit)
+        # When it is stopped
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        await sim.stop_member()
+        # Then it stopped within its drain grace (5 s) and LEAVE_S, not when Kafka answers
+        # (never: the virtual loop would find nothing left to run, and fail), with no task of
+        # the group left behind (``stop_member`` checks)
+        assert loop.time() - began <= 5.0 + LEAVE_S + 1.0, loop.time() - began
+
+    run_virtual(main())
+
+
+def test_commits_failing_for_a_minute_make_the_group_not_ready_until_one_succeeds() -> None:
+    # Given a ready member that committed, then whose commits fail (Kafka still reachable:
+    # an error that lasts, e.g. a metadata size the broker refuses, or an authorization)
+    sim = ShellSim(11).plain()
+
+    async def body() -> None:
+        await _commit_some(sim)
+        assert sim.runner is not None
+        assert group_verdict(sim.runner)[0], group_verdict(sim.runner)
+        sim.commits_down = True
+        sim.produce()
+        # When they have failed for less than COMMITS_FAILING_S, the group is still ready (a
+        # coordinator moving fails one or two); past it, not, and /readyz says why
+        await _for(sim, COMMITS_FAILING_S / 2)
+        assert group_verdict(sim.runner)[0], group_verdict(sim.runner)
+        await _for(sim, COMMITS_FAILING_S / 2 + 5)
+        ready, why = group_verdict(sim.runner)
+        assert not ready and why.startswith("commits to Kafka failing for "), why
+        # ... and ready again once a commit succeeds
+        sim.commits_down = False
+        await _for(sim, 5.0)
+        assert group_verdict(sim.runner)[0], group_verdict(sim.runner)
+
+    _run(sim, body)
+
+
+def test_a_stopping_group_is_not_ready_while_it_drains() -> None:
+    # Given a member whose service holds its calls open
+    sim = ShellSim(7).plain()
+    verdicts: list[tuple[bool, str]] = []
+
+    async def main() -> None:
+        sim.start_member()
+        await _commit_some(sim)
+        runner = sim.runner
+        assert runner is not None and group_verdict(runner)[0]
+        sim.outage = "hung"
+        sim.produce()
+        await _for(sim, 1.0)
+        # When it is stopped, and looked at as it begins to drain
+        runner.stop()
+        verdicts.append(group_verdict(runner))
+        await sim.stop_member()
+        # Then it says it is stopping (not ready)
+        assert verdicts == [(False, "stopping")]
+
+    run_virtual(main())
 
 
 def test_a_commit_answer_nobody_waits_for_any_more_leaves_no_timer_behind() -> None:

@@ -83,6 +83,8 @@ class _Thread:
                 await self._more.wait()
             what, fn, future, queued = self._queue.popleft()
             self._sim.turn(what, queued)
+            if self._sim.kafka_hangs and what in ("commit", "close"):
+                await asyncio.Event().wait()  # the coordinator is out of reach: no answer
             try:
                 result = await fn()
             except (KafkaException, InvariantViolation) as exc:
@@ -439,15 +441,20 @@ class SimSource:
             if owned and not self.crashed:
                 await self._revoke(owned)  # leaving the group revokes everything
 
+        assert self.thread is not None
         try:
             await self._run("close", close)
+        except asyncio.CancelledError:
+            # Given up on (the runner's LEAVE_S) while the thread is stuck in a call: the real
+            # consumer's thread is a daemon, gone with the process
+            self.thread.task.cancel()
+            raise
         finally:
             for answer, timer in list(self._unanswered.items()):  # as ``Fetcher.close``
                 timer.cancel()
                 answer.cancel()
-            assert self.thread is not None
             self.thread.stop()
-            await self.thread.task
+            await asyncio.gather(self.thread.task, return_exceptions=True)
 
 
 class ErrorRecord:

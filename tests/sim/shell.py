@@ -309,6 +309,7 @@ class ShellSim:
         self._dlq_down = False
         self._dlq_back: list[asyncio.Future[None]] = []  # writes waiting for the DLQ
         self.commits_down = False
+        self.kafka_hangs = False  # commits and closes are never answered (scenarios only)
         self.crashing = False
         self.failure: InvariantViolation | None = None
         self._trace = hashlib.sha256()
