@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +128,20 @@ def dead_letter(
     if partition is not None:
         record["partition"] = partition
     return record
+
+
+def dlq_json(
+    capsys: pytest.CaptureFixture[str], path: Path, group: str
+) -> Callable[..., dict[str, Any]]:
+    """``run(*args)``: ``consumer-proxy dlq ARGS --json`` on ``group``; its summary (exit 0)."""
+
+    def run(*args: str) -> dict[str, Any]:
+        code, out, err = cli(capsys, "dlq", *args, "--config", path, "--group", group, "--json")
+        assert code == 0, err
+        result: dict[str, Any] = json.loads(out)
+        return result
+
+    return run
 
 
 def cp_of(message: Any) -> dict[str, str]:
@@ -543,11 +557,13 @@ def small_dlq(kafka: Broker, tmp_path_factory: pytest.TempPathFactory) -> dict[s
         (["merge", "--group", "{group}"], "refusing to merge without confirmation"),
         (["purge", "--group", "{group}", "--all"],
          "refusing to delete records without confirmation: stdin is not a terminal; pass --yes"),
+        (["inspect", "--group", "{group}", "--limit", "2000000"],
+         "--limit must be 0 to 100,000 records, got 2000000"),
     ],
     ids=["unknown-group", "no-dlq-merge", "no-dlq-report", "where-syntax", "where-not-boolean",
          "where-column",
          "since-after-until", "rate-zero", "to-bad-name", "to-the-dlq", "merge-no-tty",
-         "purge-no-tty"],
+         "purge-no-tty", "inspect-limit-too-big"],
 )  # fmt: skip
 def test_bad_input_is_a_clear_error_with_exit_2_and_writes_nothing(
     small_dlq: dict[str, Any],
@@ -743,11 +759,7 @@ def test_merge_by_status_then_another_then_purge_never_deletes_an_unmerged_recor
     path = group_config(bootstrap, tmp_path, group)
     by_status = Counter(status_of.values())
 
-    def run(*args: str) -> dict[str, Any]:
-        code, out, err = cli(capsys, "dlq", *args, "--config", path, "--group", group, "--json")
-        assert code == 0, err
-        result: dict[str, Any] = json.loads(out)
-        return result
+    run = dlq_json(capsys, path, group)
 
     # When the INVALID_ARGUMENT records are merged and the merged records purged
     merged = run("merge", "--status", "INVALID_ARGUMENT", "--yes")
@@ -800,11 +812,7 @@ def test_a_merge_whose_filter_answers_differently_each_time_marks_exactly_what_i
     ])  # fmt: skip
     path = group_config(bootstrap, tmp_path, group)
 
-    def run(*args: str) -> dict[str, Any]:
-        code, out, err = cli(capsys, "dlq", *args, "--config", path, "--group", group, "--json")
-        assert code == 0, err
-        result: dict[str, Any] = json.loads(out)
-        return result
+    run = dlq_json(capsys, path, group)
 
     # When a canary merge sends back a random half (a filter that gives another answer each
     # time it is read), then a merge of everything else

@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 from confluent_kafka import KafkaException
 
@@ -47,7 +46,7 @@ from tests.support.proxy import (
     write_config,
 )
 from tests.support.scrape import parse as parse_metrics
-from tests.support.service import Behaviour, ThreadedService
+from tests.support.service import Behaviour, ThreadedService, raw_stream_service
 from tests.support.waiting import async_wait_until, wait_until
 
 pytestmark = pytest.mark.kafka
@@ -255,23 +254,12 @@ async def test_a_long_call_answering_events_that_do_not_decode_is_retried_and_th
             await asyncio.sleep(60)  # the proxy ends the call
         yield ack.SerializeToString()
 
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers(
-        [
-            grpc.method_handlers_generic_handler(
-                "consumerproxy.v1.MessageHandler",
-                {"HandleMessageStream": grpc.unary_stream_rpc_method_handler(stream)},
-            )
-        ]
-    )
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
+    async with raw_stream_service(stream) as address:
         config = _config(
             bootstrap,
             group,
             topic,
-            [f"127.0.0.1:{port}"],
+            [address],
             {"max_attempts": 5, "backoff": {"initial_ms": 20, "max_ms": 100}},
         )
         proxy, task = start_proxy(config)
@@ -288,8 +276,6 @@ async def test_a_long_call_answering_events_that_do_not_decode_is_retried_and_th
         finally:
             await proxy.shutdown()
             await task
-    finally:
-        await server.stop(None)
     assert sorted(attempts.values()) == [3] * 20
     assert _dlq(bootstrap, group) == []
     scrape = parse_metrics(proxy.metrics.exposition().decode())

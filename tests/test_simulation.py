@@ -803,7 +803,7 @@ def test_commits_failing_for_a_minute_make_the_group_not_ready_until_one_succeed
     _run(sim, body)
 
 
-def test_a_stopping_group_is_not_ready_while_it_drains() -> None:
+def test_a_group_asked_to_stop_is_not_ready() -> None:
     # Given a member whose service holds its calls open
     sim = ShellSim(7).plain()
     verdicts: list[tuple[bool, str]] = []

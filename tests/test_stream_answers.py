@@ -9,15 +9,14 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-import grpc
 import pytest
-from grpc import aio
 
 from consumer_proxy.config import ServiceConfig
 from consumer_proxy.core.heartbeat import CallWatch, Limits
 from consumer_proxy.core.outcomes import Classifier, Outcome
 from consumer_proxy.dispatcher import Dispatcher
 from consumer_proxy.proto.v1 import handler_pb2
+from tests.support.service import raw_stream_service
 
 HEARTBEAT = handler_pb2.HandleMessageStreamEvent(
     heartbeat=handler_pb2.Heartbeat(progress="half")
@@ -40,18 +39,13 @@ async def _push_stream(events: list[bytes]) -> tuple[Any, int]:
             yield event
         await asyncio.sleep(30)  # and then nothing: only the proxy ends this call
 
-    server = aio.server()
-    server.add_generic_rpc_handlers(
-        [
-            grpc.method_handlers_generic_handler(
-                "consumerproxy.v1.MessageHandler",
-                {"HandleMessageStream": grpc.unary_stream_rpc_method_handler(stream)},
-            )
-        ]
-    )
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    dispatcher = Dispatcher("g", ServiceConfig(endpoints=[f"127.0.0.1:{port}"]), Classifier())
+    async with raw_stream_service(stream) as address:
+        return await _push_stream_to(address)
+
+
+async def _push_stream_to(address: str) -> tuple[Any, int]:
+    """The proxy's dispatcher's ``push_stream`` of one message to ``address``."""
+    dispatcher = Dispatcher("g", ServiceConfig(endpoints=[address]), Classifier())
     try:
         loop = asyncio.get_running_loop()
         request = handler_pb2.HandleMessageStreamRequest(
@@ -72,7 +66,6 @@ async def _push_stream(events: list[bytes]) -> tuple[Any, int]:
         return result, endpoint.outstanding
     finally:
         await dispatcher.close()
-        await server.stop(None)
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,8 @@ from .reports import Island, MarkView, MergeSummary, PurgeSummary, ReportFiles, 
 
 CommonOptions = Callable[..., None]
 EXIT_OK, EXIT_FAILURE = 0, 1
+INSPECT_LIMIT_MAX = 100_000
+"""The most records ``dlq inspect --limit`` shows (it holds them all to print)."""
 
 
 # --- arguments -------------------------------------------------------------------------------
@@ -90,7 +92,11 @@ def add_dlq_commands(sub: Any, common: CommonOptions) -> None:
     common(inspect, as_json=True)
     inspect.add_argument("--group", required=True, metavar="NAME", help="the group")
     inspect.add_argument(
-        "--limit", type=int, default=10, metavar="N", help="records to show (default 10)"
+        "--limit",
+        type=int,
+        default=10,
+        metavar="N",
+        help="records to show (default 10, at most 100,000)",
     )
     inspect.add_argument(
         "--dry-run", action="store_true", help="accepted for symmetry; inspect never writes"
@@ -214,8 +220,11 @@ def run_dlq_command(args: argparse.Namespace, config: ProxyConfig) -> int:
     kafka_ops.client_logs(debug=args.log_level == "debug")
     group = config.group(args.group)
     if args.dlq_command == "inspect":
-        if args.limit < 0:
-            raise ConfigError([f"--limit must be 0 or more, got {args.limit}"])
+        if not 0 <= args.limit <= INSPECT_LIMIT_MAX:
+            raise ConfigError(
+                [f"--limit must be 0 to {INSPECT_LIMIT_MAX:,} records, got {args.limit}; "
+                 "`dlq report` reads a whole DLQ"]
+            )  # fmt: skip
         report = kafka_ops.inspect_dlq(config.kafka, group, args.limit)
         print(json.dumps(as_json(report), indent=2) if args.json else render_inspect(report))
         return EXIT_OK

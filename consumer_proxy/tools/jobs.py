@@ -391,29 +391,34 @@ def _flagged(
     if islands is None:
         frame = frame.withColumn("chosen", selection_condition(frame, selection))
     else:
-        chosen = spark.createDataFrame(
-            list(islands), "i_partition INT, i_start BIGINT, i_end BIGINT"
-        )
-        frame = frame.join(
-            F.broadcast(chosen),
-            (F.col("partition") == F.col("i_partition"))
-            & (F.col("offset") >= F.col("i_start"))
-            & (F.col("offset") < F.col("i_end")),
-            "inner",
-        ).select(*frame.columns, F.lit(True).alias("chosen"))
+        frame = _in_intervals(spark, frame, islands, "inner", "chosen")
     intervals = _merged_in(ranges, merged)
     if not intervals:
         return frame.withColumn("already", F.lit(False))
-    marks = spark.createDataFrame(intervals, "m_partition INT, m_start BIGINT, m_end BIGINT")
+    return _in_intervals(spark, frame, intervals, "left", "already")
+
+
+def _in_intervals(
+    spark: SparkSession,
+    frame: DataFrame,
+    intervals: Sequence[tuple[int, int, int]],
+    how: str,
+    flag: str,
+) -> DataFrame:
+    """``frame`` joined (``how``) with the (partition, start, end) ``intervals``, broadcast;
+    ``flag`` says whether a record's offset lies in one of them."""
+    from pyspark.sql import functions as F
+
+    found = spark.createDataFrame(list(intervals), "j_partition INT, j_start BIGINT, j_end BIGINT")
     joined = frame.join(
-        F.broadcast(marks),
-        (F.col("partition") == F.col("m_partition"))
-        & (F.col("offset") >= F.col("m_start"))
-        & (F.col("offset") < F.col("m_end")),
-        "left",
+        F.broadcast(found),
+        (F.col("partition") == F.col("j_partition"))
+        & (F.col("offset") >= F.col("j_start"))
+        & (F.col("offset") < F.col("j_end")),
+        how,
     )
-    return joined.withColumn("already", F.col("m_partition").isNotNull()).drop(
-        "m_partition", "m_start", "m_end"
+    return joined.withColumn(flag, F.col("j_partition").isNotNull()).drop(
+        "j_partition", "j_start", "j_end"
     )
 
 

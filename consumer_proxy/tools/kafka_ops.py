@@ -297,6 +297,10 @@ def inspect_dlq(kafka: KafkaConfig, group: GroupConfig, limit: int) -> InspectRe
     )
 
 
+CONSUME_CHUNK = 10_000
+"""The most records one ``consume`` is asked for (confluent-kafka refuses over 1,000,000)."""
+
+
 def _timestamp_at(consumer: Consumer, topic: str, partition: int, offset: int) -> int | None:
     records = read_range(consumer, topic, partition, offset, offset + 1)
     return records[0].timestamp_ms if records else None
@@ -313,7 +317,7 @@ def read_range(
     deadline = time.monotonic() + timeout_s
     at_end = False
     while len(records) < end - start and time.monotonic() < deadline and not at_end:
-        for msg in consumer.consume(end - start - len(records), 1.0):
+        for msg in consumer.consume(min(end - start - len(records), CONSUME_CHUNK), 1.0):
             error = msg.error()
             if error is not None:
                 at_end = at_end or error.code() == KafkaError._PARTITION_EOF

@@ -74,6 +74,7 @@ __all__ = [
     "ThreadedService",
     "ack_all",
     "always",
+    "raw_stream_service",
 ]
 
 SERVICE_NAME = "consumerproxy.v1.MessageHandler"
@@ -764,3 +765,27 @@ async def serve(
         raise OSError(f"cannot listen on 127.0.0.1:{port}")
     await server.start()
     return server, bound
+
+
+@contextlib.asynccontextmanager
+async def raw_stream_service(
+    stream: Callable[[bytes, Any], AsyncIterator[bytes]],
+) -> AsyncIterator[str]:
+    """A service of ``HandleMessageStream`` only, on 127.0.0.1: ``stream`` gets each request's
+    bytes and yields event bytes sent as they are (garbage included, which the generated stubs
+    would refuse to encode). Yields the address."""
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                "consumerproxy.v1.MessageHandler",
+                {"HandleMessageStream": grpc.unary_stream_rpc_method_handler(stream)},
+            )
+        ]
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(None)
