@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import traceback
 from collections.abc import Awaitable, Callable, Mapping
 from typing import NamedTuple, Protocol
 
@@ -228,7 +229,8 @@ class ProxyMetrics:
             "and /admin/) refused, by reason: "
             "connections (over metrics.max_connections), deadline (no whole exchange within "
             "metrics.request_timeout_ms), too_large (a request or header line over 8 KiB), "
-            "forbidden (an admin request without the admin token).",
+            "forbidden (an admin request without the admin token), error (a request that "
+            "failed in the proxy: its first of a kind logged with its traceback).",
             ["reason"],
             registry=r,
         )
@@ -345,6 +347,7 @@ class HttpEndpoint:
         self._request_timeout_s = request_timeout_s
         self._server: asyncio.Server | None = None
         self._open: set[asyncio.StreamWriter] = set()
+        self._errors_told: set[str] = set()  # kinds of failed requests logged (once each)
 
     @property
     def port(self) -> int:
@@ -391,6 +394,15 @@ class HttpEndpoint:
             self._refused("deadline", peer, f"no exchange within {self._request_timeout_s:g} s")
         except ConnectionError:
             pass  # the client went away
+        except Exception as exc:  # (a request must never reach asyncio's log)
+            # A request that trips a bug: counted, and told once per kind of error (whoever
+            # can reach the port must not fill the log); the connection is cut.
+            self._metrics.http_refused.labels("error").inc()
+            where = traceback.extract_tb(exc.__traceback__)[-1:]
+            kind = f"{type(exc).__name__} at " + "".join(f"{f.filename}:{f.lineno}" for f in where)
+            if kind not in self._errors_told:
+                self._errors_told.add(kind)
+                log.exception("HTTP endpoint: a request from %s failed (told once)", peer)
         finally:
             self._open.discard(writer)
             writer.transport.abort()  # at once, whatever is still unsent or unread

@@ -207,7 +207,11 @@ def add_open_calls(report: dict[str, Any], url: str) -> None:
 def _when(epoch_ms: int | None) -> str:
     if epoch_ms is None:
         return "-"
-    return datetime.fromtimestamp(epoch_ms / 1000, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")[:-4] + "Z"
+    try:
+        moment = datetime.fromtimestamp(epoch_ms / 1000, UTC)
+    except (ValueError, OverflowError, OSError):  # a tier record's forged cp-due-at
+        return f"{epoch_ms} ms (not a date)"
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")[:-4] + "Z"
 
 
 def render_status(report: dict[str, Any]) -> str:

@@ -4,6 +4,7 @@ browser against a running proxy: tests/test_console.py."""
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -139,3 +140,24 @@ async def test_the_console_is_off_unless_enabled() -> None:
         await endpoint.close()
     # And with console.enabled the proxy has one
     assert Proxy(ProxyConfig(**{**raw, "console": {"enabled": True}})).console is not None
+
+
+@pytest.mark.parametrize("job", ["%C2%B2", "9" * 5000, "-1", "1e3"])
+async def test_a_job_id_that_is_no_number_is_a_404_and_logs_nothing(
+    job: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a console on its HTTP endpoint (no token: these reads need none)
+    raw = config_dict("127.0.0.1:9", "g", ["t"], ["127.0.0.1:9"], metrics_port=0)
+    proxy = Proxy(ProxyConfig(**{**raw, "console": {"enabled": True}}))
+    assert proxy.console is not None
+    endpoint = HttpEndpoint(proxy.metrics, proxy.ready, "127.0.0.1", 0, pages=proxy.console.page)
+    await endpoint.start()
+    caplog.set_level(logging.DEBUG)
+    try:
+        # When anyone asks for a job whose id str.isdigit() takes ("²") or int() refuses
+        status, _body = await http_get(endpoint.port, f"/console/api/jobs/{job}")
+    finally:
+        await endpoint.close()
+    # Then the answer is "no such job", and nothing above debug is logged
+    assert status == 404
+    assert [r.getMessage() for r in caplog.records if r.levelno > logging.DEBUG] == []

@@ -11,7 +11,9 @@ from collections import deque
 from typing import Any
 
 import grpc
+import pytest
 
+from consumer_proxy import wire
 from consumer_proxy.config import (
     BackoffConfig,
     DeliveryConfig,
@@ -247,6 +249,61 @@ def test_a_forged_due_time_waits_at_most_the_last_tier_delay() -> None:
     rig.core.intake(_tier_record(0, 2**62))  # a cp-due-at millions of years ahead
     rig.clock.run_until(rig.clock.now + 2.0)
     assert len(rig.ready) == 1
+
+
+_ORIGIN = {
+    "cp-original-topic": b"t",
+    "cp-original-partition": b"0",
+    "cp-original-offset": b"5",
+    "cp-original-timestamp": b"1000",
+    "cp-attempt": b"1",
+}
+
+
+@pytest.mark.parametrize(
+    ("topic", "forged"),
+    [
+        ("g.redrive", {"cp-attempt": b"2147483647"}),
+        ("g.redrive", {"cp-original-partition": b"2147483648"}),
+        ("g.redrive", {"cp-original-offset": b"9223372036854775808"}),
+        ("g.redrive", {"cp-original-timestamp": b"9223372036854775808"}),
+        ("g.redrive", {"cp-original-offset": b"-1"}),
+        ("g.retry.1", {"cp-attempt": b"2147483647", "cp-due-at": b"0"}),
+        ("g.retry.1", {"cp-due-at": b"9" * 400}),
+        ("g.retry.1", {"cp-due-at": b"-9" + b"9" * 400}),
+    ],
+    ids=[
+        "attempt-int32-max",
+        "partition-over-int32",
+        "offset-over-int64",
+        "timestamp-over-int64",
+        "offset-negative",
+        "tier-attempt-int32-max",
+        "tier-due-at-400-digits",
+        "tier-due-at-minus-400-digits",
+    ],
+)
+def test_forged_origin_headers_out_of_range_are_delivered_never_raised_on(
+    topic: str, forged: dict[str, bytes]
+) -> None:
+    # Given a record on the redrive or a tier topic whose cp-* headers a producer forged with
+    # numbers no Kafka coordinate or protobuf field holds
+    rig = CoreRig(
+        DeliveryConfig(max_attempts=5, retry_topics=[RetryTopicConfig(delay_ms=2000)]),
+        tps=[("t", 0), ("g.redrive", 0), ("g.retry.1", 0)],
+        retry_topics=["g.retry.1"],
+        start=WALL_CLOCK_START,
+    )
+    headers = list({**_ORIGIN, **forged}.items())
+    # When it is taken in (and waits out a tier's delay, at most the last tier's)
+    rig.core.intake(Rec(topic, 0, headers=headers))
+    rig.clock.run_until(rig.clock.now + 2.0)
+    # Then it is handed over for delivery, and its request builds, unary and in a batch
+    (delivery,) = rig.ready
+    unary = wire.unary_request(delivery, "g")
+    batch = handler_pb2.HandleMessageBatchRequest.FromString(wire.batch_request([delivery], "g"))
+    assert unary.message == batch.messages[0]
+    assert 1 <= delivery.attempt < 2**31
 
 
 # -- bug 5: a batch answer of the wrong length ----------------------------------------------

@@ -172,8 +172,14 @@ def test_a_pacer_needs_a_positive_rate() -> None:
         ("user 3f2a9c1e-0b1d-4c8e-9a5e-1234567890ab missing", "user <id> missing"),
         ("key ab12cd34ef rejected after 2.5s", "key <id> rejected after <n>s"),
         ("cannot parse", "cannot parse"),
+        ("token sk_live-4eC39Hq, retry", "token <id>, retry"),
+        # a service's 1 KiB of hyphenated tokens: one id, and numbers (each word boundary of
+        # such a run once cost a scan to its end: quadratic)
+        ("a-1-" * 250, "<id>"),
+        ("0-" * 500, "<n>-" * 500),
         (None, None),
     ],
+    ids=lambda v: None if v is None or len(v) < 60 else f"{v[:8]}...",
 )
 def test_reasons_of_one_kind_share_a_template(reason: str | None, template: str | None) -> None:
     assert reason_template(reason) == template

@@ -28,7 +28,13 @@ from consumer_proxy.core import records as dlq_records
 from consumer_proxy.proto.v1 import handler_pb2
 from consumer_proxy.tools import commands, render
 from consumer_proxy.tools import spark as tool_spark
-from consumer_proxy.tools.reports import Island
+from consumer_proxy.tools.reports import (
+    DlqReport,
+    Island,
+    OriginCount,
+    ReasonTemplate,
+    StatusCount,
+)
 from tests.support.kafka import Broker, consume_all, create_topic, produce, run_script, unique_name
 from tests.support.proxy import caught_up, make_config, start_proxy, write_config
 from tests.support.service import Behaviour, TestService
@@ -286,6 +292,31 @@ def test_dlq_report_prints_service_reasons_escaped(
     assert not RAW_CONTROL.search(out), out
     assert "\\x1b]0;pwned\\x07\\x1b[31mred" in out
     assert "\\u202eesrever" in out
+
+
+@pytest.mark.parametrize(
+    "reason", ["bad value $\\frac{$", "x $\\sqrt[$ y", "price in $ or $x_{x_{x}}$ rejected"]
+)
+def test_the_report_chart_shows_a_reason_with_dollars_as_text(reason: str, tmp_path: Path) -> None:
+    # Given a DLQ report whose top reason, a service's text, holds "$...$" (matplotlib reads
+    # it as math: an unbalanced one failed the whole report, and a balanced one changed what
+    # the reason appeared to say)
+    template = render.reason_template(reason) or ""
+    report = DlqReport(
+        topic="orders.dlq", generated_at="now", offsets={}, total=1, by_dlq_partition=[],
+        by_status=[StatusCount("$INVALID$", 1)],
+        by_reason_template=[ReasonTemplate(template, 1, 1, reason)], by_reason=[],
+        reasons_distinct=1,
+        by_original_partition=[OriginCount("$t$", 0, 1), OriginCount("u", 1, 1)],
+        by_hour=[], top_keys=[], group="billing",
+    )  # fmt: skip
+
+    # When the chart is drawn
+    render.write_chart(report, tmp_path / "chart.png")
+
+    # Then it is (its labels as text: each "$" shown, none read as math)
+    assert (tmp_path / "chart.png").stat().st_size > 0
+    assert render.literal(reason).count("\\$") == reason.count("$")
 
 
 def test_terminal_output_escapes_every_character_that_is_not_printable() -> None:

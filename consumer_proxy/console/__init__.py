@@ -69,6 +69,7 @@ ASSETS = {
     "/console/static/favicon.svg": ("favicon.svg", "image/svg+xml"),
 }
 _BREAKER_CODE = {"closed": 0, "half-open": 1, "open": 2}
+_JOB_ID = re.compile(r"[0-9]{1,9}")
 
 
 class Runner(Protocol):
@@ -362,7 +363,8 @@ class Console:
         if parts == ["overview"]:
             return answer_json("200 OK", self.overview())
         if len(parts) == 2 and parts[0] == "jobs":
-            job = self.jobs.get(int(parts[1])) if parts[1].isdigit() else None
+            # (str.isdigit takes "²", and int() refuses over 4,300 digits)
+            job = self.jobs.get(int(parts[1])) if _JOB_ID.fullmatch(parts[1]) else None
             if job is None:
                 return answer_json("404 Not Found", {"error": "no such job"})
             return answer_json("200 OK", job.view())

@@ -37,6 +37,7 @@ PAGE_RECORDS = 50
 READ_TIMEOUT_S = 3.0
 """Longest one partition's read may take (a page view reads each partition once)."""
 STATUS_PATTERN = re.compile(r"[A-Za-z_]{1,64}")
+_EPOCH_MS = re.compile(r"[0-9]{1,18}")  # a cp-dead-lettered-at a date may hold
 """A status filter (a gRPC code name or an action name): nothing else reaches a command."""
 TEXT_LIMIT = 1024
 
@@ -168,7 +169,7 @@ def _row(record: SampleRecord) -> dict[str, Any]:
     return {
         "partition": record.partition,
         "offset": record.offset,
-        "time": format_ms(int(dead_at)) if dead_at.isdigit() else "",
+        "time": format_ms(int(dead_at)) if _EPOCH_MS.fullmatch(dead_at) else "",
         "origin": f"{cp.get(H_TOPIC, '?')}[{cp.get(H_PARTITION, '?')}]@{cp.get(H_OFFSET, '?')}",
         "attempt": cp.get(H_ATTEMPT, ""),
         "status": cp.get(H_STATUS, ""),

@@ -86,18 +86,47 @@ def split_headers(headers: Any) -> tuple[UserHeaders, dict[str, str]]:
     return user, ours
 
 
-def origin_from_headers(ours: dict[str, str]) -> Origin | None:
-    """The origin recorded in a DLQ or redrive record, or None when the headers are incomplete."""
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+ATTEMPT_CARRIED_MAX = INT32_MAX - 1
+"""The most attempts a record's ``cp-attempt`` carries in (the next one must fit the wire's
+int32)."""
+
+
+def _int(text: str | None) -> int | None:
+    """``text`` as an int, None when it is none (Python's own limit on digits included)."""
     try:
-        return Origin(
-            ours[H_TOPIC],
-            int(ours[H_PARTITION]),
-            int(ours[H_OFFSET]),
-            int(ours.get(H_TIMESTAMP, "0") or 0),
-            int(ours.get(H_ATTEMPT, "0") or 0),
-        )
-    except (KeyError, ValueError):
+        return int(text) if text else None
+    except ValueError:
         return None
+
+
+def origin_from_headers(ours: dict[str, str]) -> Origin | None:
+    """The origin recorded in a DLQ, redrive or retry tier record; None when its topic,
+    partition or offset is missing, unreadable or no Kafka coordinate (a producer may have
+    written these headers: none of them may raise, or reach the wire out of its field's
+    range). An unreadable timestamp reads as 0, an attempt count as 0 (a huge one as the
+    most the wire carries): neither costs the rest of the origin."""
+    topic = ours.get(H_TOPIC)
+    partition = _int(ours.get(H_PARTITION))
+    offset = _int(ours.get(H_OFFSET))
+    if (
+        topic is None
+        or partition is None
+        or offset is None
+        or not 0 <= partition <= INT32_MAX
+        or not 0 <= offset <= INT64_MAX
+    ):
+        return None
+    timestamp = _int(ours.get(H_TIMESTAMP)) or 0
+    attempt = _int(ours.get(H_ATTEMPT)) or 0
+    return Origin(
+        topic,
+        partition,
+        offset,
+        timestamp if -INT64_MAX <= timestamp <= INT64_MAX else 0,
+        min(max(attempt, 0), ATTEMPT_CARRIED_MAX),
+    )
 
 
 def dlq_headers(
@@ -166,8 +195,6 @@ def retry_headers(
 
 
 def due_at_from_headers(ours: dict[str, str]) -> int:
-    """The epoch ms a retry tier record is due (0, due now, when absent or unreadable)."""
-    try:
-        return int(ours.get(H_DUE_AT, "0") or 0)
-    except ValueError:
-        return 0
+    """The epoch ms a retry tier record is due (0, due now, when absent or unreadable; at most
+    the largest int64, so that it converts to seconds: a forged one of 400 digits did not)."""
+    return min(max(_int(ours.get(H_DUE_AT)) or 0, 0), INT64_MAX)

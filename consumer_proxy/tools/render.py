@@ -17,8 +17,15 @@ REASON_MASKS: tuple[tuple[str, str], ...] = (
     (r"'[^']*'", "'<v>'"),
     (r'"[^"]*"', '"<v>"'),
     (r"[0-9A-Fa-f]{8}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{12}", "<id>"),
-    # A token of 6+ characters mixing letters and digits: an id, a hash, a key.
-    (r"\b(?=[A-Za-z0-9_-]*[0-9])(?=[A-Za-z0-9_-]*[A-Za-z])[A-Za-z0-9_-]{6,}\b", "<id>"),
+    # A token of 6+ characters mixing letters and digits: an id, a hash, a key. It starts and
+    # ends where a run of token characters does (not at any word boundary: "0-0-0-..." has one
+    # at every character, and each re-ran the lookaheads to the run's end, quadratic in a
+    # service's 1 KiB reason: 25.8 s against 0.2 s for 2,000 templates).
+    (
+        r"(?<![A-Za-z0-9_-])(?=[A-Za-z0-9_-]*[0-9])(?=[A-Za-z0-9_-]*[A-Za-z])"
+        r"[A-Za-z0-9_-]{6,}(?![A-Za-z0-9_-])",
+        "<id>",
+    ),
     (r"[0-9]+(?:\.[0-9]+)?", "<n>"),
 )
 
@@ -57,9 +64,19 @@ def show_value(value: bytes | None, limit: int = 200) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(value)} bytes)"
 
 
+def literal(text: str) -> str:
+    """``text`` as a chart label shows it: matplotlib reads what stands between two ``$`` as
+    math (a service's reason ``bad value $\\frac{$`` failed the whole report)."""
+    return text.replace("$", r"\$")
+
+
 def format_ms(ms: int) -> str:
-    """Epoch milliseconds as ISO-8601 UTC."""
-    return datetime.fromtimestamp(ms / 1000, tz=UTC).isoformat(timespec="milliseconds")
+    """Epoch milliseconds as ISO-8601 UTC (a time no date holds, a record's or a forged
+    header's, as its number)."""
+    try:
+        return datetime.fromtimestamp(ms / 1000, tz=UTC).isoformat(timespec="milliseconds")
+    except (ValueError, OverflowError, OSError):
+        return f"{ms} ms (not a date)"
 
 
 def format_hour(ms: int) -> str:
@@ -180,7 +197,7 @@ def write_chart(report: DlqReport, path: Path) -> None:
     def barh(ax: Any, title: str, labels: Sequence[str], counts: Sequence[int]) -> None:
         ax.set_title(title)
         ax.barh(range(len(labels)), counts)
-        ax.set_yticks(range(len(labels)), labels)
+        ax.set_yticks(range(len(labels)), [literal(label) for label in labels])
         ax.invert_yaxis()  # biggest first
         ax.set_xlabel("records")
 
@@ -197,7 +214,8 @@ def write_chart(report: DlqReport, path: Path) -> None:
         range(len(origins)),
         [o.count for o in origins],
         tick_label=[
-            (f"{o.topic}[{o.partition}]" if len(topics) > 1 else str(o.partition)) for o in origins
+            literal(f"{o.topic}[{o.partition}]" if len(topics) > 1 else str(o.partition))
+            for o in origins
         ],
     )
     ax_part.set_ylabel("records")

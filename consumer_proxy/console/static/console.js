@@ -36,7 +36,10 @@
 
   function when(epochMs) {
     if (!epochMs) return "-";
-    return new Date(epochMs).toISOString().replace(".000Z", "Z");
+    const moment = new Date(epochMs);
+    // A forged cp-due-at can be no date at all: said as it is, never a page that stops.
+    if (isNaN(moment.getTime())) return String(epochMs) + " ms (not a date)";
+    return moment.toISOString().replace(".000Z", "Z");
   }
 
   function groupHref(page, name) {
