@@ -236,3 +236,29 @@ def test_a_commit_after_a_cut_that_dropped_the_whole_backlog_carries_its_records
     assert (commit.offset, commit.epoch) == (8, 7)
     final = core.final_commit(part)
     assert final is not None and (final.offset, final.epoch) == (8, 7)
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["one-by-one", "in-a-batch"])
+def test_a_backlog_of_records_whose_bytes_are_in_their_headers_pauses_at_the_byte_budget(
+    batch: bool,
+) -> None:
+    # Given a full window (the service is slow) and a byte budget of 64 KiB
+    rig = CoreRig(DeliveryConfig(max_in_flight=10, max_in_flight_bytes=64 * 1024), pause_plan=True)
+    for offset in range(10):
+        rig.core.intake(Rec("t", offset, value=b"v"))
+    # When records come whose 100 kB are headers, not key or value
+    records = [Rec("t", o, value=b"", headers=[("h", b"x" * 100_000)]) for o in range(10, 13)]
+    if batch:
+        rig.core.intake_batch(records)
+    else:
+        for record in records:
+            rig.core.intake(record)
+    # Then the backlog counts them in the budget, and the partition pauses (it would have
+    # taken up to 20,000 of them: 2 GB against 64 KiB)
+    part = rig.core.parts[("t", 0)]
+    assert part.budget.waiting >= 3 * 100_000
+    assert ("t", 0) in rig.core.pause_plan().pause
+    # ... and everything acked, every byte is given back (none left counted, none twice)
+    while rig.ready:
+        rig.ack(len(rig.ready))
+    assert (part.budget.held, part.budget.waiting, part.backlog_bytes) == (0, 0, 0)

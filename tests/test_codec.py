@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from consumer_proxy.core.codec import MAX_OFFSET_END, PREFIX, AckState, CodecError, decode, encode
+from tests.support.records import foreign_ack_state
 
 # No per-example deadline: the suite shares small CI boxes, where a descheduled process would
 # otherwise fail an example for being slow rather than wrong.
@@ -187,6 +188,21 @@ def test_body_that_does_not_add_up_is_refused() -> None:
     # Then it is refused
     with pytest.raises(CodecError, match="add up"):
         decode(text)
+
+
+def test_a_state_of_more_runs_than_a_window_holds_is_refused_before_it_is_built() -> None:
+    # Given commit metadata someone else wrote: 4 KiB that inflate to 2 million runs (the
+    # proxy's own hold at most two a window offset), and the same shape within a window
+    bomb, fits = foreign_ack_state(100, [1] * 2_000_000), foreign_ack_state(100, [1] * 2_000)
+    assert len(bomb) < 4096
+
+    # Then read for a window of 1,000 offsets, the bomb is refused (its runs never held in
+    # memory: the inflating stops at the window's bound), and what fits is read
+    with pytest.raises(CodecError, match="more runs than"):
+        decode(bomb, max_runs=2 * 1_000 + 2)
+    assert len(decode(fits, max_runs=2 * 1_000 + 2).runs) == 2_000
+    # (read with no bound, as the DLQ tools read their marks, it still decodes)
+    assert len(decode(bomb).runs) == 2_000_000
 
 
 def test_compression_is_used_when_it_is_smaller() -> None:

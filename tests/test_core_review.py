@@ -27,7 +27,7 @@ from consumer_proxy.core.records import Origin, retry_headers
 from consumer_proxy.core.tracker import PartitionTracker
 from consumer_proxy.proto.v1 import handler_pb2
 from tests.support.core import ACK, WALL_CLOCK_START, CoreRig
-from tests.support.records import Rec
+from tests.support.records import Rec, foreign_ack_state
 
 C = grpc.StatusCode
 CLASSIFY = Classifier()
@@ -304,6 +304,20 @@ def test_forged_origin_headers_out_of_range_are_delivered_never_raised_on(
     batch = handler_pb2.HandleMessageBatchRequest.FromString(wire.batch_request([delivery], "g"))
     assert unary.message == batch.messages[0]
     assert 1 <= delivery.attempt < 2**31
+
+
+def test_commit_metadata_of_more_runs_than_a_window_holds_is_not_restored() -> None:
+    # Given a partition committed at 100 whose metadata someone else wrote: a valid state of
+    # 400,000 runs (offset 101 done, 102 not, ...) in under 4 KiB, far more than a window of
+    # 1,000 offsets makes
+    rig = CoreRig(DeliveryConfig(max_in_flight=1000), tps=[], start=WALL_CLOCK_START)
+    bomb = foreign_ack_state(100, [1] * 400_000)
+    assert len(bomb) < 4096
+    # When it is assigned, and the record at 101 is fetched
+    rig.core.assign("t", 0, 100, bomb)
+    rig.core.intake(Rec("t", 101))
+    # Then the state was not restored (its runs never built): 101 is delivered, not skipped
+    assert [d.offset for d in rig.ready] == [101]
 
 
 # -- bug 5: a batch answer of the wrong length ----------------------------------------------

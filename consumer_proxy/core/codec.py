@@ -164,20 +164,20 @@ def encode(state: AckState) -> str:
     return PREFIX + flag + base64.b85encode(crc + stored).decode("ascii")
 
 
-def _inflate(stored: bytes) -> bytes:
+def _inflate(stored: bytes, limit: int, too_large: str) -> bytes:
     decompressor = zlib.decompressobj(-15)
     try:
-        body = decompressor.decompress(stored, _MAX_BODY_BYTES)
+        body = decompressor.decompress(stored, limit)
     except zlib.error as exc:
         raise CodecError(f"corrupt compressed ack state: {exc}") from exc
     if decompressor.unconsumed_tail:
-        raise CodecError("compressed ack state is too large")
+        raise CodecError(too_large)
     if not decompressor.eof or decompressor.unused_data:
         raise CodecError("corrupt compressed ack state")
     return body
 
 
-def _parse_body(body: bytes, with_epoch: bool) -> AckState:
+def _parse_body(body: bytes, with_epoch: bool, max_values: int) -> AckState:
     values: list[int] = []
     value = shift = count = 0
     for byte in body:
@@ -189,6 +189,8 @@ def _parse_body(body: bytes, with_epoch: bool) -> AckState:
             shift += 7
             continue
         values.append(value)
+        if len(values) > max_values:
+            raise CodecError(f"more runs than the {max_values - 3} a window holds")
         value = shift = count = 0
     if count:
         raise CodecError("truncated varint")
@@ -204,11 +206,13 @@ def _parse_body(body: bytes, with_epoch: bool) -> AckState:
         raise CodecError(f"invalid ack state: {exc}") from exc
 
 
-def decode(metadata: str | None) -> AckState:
+def decode(metadata: str | None, max_runs: int | None = None) -> AckState:
     """Decode commit metadata written by :func:`encode`.
 
     Raises :class:`CodecError` for anything else: no metadata, an empty string, metadata
-    written by another tool, another format version, or corrupted text.
+    written by another tool, another format version, or corrupted text; and, with
+    ``max_runs``, a state of more runs (another writer's: 4 KiB of DEFLATE inflate to
+    millions, hundreds of MB as a state), refused while inflating, before any is held.
     """
     if not metadata:
         raise CodecError("no commit metadata")
@@ -231,7 +235,18 @@ def decode(metadata: str | None) -> AckState:
     if len(payload) < _CRC_LEN:
         raise CodecError("ack state is too short")
     crc, stored = payload[:_CRC_LEN], payload[_CRC_LEN:]
-    body = _inflate(stored) if flag in (_FLAG_DEFLATE, _FLAG_DEFLATE_EPOCH) else stored
+    # The epoch, the base and the length, then the runs: each value at most a varint's bytes.
+    max_values = _MAX_BODY_BYTES if max_runs is None else max_runs + 3
+    if flag in (_FLAG_DEFLATE, _FLAG_DEFLATE_EPOCH):
+        limit = min(_MAX_BODY_BYTES, max_values * _MAX_VARINT_BYTES)
+        too_large = (
+            "compressed ack state is too large"
+            if limit == _MAX_BODY_BYTES
+            else f"more runs than the {max_values - 3} a window holds"
+        )
+        body = _inflate(stored, limit, too_large)
+    else:
+        body = stored
     if zlib.crc32(body).to_bytes(_CRC_LEN, "big") != crc:
         raise CodecError("ack state checksum mismatch")
-    return _parse_body(body, flag.isupper())
+    return _parse_body(body, flag.isupper(), max_values)

@@ -117,7 +117,7 @@ class PartitionState:
     partition: int
     tracker: PartitionTracker | None = None
     backlog: deque[Record] = field(default_factory=deque)
-    backlog_bytes: int = 0  # of the records in the backlog (``_record_size``)
+    backlog_bytes: int = 0  # of the records in the backlog (``_record_size``: headers too)
     paused: bool | None = None  # None: unknown (librdkafka keeps a pause across re-assign)
     revoked: bool = False
     leaving: bool = False  # being revoked: in-flight calls may finish, no new push starts
@@ -543,7 +543,9 @@ class PartitionSet:
         restored = None
         if committed is not None and metadata:
             try:
-                restored = decode(metadata)
+                # (a window's offsets make at most twice as many runs, and one more: a
+                # state of more is not ours, and would cost memory no config bounds)
+                restored = decode(metadata, max_runs=2 * self._max_in_flight + 2)
             except CodecError as exc:
                 log.warning(
                     "group %s: %s[%d]: ignoring commit metadata that is not ours (%s); "
@@ -648,7 +650,7 @@ class PartitionSet:
             part.tracker = PartitionTracker(offset, self._max_in_flight)
         if part.backlog or self._full(part) or part.budget.spent:
             part.backlog.append(record)
-            size = len(record.key() or b"") + len(record.value() or b"")  # _record_size
+            size = _record_size(record)
             part.backlog_bytes += size
             part.budget.waiting += size
             return
@@ -714,8 +716,8 @@ class PartitionSet:
         ``_accept`` of each would, as far as the window and the byte budget have room and
         the offsets increase above the last tracked one. With ``runs`` the records go out
         as one ``Run`` item (a record's user headers count in its size), else as
-        ``Delivery`` items. Returns how many were taken and their key and value
-        bytes (what a backlog counts of them)."""
+        ``Delivery`` items. Returns how many were taken and what a backlog counts of
+        them (``_record_size``)."""
         tracker = part.tracker
         assert tracker is not None
         if start >= end or not tracker.takes_run_from(records[start].offset() or 0):
@@ -751,6 +753,7 @@ class PartitionSet:
             stored += size
             headers = record.headers()
             if headers:
+                stored += _headers_size(headers)
                 user = split_headers(headers)[0]
                 for name, data in user:  # (measured: a third of ``sum`` over a generator)
                     size += len(name) + len(data)
@@ -850,6 +853,9 @@ class PartitionSet:
                 break
             backlog.append(record)
             size += len(record.key() or b"") + len(record.value() or b"")  # _record_size
+            headers = record.headers()
+            if headers:
+                size += _headers_size(headers)
             previous = offset
             taken += 1
         part.received_end = previous + 1
@@ -1049,7 +1055,7 @@ class PartitionSet:
             room -= taken
         while room > 0 and backlog and not budget.spent:
             record = backlog.popleft()
-            size = len(record.key() or b"") + len(record.value() or b"")  # _record_size
+            size = _record_size(record)
             part.backlog_bytes -= size
             budget.waiting -= size
             self._accept(part, record)
@@ -1744,9 +1750,19 @@ _new_tuple = tuple.__new__  # an Origin without the named tuple's Python-level _
 
 
 def _record_size(record: Record) -> int:
-    """What a backlog record counts in the byte budget: its key and value (its headers are
-    counted when it is taken in)."""
-    return len(record.key() or b"") + len(record.value() or b"")
+    """What a backlog record counts in the byte budget: its key, value and headers (all of
+    them, as fetched: a producer's bytes may all be in its headers)."""
+    headers = record.headers()
+    size = len(record.key() or b"") + len(record.value() or b"")
+    return size + _headers_size(headers) if headers else size
+
+
+def _headers_size(headers: Sequence[tuple[str, bytes | None]]) -> int:
+    """The bytes of a record's headers, names and values."""
+    size = 0
+    for name, data in headers:  # (a loop: a generator in ``sum`` cost more)
+        size += len(name) + len(data or b"")
+    return size
 
 
 def _key_lane(delivery: Delivery) -> Hashable:

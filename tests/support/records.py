@@ -3,6 +3,8 @@ confluent_kafka.Message, with the values a test gives it."""
 
 from __future__ import annotations
 
+import base64
+import zlib
 from typing import Any
 
 
@@ -48,3 +50,18 @@ class Rec:
 
     def leader_epoch(self) -> int | None:
         return self._epoch
+
+
+def foreign_ack_state(base: int, runs: list[int]) -> str:
+    """Commit metadata of ``runs`` from ``base`` in the ack-state format (checksummed,
+    deflated), as another writer could make it: nothing ``encode`` would refuse to write is
+    checked here."""
+    body = bytearray()
+    for value in (base, sum(runs), *runs):
+        while value >= 0x80:
+            body.append((value & 0x7F) | 0x80)
+            value >>= 7
+        body.append(value)
+    packer = zlib.compressobj(9, zlib.DEFLATED, -15, 9)
+    stored = packer.compress(bytes(body)) + packer.flush()
+    return "cp1z" + base64.b85encode(zlib.crc32(body).to_bytes(4, "big") + stored).decode()
