@@ -27,6 +27,7 @@ SDK's, the SDK makes them.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import threading
@@ -1013,11 +1014,57 @@ def _ratio(config: TracingConfig) -> float | None:
     return None
 
 
+EXPORT_LOG_INTERVAL_S = 60.0
+"""While exports fail, the exporters' own log lines get through once in this long."""
+EXPORTER_LOGGERS = (
+    "opentelemetry.exporter.otlp.proto.grpc.exporter",
+    "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+)
+
+
+class ExportLogGate(logging.Filter):
+    """The OTLP exporters log every failed export: a warning each retry, an error when they
+    give up. With the collector down that is lines every few seconds for as long as it is
+    down (their own filter drops only a line identical to the one before, and theirs
+    alternate). Lets one warning or error through every ``interval_s``, saying how many were
+    held back since the last; lines below warning pass."""
+
+    def __init__(
+        self, interval_s: float = EXPORT_LOG_INTERVAL_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        super().__init__()
+        self._interval_s = interval_s
+        self._clock = clock
+        self._told_at = -math.inf
+        self.held = 0  # lines held back since the last one let through
+        self.held_total = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        now = self._clock()
+        if now - self._told_at < self._interval_s:
+            self.held += 1
+            self.held_total += 1
+            return False
+        if self.held:
+            record.msg = (
+                f"{record.msg} ({self.held} more lines of the span exporter held back in the "
+                f"last {self._interval_s:g} s)"
+            )
+            self.held = 0
+        self._told_at = now
+        return True
+
+
 class OtelTracing:
     """The process's tracer provider and exporter (``tracing.Tracing``)."""
 
     def __init__(self, config: TracingConfig) -> None:
         self._config = config
+        self.export_log = ExportLogGate()
+        for name in EXPORTER_LOGGERS:
+            logging.getLogger(name).addFilter(self.export_log)
         attributes = {SERVICE_NAME: config.service_name} if config.service_name else {}
         resource = Resource.create(attributes)
         if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
@@ -1076,3 +1123,5 @@ class OtelTracing:
 
     def shutdown(self) -> None:
         self.provider.shutdown()
+        for name in EXPORTER_LOGGERS:
+            logging.getLogger(name).removeFilter(self.export_log)

@@ -11,6 +11,7 @@ import asyncio
 import gc
 import logging
 import random
+import socket
 import subprocess
 import sys
 import threading
@@ -54,7 +55,14 @@ from consumer_proxy.core.tracecontext import (
 )
 from consumer_proxy.flow import StaticLimiter
 from consumer_proxy.metrics import ProxyMetrics
-from consumer_proxy.otel import EncodedBatches, OtelTracer, OtelTracing, _exporter
+from consumer_proxy.otel import (
+    EXPORTER_LOGGERS,
+    EncodedBatches,
+    ExportLogGate,
+    OtelTracer,
+    OtelTracing,
+    _exporter,
+)
 from consumer_proxy.otlp import Encoded, encode_span, request_of
 from consumer_proxy.parking import Tally
 from consumer_proxy.ports import Edges
@@ -66,6 +74,7 @@ from consumer_proxy.tracing import end_trace, start_tracing
 from consumer_proxy.wire import batch_request
 from tests.support.core import CoreRig
 from tests.support.records import Rec
+from tests.support.waiting import wait_until
 
 VALID = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
@@ -963,3 +972,54 @@ async def test_a_batch_of_plain_acks_with_a_sampled_message_finishes_together(
     # Then they are finished together, and the sampled one's process span ends as acked
     assert rig.part.tracker is not None and rig.part.tracker.pending == 0
     assert outcome_of_process_span(exporter) == "ack"
+
+
+def test_span_export_failing_for_long_logs_one_line_a_minute_not_one_per_export(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Given tracing to a collector that is down (a closed port), exporting every 100 ms
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = TracingConfig(
+        enabled=True,
+        endpoint=f"http://127.0.0.1:{port}",
+        sample_ratio=1.0,
+        export_interval_ms=100,
+        export_timeout_ms=2500,  # (time for a retry: a warning, then an error, each export)
+    )
+    caplog.set_level(logging.INFO)
+    tracing = OtelTracing(config)
+    try:
+        # When spans keep coming until the exporter failed its exports several times over
+        def more_failures() -> bool:
+            tracing._tracer.root_span("orders process", SpanKind.CONSUMER, {}).end()
+            return tracing.export_log.held_total >= 4
+
+        wait_until(more_failures, timeout=60, interval=0.05)
+    finally:
+        tracing.shutdown()
+    # Then the exporter's warnings and errors reached the log once, the rest held back and
+    # counted for the next line a minute later (not one line or two per export)
+    told = [
+        r for r in caplog.records if r.name in EXPORTER_LOGGERS and r.levelno >= logging.WARNING
+    ]
+    assert len(told) == 1, [r.getMessage() for r in told]
+
+
+def test_the_export_log_gate_says_how_many_lines_it_held_back() -> None:
+    clock = [0.0]
+    gate = ExportLogGate(60.0, lambda: clock[0])
+
+    def line(level: int = logging.WARNING) -> logging.LogRecord:
+        return logging.LogRecord("x", level, __file__, 1, "export failed: %s", ("down",), None)
+
+    assert gate.filter(line())
+    assert not gate.filter(line()) and not gate.filter(line(logging.ERROR))
+    assert gate.filter(line(logging.INFO))  # below warning: always
+    clock[0] = 61.0
+    late = line()
+    assert gate.filter(late)
+    assert late.getMessage() == (
+        "export failed: down (2 more lines of the span exporter held back in the last 60 s)"
+    )
