@@ -205,11 +205,11 @@ class Committer:
             self._failing_since = None
             self._failing_with = ""
 
-    def problem(self, now: float) -> str:
+    def problem(self) -> str:
         """What /readyz says of commits that have failed for ``COMMITS_FAILING_S`` or more in a
         row ('' otherwise): the group goes on taking messages in, but nothing it does is
         kept, and after a window past its last commit it stops."""
-        since = self._failing_since
+        since, now = self._failing_since, self.clock() if self.clock is not None else 0.0
         if since is None or now - since < COMMITS_FAILING_S:
             return ""
         return (

@@ -23,14 +23,13 @@ timers only hold messages inside a tracker window, so they are bounded by the wi
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from confluent_kafka import KafkaException, TopicPartition
+from confluent_kafka import TopicPartition
 
 from .batch_push import BatchPush, build_push
 from .committer import Committer
@@ -38,7 +37,7 @@ from .config import GroupConfig
 from .core.partitions import TP, Delivery, PartitionSet
 from .flow import Breaker, RateLimiter, group_limiter
 from .guarding import GuardControl
-from .handover import Handover
+from .handover import Handover, close_edges
 from .health import KafkaLink
 from .intake import Intake
 from .metrics import ProxyMetrics
@@ -50,11 +49,6 @@ from .snapshot import group_snapshot
 from .tracing import end_trace
 
 log = logging.getLogger(__name__)
-
-
-LEAVE_S = 12.0
-"""The longest the last commit and leaving the group may take at shutdown (after the drain's
-grace): within the chart's 15 s termination margin, with handover's 1 s to cancel calls."""
 
 
 class GroupRunner:
@@ -147,20 +141,12 @@ class GroupRunner:
         return self.dispatcher.batch_support() if self.dispatcher is not None else ""
 
     @property
-    def commit_problem(self) -> str:
-        """Said by /readyz while commits have failed in a row for long (``Committer.problem``)."""
-        clock = self.committer.clock
-        return self.committer.problem(clock()) if clock is not None else ""
-
-    @property
-    def stop_problem(self) -> str:
-        """Said by /readyz once the group stops: asked to, or failed (its error, clipped)."""
+    def run_problem(self) -> str:
+        """Said by /readyz: the group stops (asked to, or failed: its error, clipped), or its
+        commits have failed in a row for long (``Committer.problem``)."""
         if not self._stopping.is_set():
-            return ""
-        failure = self._failure
-        if failure is None:
-            return "stopping"
-        return f"stopping: failed: {type(failure).__name__}: {str(failure)[:300]}"
+            return self.committer.problem()
+        return "stopping" + ("" if self._failure is None else f": failed: {self._failure!r}"[:300])
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -238,18 +224,14 @@ class GroupRunner:
         self._tasks.discard(task)
         if task.cancelled() or task.exception() is None:
             return
-        if self._stopping.is_set():  # (while stopping: told, and the stop goes on)
-            log.error(
-                "group %s: task %s failed while the group stopped",
-                self.name,
-                task.get_name(),
-                exc_info=task.exception(),
-            )
-            return
-        log.error("group %s: task %s failed", self.name, task.get_name(), exc_info=task.exception())
-        self._failure = task.exception()
-        self._stopping.set()
-        self._health_changed()
+        stopping = self._stopping.is_set()  # (then told, and the stop goes on)
+        during = " while the group stopped" if stopping else ""
+        log.error("group %s: task %s failed%s", self.name, task.get_name(), during,
+                  exc_info=task.exception())  # fmt: skip
+        if not stopping:
+            self._failure = task.exception()
+            self._stopping.set()
+            self._health_changed()
 
     async def _shutdown(self) -> None:
         self._stopping.set()
@@ -266,58 +248,16 @@ class GroupRunner:
             task.cancel()
         await asyncio.gather(*remaining, return_exceptions=True)
         self._handover.stopped(self.ready)
-        try:
-            if self.fetcher is not None:
-                await self._leave(self.fetcher)
-        finally:
-            if self.writer is not None:
-                await self.writer.close()
-            if self.dispatcher is not None:
-                await self.dispatcher.close()
+        await close_edges(self.name, self.commit, self.fetcher, self.writer, self.dispatcher)
         log.info("group %s: stopped", self.name)
-
-    async def _leave(self, fetcher: MessageSource) -> None:
-        """The last commit and leaving the group, for at most ``LEAVE_S`` together: with the
-        group coordinator out of reach, librdkafka holds a synchronous commit for up to
-        ``socket.timeout.ms`` (60 s) and a close longer, past the pod's termination grace.
-        The close is asked for even when the commit ran out the time, so the consumer's
-        thread ends after the calls it is stuck in; it is a daemon, and the process exits
-        without it."""
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        deadline = started + LEAVE_S
-        late = False
-        try:
-            async with asyncio.timeout_at(deadline):
-                with contextlib.suppress(KafkaException):
-                    await self.commit()
-        except TimeoutError:
-            late = True
-        try:
-            async with asyncio.timeout_at(deadline):
-                await fetcher.close()
-        except TimeoutError:
-            late = True
-        if late:
-            log.warning(
-                "group %s: the last commit and leaving the group took over %.0f s (is Kafka "
-                "reachable?); stopped without them: what was acked since the last commit is "
-                "delivered again, and the group rebalances once the session times out",
-                self.name,
-                loop.time() - started,
-            )
 
     def _breaker_changed(self, old: str, new: str) -> None:
         self.metrics.circuit_open.labels(self.name).set(0 if new == "closed" else 1)
         self.metrics.breaker_transitions.labels(self.name, new).inc()
         if new == "open":
-            last = self.push.last_failure if self.push is not None else ""
-            log.error(
-                "group %s: circuit open, delivery paused (messages wait, none is dead-lettered)"
-                "; last failure: %s",
-                self.name,
-                last[:500] or "unknown",
-            )
+            last = (self.push.last_failure if self.push is not None else "")[:500] or "unknown"
+            log.error("group %s: circuit open, delivery paused (messages wait, none is "
+                      "dead-lettered); last failure: %s", self.name, last)  # fmt: skip
         self._health_changed()
 
     async def commit(self) -> int:

@@ -17,21 +17,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Protocol
 
-from confluent_kafka import TopicPartition
+from confluent_kafka import KafkaException, TopicPartition
 
 from .committer import kafka_commit
 from .core.heartbeat import Cancel
 from .core.partitions import Delivery, PartitionSet, PartitionState
 from .metrics import ProxyMetrics
 from .parking import Parking
-from .ports import Clock
+from .ports import Clock, DeadLetterSink, MessageSource, Pusher
 from .readyq import ReadyDeque, take_all
 
 log = logging.getLogger(__name__)
 
+LEAVE_S = 12.0
+"""The longest the last commit and leaving the group may take at shutdown (after the drain's
+grace): within the chart's 15 s termination margin, with ``CANCEL_WAIT_S`` to cancel calls."""
 CANCEL_WAIT_S = 1.0
 """After cancelling calls (revoke, shutdown): how long to wait for their workers to end them."""
 
@@ -181,3 +184,48 @@ class Handover:
 
 def _loop_time() -> float:
     return asyncio.get_running_loop().time()
+
+
+async def close_edges(
+    name: str,
+    commit: Callable[[], Awaitable[int]],
+    source: MessageSource | None,
+    sink: DeadLetterSink | None,
+    pusher: Pusher | None,
+) -> None:
+    """Shutdown, once no task of the group runs: the last commit and leaving the group (for
+    at most ``LEAVE_S`` together), then the DLQ writer and the service's channels, whatever
+    leaving raised. With the group coordinator out of reach, librdkafka holds a synchronous
+    commit up to ``socket.timeout.ms`` (60 s) and a close longer, past the pod's grace. The
+    close is asked for even when the commit ran out the time, so the consumer's thread ends
+    after the calls it is stuck in; it is a daemon, and the process exits without it."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    deadline = started + LEAVE_S
+    late = False
+    try:
+        if source is not None:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    with contextlib.suppress(KafkaException):
+                        await commit()
+            except TimeoutError:
+                late = True
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await source.close()
+            except TimeoutError:
+                late = True
+    finally:
+        if sink is not None:
+            await sink.close()
+        if pusher is not None:
+            await pusher.close()
+    if late:
+        log.warning(
+            "group %s: the last commit and leaving the group took over %.0f s (is Kafka "
+            "reachable?); stopped without them: what was acked since the last commit is "
+            "delivered again, and the group rebalances once the session times out",
+            name,
+            loop.time() - started,
+        )

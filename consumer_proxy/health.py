@@ -124,9 +124,9 @@ def group_verdict(group: GroupView) -> tuple[bool, str]:
     """(serving, why) for one group."""
     if not group.started.is_set():
         return False, "starting: the consumer has not polled Kafka yet"
-    stopping = getattr(group, "stop_problem", "")  # failed, or asked to stop
-    if stopping:
-        return False, stopping
+    running = getattr(group, "run_problem", "")  # stopping (failed?), or commits failing
+    if running:
+        return False, running
     problem = getattr(group, "service_problem", "")  # e.g. the batch method is missing
     held = getattr(group, "guard_problem", "")  # the dead-letter guard holds
     if held:
@@ -143,9 +143,6 @@ def group_verdict(group: GroupView) -> tuple[bool, str]:
     refusal = group.writer.refusal() if group.writer is not None else None
     if refusal is not None:
         return False, refusal
-    commits = getattr(group, "commit_problem", "")  # failing in a row for long
-    if commits:
-        return False, commits
     detail = getattr(group, "push_detail", "")  # delivery.batch auto: batch or unary
     return True, "consumer up, Kafka reachable, circuit closed" + (f"; {detail}" if detail else "")
 

@@ -31,7 +31,7 @@ from consumer_proxy.core.outcomes import Classification, Classifier, Outcome
 from consumer_proxy.core.partitions import Delivery, PartitionSet, PartitionState, Run
 from consumer_proxy.core.tracker import PartitionTracker
 from consumer_proxy.fetcher import CONSUME_SLICE_S
-from consumer_proxy.group import LEAVE_S
+from consumer_proxy.handover import LEAVE_S
 from consumer_proxy.health import group_verdict
 from consumer_proxy.parking import Parking
 from tests.sim import world

@@ -947,7 +947,12 @@ class ShellSim:
         # ... and the backlogs' bytes (records fetched, not taken in) are exactly theirs too
         waiting = {id(budget): 0 for budget in core.budgets}
         for part in core.parts.values():
-            size = sum(len(r.key() or b"") + len(r.value() or b"") for r in part.backlog)
+            size = sum(
+                len(r.key() or b"")
+                + len(r.value() or b"")
+                + sum(len(name) + len(data or b"") for name, data in r.headers() or ())
+                for r in part.backlog
+            )  # (key, value and headers: a producer's bytes may all be in its headers)
             if part.backlog_bytes != size:
                 self.fail(f"{part.tp}'s backlog counts {part.backlog_bytes} bytes, holds {size}")
             waiting[id(part.budget)] += size
