@@ -589,7 +589,6 @@ class _MessageHandlerServicer(handler_pb2_grpc.MessageHandlerServicer):
         self._spans = _ServerSpans(tracer_provider)
         self._max_concurrency = max_concurrency
         self._in_flight = 0
-        self._working: set[asyncio.Task[Any]] = set()  # long calls' handler tasks
         self.admitted: set[asyncio.Task[Any]] = set()
         """The tasks of the calls admitted and not yet ended (``Server.stop`` waits for them)."""
 
@@ -661,57 +660,58 @@ class _MessageHandlerServicer(handler_pb2_grpc.MessageHandlerServicer):
             noted.set()
 
         message = Message.from_proto(request.message, progress)
-        with self._admit() as admitted:
-            if not admitted:
-                await context.abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"over max_concurrency={self._max_concurrency}",
-                )
-            work = asyncio.create_task(
-                self._answer(message, ("HandleMessageStream", request.message, context)),
-                name=_where(message),
+        if not self._try_admit():
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"over max_concurrency={self._max_concurrency}",
             )
-            self._working.add(work)
-            work.add_done_callback(self._working.discard)
-            loop = asyncio.get_running_loop()
-            last = loop.time()  # the last heartbeat (or the call's start)
-            try:
-                while not work.done():
-                    # A heartbeat every interval; a progress note brings the next one
-                    # forward, but never closer than NOTE_GAP of the interval to the last:
-                    # a handler noting progress in a tight loop must not flood the proxy.
-                    due = last + interval_s
-                    waiter: asyncio.Future[Any] | None = None
-                    if noted.is_set():
-                        due = min(due, last + interval_s * NOTE_GAP)
-                    else:
-                        waiter = asyncio.ensure_future(noted.wait())
-                    try:
-                        await asyncio.wait(
-                            {work} if waiter is None else {work, waiter},
-                            timeout=max(0.0, due - loop.time()),
-                            return_when=asyncio.FIRST_COMPLETED,
-                        )
-                    finally:
-                        if waiter is not None:
-                            waiter.cancel()
-                    if work.done():
-                        break
-                    if waiter is not None and waiter.done() and not waiter.cancelled():
-                        continue  # a note came: its heartbeat is due again
-                    noted.clear()
-                    last = loop.time()
-                    yield handler_pb2.HandleMessageStreamEvent(
-                        heartbeat=handler_pb2.Heartbeat(progress=_truncate(notes[0], 256))
+        # The slot (and stop()'s wait) is the handler's task's until it ends, not this call's:
+        # a cancelled call may end at once (gRPC cancels it again), while the handler cleans up.
+        work = asyncio.create_task(
+            self._answer(message, ("HandleMessageStream", request.message, context)),
+            name=_where(message),
+        )
+        self.admitted.add(work)
+        work.add_done_callback(self._release)
+        loop = asyncio.get_running_loop()
+        last = loop.time()  # the last heartbeat (or the call's start)
+        try:
+            while not work.done():
+                # A heartbeat every interval; a progress note brings the next one
+                # forward, but never closer than NOTE_GAP of the interval to the last:
+                # a handler noting progress in a tight loop must not flood the proxy.
+                due = last + interval_s
+                waiter: asyncio.Future[Any] | None = None
+                if noted.is_set():
+                    due = min(due, last + interval_s * NOTE_GAP)
+                else:
+                    waiter = asyncio.ensure_future(noted.wait())
+                try:
+                    await asyncio.wait(
+                        {work} if waiter is None else {work, waiter},
+                        timeout=max(0.0, due - loop.time()),
+                        return_when=asyncio.FIRST_COMPLETED,
                     )
-            finally:
-                if not work.done():
-                    # The call was cancelled: so is the handler. Its slot stays taken (and
-                    # stop() waits) until it has ended, as a unary call's does: a handler
-                    # cleaning up on its cancellation is still running.
-                    work.cancel()
-                    await asyncio.wait({work})
-            code, details, response = work.result()
+                finally:
+                    if waiter is not None:
+                        waiter.cancel()
+                if work.done():
+                    break
+                if waiter is not None and waiter.done() and not waiter.cancelled():
+                    continue  # a note came: its heartbeat is due again
+                noted.clear()
+                last = loop.time()
+                yield handler_pb2.HandleMessageStreamEvent(
+                    heartbeat=handler_pb2.Heartbeat(progress=_truncate(notes[0], 256))
+                )
+        finally:
+            if not work.done():
+                # The call was cancelled: so is the handler. Its slot stays taken (and
+                # stop() waits) until it has ended, as a unary call's does: a handler
+                # cleaning up on its cancellation is still running.
+                work.cancel()
+                await asyncio.wait({work})
+        code, details, response = work.result()
         if code != grpc.StatusCode.OK:
             await context.abort(code, _truncate(details))
         yield handler_pb2.HandleMessageStreamEvent(result=response)
@@ -767,22 +767,31 @@ class _MessageHandlerServicer(handler_pb2_grpc.MessageHandlerServicer):
                 self._spans.failed(grpc.StatusCode.INTERNAL)
                 return _status_result(grpc.StatusCode.INTERNAL, _describe(exc))
 
+    def _try_admit(self) -> bool:
+        """Take a slot, unless all ``max_concurrency`` are taken. One event loop runs every
+        call, so a plain counter is enough."""
+        if self._max_concurrency is not None and self._in_flight >= self._max_concurrency:
+            return False
+        self._in_flight += 1
+        return True
+
+    def _release(self, task: asyncio.Task[Any]) -> None:
+        self._in_flight -= 1
+        self.admitted.discard(task)
+
     @contextlib.contextmanager
     def _admit(self) -> Iterator[bool]:
-        # One event loop runs every call, so a plain counter is enough.
-        if self._max_concurrency is not None and self._in_flight >= self._max_concurrency:
+        """A slot for the running task's call (unary and batch), while the block runs."""
+        if not self._try_admit():
             yield False
             return
-        self._in_flight += 1
         task = asyncio.current_task()
-        if task is not None:
-            self.admitted.add(task)
+        assert task is not None
+        self.admitted.add(task)
         try:
             yield True
         finally:
-            self._in_flight -= 1
-            if task is not None:
-                self.admitted.discard(task)
+            self._release(task)
 
 
 # --------------------------------------------------------------------------------------------
