@@ -454,17 +454,12 @@ NOTE_GAP = 0.25
 """A long call's progress notes bring its next heartbeat forward, but to no less than this
 share of the heartbeat interval after the last one: at most four a heartbeat interval."""
 
-_CANCELLED_BY_ITSELF = (
-    "it raised asyncio.CancelledError while its call was not cancelled (it awaited a task or "
-    "future that something else cancelled); answered INTERNAL"
-)
-
 
 def _cancelled_by_itself() -> bool:
-    """Whether a CancelledError the handler raised is its own: its task is not being cancelled
-    (a cancelled call cancels the task running the handler). Answered as a failure (INTERNAL)
-    at once; raised on, the call would get no answer, and the proxy would wait out its
-    deadline and count a timeout, an outage's sign, for a broken message."""
+    """Whether a CancelledError the handler raised is its own (it awaited a task or future
+    that something else cancelled): its task is not being cancelled, as a cancelled call's
+    is. Answered as any failure (INTERNAL) at once; raised on, the call would get no answer,
+    and the proxy would wait out its deadline and count a timeout, an outage's sign."""
     task = asyncio.current_task()
     return task is not None and task.cancelling() == 0
 
@@ -629,14 +624,10 @@ class _MessageHandlerServicer(handler_pb2_grpc.MessageHandlerServicer):
             log.debug("%s: handler raised %r", _where(message), exc)
             self._spans.failed(exc.code)
             return exc.code, exc.message, handler_pb2.HandleMessageResponse()
-        except Exception as exc:
-            log.exception("%s: handler failed", _where(message))
-            self._spans.failed(grpc.StatusCode.INTERNAL)
-            return grpc.StatusCode.INTERNAL, _describe(exc), handler_pb2.HandleMessageResponse()
-        except asyncio.CancelledError as exc:
-            if not _cancelled_by_itself():
+        except (Exception, asyncio.CancelledError) as exc:
+            if isinstance(exc, asyncio.CancelledError) and not _cancelled_by_itself():
                 raise
-            log.exception("%s: handler failed: %s", _where(message), _CANCELLED_BY_ITSELF)
+            log.exception("%s: handler failed", _where(message))
             self._spans.failed(grpc.StatusCode.INTERNAL)
             return grpc.StatusCode.INTERNAL, _describe(exc), handler_pb2.HandleMessageResponse()
         return grpc.StatusCode.OK, "", _response(result)
@@ -706,10 +697,7 @@ class _MessageHandlerServicer(handler_pb2_grpc.MessageHandlerServicer):
                 )
         finally:
             if not work.done():
-                # The call was cancelled: so is the handler. Its slot stays taken (and
-                # stop() waits) until it has ended, as a unary call's does: a handler
-                # cleaning up on its cancellation is still running.
-                work.cancel()
+                work.cancel()  # the call was cancelled: so is the handler (its slot is its own)
                 await asyncio.wait({work})
         code, details, response = work.result()
         if code != grpc.StatusCode.OK:
@@ -756,14 +744,10 @@ class _MessageHandlerServicer(handler_pb2_grpc.MessageHandlerServicer):
                 log.debug("%s: handler raised %r", _where(message), exc)
                 self._spans.failed(exc.code)
                 return _status_result(exc.code, exc.message)
-            except Exception as exc:
-                log.exception("%s: handler failed", _where(message))
-                self._spans.failed(grpc.StatusCode.INTERNAL)
-                return _status_result(grpc.StatusCode.INTERNAL, _describe(exc))
-            except asyncio.CancelledError as exc:
-                if not _cancelled_by_itself():
+            except (Exception, asyncio.CancelledError) as exc:
+                if isinstance(exc, asyncio.CancelledError) and not _cancelled_by_itself():
                     raise
-                log.exception("%s: handler failed: %s", _where(message), _CANCELLED_BY_ITSELF)
+                log.exception("%s: handler failed", _where(message))
                 self._spans.failed(grpc.StatusCode.INTERNAL)
                 return _status_result(grpc.StatusCode.INTERNAL, _describe(exc))
 

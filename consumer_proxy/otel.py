@@ -27,7 +27,6 @@ SDK's, the SDK makes them.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import random
 import threading
@@ -70,6 +69,7 @@ from .core.tracecontext import (
     trace_headers,
     tracestate_header,
 )
+from .kafka_log import KafkaLogGate
 from .otlp import (
     MAX_CACHED,
     Encoded,
@@ -1014,47 +1014,28 @@ def _ratio(config: TracingConfig) -> float | None:
     return None
 
 
-EXPORT_LOG_INTERVAL_S = 60.0
-"""While exports fail, the exporters' own log lines get through once in this long."""
 EXPORTER_LOGGERS = (
     "opentelemetry.exporter.otlp.proto.grpc.exporter",
     "opentelemetry.exporter.otlp.proto.http.trace_exporter",
 )
 
 
-class ExportLogGate(logging.Filter):
+class ExporterLines(logging.Filter):
     """The OTLP exporters log every failed export: a warning each retry, an error when they
-    give up. With the collector down that is lines every few seconds for as long as it is
-    down (their own filter drops only a line identical to the one before, and theirs
-    alternate). Lets one warning or error through every ``interval_s``, saying how many were
-    held back since the last; lines below warning pass."""
+    give up, lines every few seconds while the collector is down (their own filter drops only
+    a line identical to the one just before, and theirs alternate). Their warnings and errors
+    go through ``gate`` instead (``KafkaLogGate.say``: a line that repeats, digits aside,
+    within a minute is suppressed and counted, and the count said with it next time)."""
 
-    def __init__(
-        self, interval_s: float = EXPORT_LOG_INTERVAL_S, clock: Callable[[], float] = time.monotonic
-    ) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self._interval_s = interval_s
-        self._clock = clock
-        self._told_at = -math.inf
-        self.held = 0  # lines held back since the last one let through
-        self.held_total = 0
+        self.gate = KafkaLogGate(log, "span exporter")
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.WARNING:
             return True
-        now = self._clock()
-        if now - self._told_at < self._interval_s:
-            self.held += 1
-            self.held_total += 1
-            return False
-        if self.held:
-            record.msg = (
-                f"{record.msg} ({self.held} more lines of the span exporter held back in the "
-                f"last {self._interval_s:g} s)"
-            )
-            self.held = 0
-        self._told_at = now
-        return True
+        self.gate.say(record.levelno, record.getMessage())
+        return False
 
 
 class OtelTracing:
@@ -1062,7 +1043,7 @@ class OtelTracing:
 
     def __init__(self, config: TracingConfig) -> None:
         self._config = config
-        self.export_log = ExportLogGate()
+        self.export_log = ExporterLines()
         for name in EXPORTER_LOGGERS:
             logging.getLogger(name).addFilter(self.export_log)
         attributes = {SERVICE_NAME: config.service_name} if config.service_name else {}

@@ -198,7 +198,7 @@ def test_a_state_of_more_runs_than_a_window_holds_is_refused_before_it_is_built(
 
     # Then read for a window of 1,000 offsets, the bomb is refused (its runs never held in
     # memory: the inflating stops at the window's bound), and what fits is read
-    with pytest.raises(CodecError, match="more runs than"):
+    with pytest.raises(CodecError, match="inflates past"):
         decode(bomb, max_runs=2 * 1_000 + 2)
     assert len(decode(fits, max_runs=2 * 1_000 + 2).runs) == 2_000
     # (read with no bound, as the DLQ tools read their marks, it still decodes)

@@ -164,14 +164,14 @@ def encode(state: AckState) -> str:
     return PREFIX + flag + base64.b85encode(crc + stored).decode("ascii")
 
 
-def _inflate(stored: bytes, limit: int, too_large: str) -> bytes:
+def _inflate(stored: bytes, limit: int) -> bytes:
     decompressor = zlib.decompressobj(-15)
     try:
         body = decompressor.decompress(stored, limit)
     except zlib.error as exc:
         raise CodecError(f"corrupt compressed ack state: {exc}") from exc
     if decompressor.unconsumed_tail:
-        raise CodecError(too_large)
+        raise CodecError(f"compressed ack state inflates past {limit} bytes")
     if not decompressor.eof or decompressor.unused_data:
         raise CodecError("corrupt compressed ack state")
     return body
@@ -238,13 +238,7 @@ def decode(metadata: str | None, max_runs: int | None = None) -> AckState:
     # The epoch, the base and the length, then the runs: each value at most a varint's bytes.
     max_values = _MAX_BODY_BYTES if max_runs is None else max_runs + 3
     if flag in (_FLAG_DEFLATE, _FLAG_DEFLATE_EPOCH):
-        limit = min(_MAX_BODY_BYTES, max_values * _MAX_VARINT_BYTES)
-        too_large = (
-            "compressed ack state is too large"
-            if limit == _MAX_BODY_BYTES
-            else f"more runs than the {max_values - 3} a window holds"
-        )
-        body = _inflate(stored, limit, too_large)
+        body = _inflate(stored, min(_MAX_BODY_BYTES, max_values * _MAX_VARINT_BYTES))
     else:
         body = stored
     if zlib.crc32(body).to_bytes(_CRC_LEN, "big") != crc:

@@ -692,7 +692,7 @@ class PartitionSet:
                     and (records[index].offset() or 0) >= part.received_end
                 ):
                     if not part.backlog:
-                        index += self._take_run(part, records, index, end)[0]
+                        index += self._take_run(part, records, index, end)
                     index += self._backlog_run(part, records, index, end)
                 for rest in range(index, end):
                     self.intake(records[rest])
@@ -711,17 +711,16 @@ class PartitionSet:
 
     def _take_run(
         self, part: PartitionState, records: Sequence[Record], start: int, end: int
-    ) -> tuple[int, int]:
+    ) -> int:
         """Track and admit records[start:end] of a ``_plain`` partition at once, as
         ``_accept`` of each would, as far as the window and the byte budget have room and
         the offsets increase above the last tracked one. With ``runs`` the records go out
         as one ``Run`` item (a record's user headers count in its size), else as
-        ``Delivery`` items. Returns how many were taken and what a backlog counts of
-        them (``_record_size``)."""
+        ``Delivery`` items. Returns how many were taken."""
         tracker = part.tracker
         assert tracker is not None
         if start >= end or not tracker.takes_run_from(records[start].offset() or 0):
-            return 0, 0
+            return 0
         previous = (records[start].offset() or 0) - 1
         # (a new list: a ``Run`` of all of it keeps it, one of fewer a copy of its head)
         records = records[start : start + min(end - start, self._max_in_flight - tracker.in_flight)]
@@ -737,7 +736,7 @@ class PartitionSet:
         sizes: list[int] = []
         track = offsets.append
         weigh = sizes.append
-        total = stored = 0
+        total = 0
         marked: list[tuple[int, UserHeaders]] = []  # (with ``runs``) records with headers
         taken = 0
         no_headers = _NO_USER_HEADERS
@@ -750,10 +749,8 @@ class PartitionSet:
             key = record.key()
             value = record.value()
             size = len(key or b"") + len(value or b"")
-            stored += size
             headers = record.headers()
             if headers:
-                stored += _headers_size(headers)
                 user = split_headers(headers)[0]
                 for name, data in user:  # (measured: a third of ``sum`` over a generator)
                     size += len(name) + len(data)
@@ -794,7 +791,7 @@ class PartitionSet:
             part.bytes += total
             budget.held += total
             self._admit_run(items)
-        return taken, stored
+        return taken
 
     @staticmethod
     def _saw_epochs(
@@ -1047,9 +1044,10 @@ class PartitionSet:
         budget = part.budget
         if room > 0 and backlog and self._plain(part):
             run = list(islice(backlog, min(room, len(backlog))))
-            taken, size = self._take_run(part, run, 0, len(run))
-            for _ in range(taken):
-                backlog.popleft()
+            taken = self._take_run(part, run, 0, len(run))
+            size = 0
+            for _ in range(taken):  # (their sizes here, off the primary path's run)
+                size += _record_size(backlog.popleft())
             part.backlog_bytes -= size
             budget.waiting -= size
             room -= taken
