@@ -6,8 +6,10 @@
 In batch mode ``auto`` (``delivery.batch: auto``) a call slot picks its instance first: one
 that does not serve ``HandleMessageBatch`` (``Pusher.batches``, ``core.support``) gets one
 message in a unary call; an UNIMPLEMENTED answer to a batch call (the instance's first call,
-or a rolling deploy) sends the same messages again at once as unary calls to that instance,
-in the same slot, with nothing counted for the failed batch call.
+or a rolling deploy) sends the first of its messages again at once in a unary call to that
+instance, in the same slot, and gives the others back to be taken one per call (a slot is
+one call in flight: ``concurrency`` holds in both kinds), with nothing counted for the
+failed batch call.
 
 What it shares with the unary path (the flow objects, the breaker rule, call bookkeeping) is
 ``push.Push``; what a batch's answer means is the core's (``core.batching``).
@@ -20,15 +22,14 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, cast
 
-from .config import DeliveryConfig
-from .core.batching import NOT_IMPLEMENTED_REASON, BatchLimits, BatchOutcome, summarize, take
+from .core.batching import BatchLimits, BatchOutcome, summarize, take
 from .core.decision import Action
 from .core.outcomes import Classification
 from .core.partitions import Delivery, Ready, expand
+from .core.support import MissingMethod
 from .kafka_log import KafkaLogGate
-from .push import OpenCall, Push, PushParts, UnaryPush, attempt_span
+from .push import OpenCall, Push, PushParts, attempt_span
 from .readyq import ReadyDeque
-from .stream import StreamPush
 from .wire import batch_request, unary_request
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class BatchPush(Push):
         self._linger_s = linger_ms / 1000.0
         self._on_problem = on_problem
         self.service_problem = ""  # said by /readyz while set (the batch method is missing)
+        self._missing = MissingMethod()
         self._m_batch_size = self._metrics.batch_size.labels(self.name)
         self._m_unsupported = self._metrics.batch_unsupported.labels(self.name)
         self._m_protocol_errors = self._metrics.batch_protocol_errors.labels(self.name)
@@ -113,11 +115,22 @@ class BatchPush(Push):
                         if self.rate is not None:  # (messages: a ``Run`` holds several)
                             await self.rate.acquire(sum(item.count for item in began))
                         started = clock()
-                        outcome = await (
-                            self._deliver(began, probe, endpoint, carried)
-                            if whole
-                            else self._deliver_unary(expand(began), probe, endpoint, carried)
-                        )
+                        if not whole:
+                            outcome = await self._deliver_unary(
+                                expand(began), probe, endpoint, carried
+                            )
+                        else:
+                            outcome = await self._deliver(began, probe, endpoint, carried)
+                            if outcome.unimplemented and self.auto:
+                                # The instance serves HandleMessage only (the pusher now
+                                # knows): the batch call counted for nothing.
+                                outcome = None
+                                began = self._one_of(began)
+                                self.open[call] = began
+                                carried = [0] if 0 in carried else []
+                                outcome = await self._deliver_unary(
+                                    expand(began), probe, endpoint, carried
+                                )
                         rtt = clock() - started
                         self._m_push.observe(rtt)
                     except asyncio.CancelledError:
@@ -161,12 +174,22 @@ class BatchPush(Push):
             if span is not None and tracer is not None:  # (a call with a sampled message)
                 tracer.batch_done(span, status, count)
         if outcome.unimplemented and self.auto:
-            # The instance serves HandleMessage only (the pusher now knows): the same
-            # messages go again at once, unary; the batch call counted for nothing.
-            return await self._deliver_unary(expand(batch), probe, endpoint, carried)
+            return outcome  # (the caller sends them again, unary)
         self._m_batch_size.observe(count)
         self._answered(outcome, endpoint.target)
         return self._finished(batch, outcome, probe, endpoint, carried)
+
+    def _one_of(self, began: list[Ready]) -> list[Ready]:
+        """A batch found an instance without ``HandleMessageBatch``: this call slot sends its
+        first message again at once, in a unary call; the others go back to be taken one
+        per call by the slots (sending them all from this slot would pass the group's
+        ``concurrency``: a slot is one call in flight)."""
+        deliveries = expand(began)
+        abandon = self.partitions.abandon
+        for delivery in deliveries[1:]:
+            abandon(delivery)
+        first: list[Ready] = [deliveries[0]]
+        return first
 
     async def _deliver_unary(
         self, batch: list[Delivery], probe: bool, endpoint: Any, carried: list[int]
@@ -252,22 +275,21 @@ class BatchPush(Push):
         call = outcome.call
         if outcome.breaker:
             self.last_failure = f"{call.status} from {target}: {call.reason}"
-        if outcome.unimplemented:
-            if not self.service_problem:
-                self.service_problem = f"{NOT_IMPLEMENTED_REASON} ({target} answered UNIMPLEMENTED)"
-                self._m_unsupported.set(1)
+        missing = self._missing
+        ok = outcome.breaker is False  # (a success: not a failure, nor a protocol error)
+        if missing.answered(self._clock(), target, outcome.unimplemented, ok):
+            problem = self.service_problem = missing.problem
+            self._m_unsupported.set(1 if problem else 0)
+            if problem:
                 log.error(
                     "group %s: %s; delivery.batch is configured, so messages wait (no fallback "
                     "to HandleMessage, nothing is dead-lettered) until the service implements "
                     "it or the group's batch setting is removed",
                     self.name,
-                    self.service_problem,
+                    problem,
                 )
-                self._on_problem()
-        elif self.service_problem and outcome.breaker is False:
-            self.service_problem = ""
-            self._m_unsupported.set(0)
-            log.warning("group %s: %s answers HandleMessageBatch again", self.name, target)
+            else:
+                log.warning("group %s: %s answers HandleMessageBatch again", self.name, target)
             self._on_problem()
         if outcome.protocol_error:
             self._m_protocol_errors.inc()
@@ -276,24 +298,3 @@ class BatchPush(Push):
                 f"protocol error from {target}: {outcome.protocol_error}; its messages go "
                 "alone (a batch of several: retried, no attempt counted; alone: counted)",
             )
-
-
-def build_push(
-    parts: PushParts,
-    ready: asyncio.Queue[Delivery] | ReadyDeque,
-    workers: int,
-    delivery: DeliveryConfig,
-    on_problem: Callable[[], None],
-) -> UnaryPush | BatchPush:
-    """The group's push: unary with a ready queue (streaming calls under
-    ``delivery.long_running``), batch mode (``delivery.batch``, always or auto) with a deque."""
-    batch = delivery.batch
-    if batch is None:
-        assert isinstance(ready, asyncio.Queue)
-        if delivery.long_running is not None:  # (validate refuses it with batch mode)
-            return StreamPush(parts, ready, workers, delivery.long_running)
-        return UnaryPush(parts, ready, workers)
-    assert isinstance(ready, ReadyDeque)
-    limits = BatchLimits(batch.max_messages, batch.max_bytes)
-    auto = batch.mode == "auto"
-    return BatchPush(parts, ready, workers, limits, batch.linger_ms, on_problem, auto)

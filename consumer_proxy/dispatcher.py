@@ -30,9 +30,10 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -50,9 +51,15 @@ from .core.heartbeat import CallWatch, Limits, expiry_result, no_result
 from .core.outcomes import Classification, Classifier
 from .core.support import BatchSupport, Learnt
 from .core.tracecontext import Metadata
-from .proto.v1 import handler_pb2, handler_pb2_grpc
+from .kafka_log import KafkaLogGate
+from .proto.v1 import handler_pb2
 
 log = logging.getLogger(__name__)
+
+Response = handler_pb2.HandleMessageResponse
+StreamEvent = handler_pb2.HandleMessageStreamEvent
+BatchResponse = handler_pb2.HandleMessageBatchResponse
+_M = TypeVar("_M", Response, StreamEvent, BatchResponse)
 
 _CHANNEL_OPTIONS: list[tuple[str, int | str]] = [
     ("grpc.max_send_message_length", -1),
@@ -68,6 +75,8 @@ _CHANNEL_OPTIONS: list[tuple[str, int | str]] = [
 SERVICE_NAME = "consumerproxy.v1.MessageHandler"
 """The health-check service name (the server's overall status, "", when it does not know it)."""
 BATCH_METHOD = f"/{SERVICE_NAME}/HandleMessageBatch"
+UNARY_METHOD = f"/{SERVICE_NAME}/HandleMessage"
+STREAM_METHOD = f"/{SERVICE_NAME}/HandleMessageStream"
 HEALTH_TIMEOUT_S = 1.0
 
 
@@ -82,7 +91,10 @@ class Endpoint:
     index: int
     target: str
     channel: aio.Channel
-    stub: handler_pb2_grpc.MessageHandlerStub
+    handle: aio.UnaryUnaryMultiCallable[handler_pb2.HandleMessageRequest, bytes]
+    """``HandleMessage``, its answer as bytes (decoded by the dispatcher: see ``decoded``)."""
+    handle_stream: aio.UnaryStreamMultiCallable[handler_pb2.HandleMessageStreamRequest, bytes]
+    """``HandleMessageStream``, each event as bytes."""
     health_stub: health_pb2_grpc.HealthStub
     state: Instance
     health_service: str = SERVICE_NAME
@@ -192,6 +204,8 @@ class Dispatcher:
         health_timeout_s: float = HEALTH_TIMEOUT_S,
     ) -> None:
         self._group = group
+        # A service whose every answer is broken would log a line per call.
+        self._lines = KafkaLogGate(log, f"group {group}")
         self._timeout_s = service.timeout_ms / 1000.0
         self._classifier = classifier
         self._on_ejected = on_ejected
@@ -233,7 +247,16 @@ class Dispatcher:
                     index,
                     target,
                     channel,
-                    handler_pb2_grpc.MessageHandlerStub(channel),
+                    channel.unary_unary(
+                        UNARY_METHOD,
+                        request_serializer=handler_pb2.HandleMessageRequest.SerializeToString,
+                        response_deserializer=None,  # bytes: decoded by ``decoded``
+                    ),
+                    channel.unary_stream(
+                        STREAM_METHOD,
+                        request_serializer=handler_pb2.HandleMessageStreamRequest.SerializeToString,
+                        response_deserializer=None,
+                    ),
                     health_pb2_grpc.HealthStub(channel),
                     self._ejection.instances[index],
                 )
@@ -319,12 +342,13 @@ class Dispatcher:
         endpoint.calls += 1
         started = time.monotonic()
         try:
-            response = await endpoint.stub.HandleMessage(
+            answer = await endpoint.handle(
                 request, timeout=self._timeout_s, metadata=_call_metadata(metadata)
             )
         except aio.AioRpcError as exc:
             result = self._classifier.from_status(exc.code(), exc.details())
         else:
+            response = self.decoded(Response, answer, endpoint, "HandleMessage")
             if response is None:
                 result = undecodable(self._classifier)
             else:
@@ -389,11 +413,19 @@ class Dispatcher:
         endpoint.outstanding += 1
         endpoint.calls += 1
         # gRPC's own deadline is a backstop only (the watch ends the call first).
-        call = endpoint.stub.HandleMessageStream(
+        call = endpoint.handle_stream(
             request, timeout=limits.max_processing_s + 30, metadata=_call_metadata(metadata)
         )
+        decoded = self.decoded
+
+        async def read() -> Any:
+            event = await call.read()
+            if event is aio.EOF:
+                return event
+            return decoded(StreamEvent, event, endpoint, "HandleMessageStream")
+
         try:
-            result = await read_stream(call.read, watch, on_heartbeat, self._classifier)
+            result = await read_stream(read, watch, on_heartbeat, self._classifier)
         except aio.AioRpcError as exc:
             result = self._classifier.from_status(exc.code(), exc.details())
         finally:
@@ -418,7 +450,7 @@ class Dispatcher:
             call = endpoint.channel.unary_unary(
                 BATCH_METHOD,
                 request_serializer=None,  # bytes as they are
-                response_deserializer=handler_pb2.HandleMessageBatchResponse.FromString,
+                response_deserializer=None,  # bytes: decoded by ``decoded``
             )
             self._batch_calls[endpoint] = call
         endpoint.outstanding += 1
@@ -435,7 +467,7 @@ class Dispatcher:
         else:
             outcome = classify_batch(
                 self._classifier,
-                response if isinstance(response, handler_pb2.HandleMessageBatchResponse) else None,
+                self.decoded(BatchResponse, response, endpoint, "HandleMessageBatch"),
                 count,
             )
         finally:
@@ -454,6 +486,20 @@ class Dispatcher:
         if change is not None:
             self._changed(change)
         return outcome
+
+    def decoded(self, kind: type[_M], data: Any, endpoint: Endpoint, method: str) -> _M | None:
+        """A service's answer (bytes as received) decoded as ``kind``; None when it does not
+        decode (retried like INTERNAL: ``undecodable``), said once a minute with the repeats
+        counted. (gRPC's own decoding would log a traceback per answer.)"""
+        try:
+            return kind.FromString(data)
+        except (DecodeError, TypeError) as exc:
+            self._lines.say(
+                logging.WARNING,
+                f"{endpoint.target} answered {method} with bytes that do not decode "
+                f"({str(exc)[:200]}); retried like INTERNAL",
+            )
+            return None
 
     def _learnt(self, learnt: Learnt) -> None:
         target = self.endpoints[learnt.index].target

@@ -31,7 +31,6 @@ from typing import Any
 
 from confluent_kafka import TopicPartition
 
-from .batch_push import BatchPush, build_push
 from .committer import Committer
 from .config import GroupConfig
 from .core.partitions import TP, Delivery, PartitionSet
@@ -44,6 +43,7 @@ from .metrics import ProxyMetrics
 from .parking import Parking, Tally
 from .ports import Clock, DeadLetterSink, EdgeHooks, MessageSource, OpenEdges, Pusher
 from .push import PushParts, UnaryPush
+from .pushes import BatchPush, build_push
 from .readyq import ReadyDeque
 from .snapshot import group_snapshot
 from .tracing import end_trace

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from consumer_proxy.core.support import REPROBE_S, SAYS_NOTHING, BatchSupport
+from consumer_proxy.core.support import (
+    REPROBE_S,
+    SAYS_NOTHING,
+    SERVES_AGAIN_S,
+    BatchSupport,
+    MissingMethod,
+)
 from tests.support.clock import Clock
 
 
@@ -84,3 +90,23 @@ def test_a_batch_instance_stays_batch_across_disconnects() -> None:
     support.answered(0, "OK")
     support.disconnected(0)
     assert support.modes == ["batch"]
+
+
+def test_the_missing_batch_method_is_told_once_and_back_only_after_it_settles() -> None:
+    # Given delivery.batch always and a target whose calls alternate between a build
+    # without HandleMessageBatch and one with it (a rolling deploy)
+    missing = MissingMethod()
+    told = []
+    for i in range(100):
+        now = float(i)
+        if missing.answered(now, "svc:1", unimplemented=i % 2 == 0, ok=i % 2 == 1):
+            told.append((now, missing.problem))
+    # Then it was told missing once, at the first UNIMPLEMENTED, and never back while
+    # UNIMPLEMENTED answers keep coming
+    assert len(told) == 1 and "svc:1 answered UNIMPLEMENTED" in told[0][1]
+    # When only successes come, Then it is back once SERVES_AGAIN_S passed since the last one
+    last = 98.0  # (the last UNIMPLEMENTED)
+    assert not missing.answered(last + SERVES_AGAIN_S - 1, "svc:1", False, True)
+    assert not missing.answered(last + SERVES_AGAIN_S, "svc:1", False, False)  # not a success
+    assert missing.answered(last + SERVES_AGAIN_S, "svc:1", False, True)
+    assert missing.problem == ""

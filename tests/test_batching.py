@@ -244,10 +244,22 @@ def test_too_few_or_too_many_results_retry_the_batch_uncounted_without_a_breaker
             assert decision.action is Action.RETRY and not decision.counted
 
 
-def test_an_undecodable_answer_is_retried_like_internal() -> None:
-    outcome = classify_batch(Classifier(), None, 2)
-    assert [r.status for r in outcome.results] == ["INTERNAL", "INTERNAL"]
+def test_an_undecodable_answer_alone_is_retried_like_internal() -> None:
+    outcome = classify_batch(Classifier(), None, 1)
+    assert [r.status for r in outcome.results] == ["INTERNAL"]
     assert all(r.counted for r in outcome.results)
+
+
+def test_an_undecodable_answer_to_several_is_no_ones_failure_and_each_goes_alone() -> None:
+    # Given an OK answer to a batch of 3 that does not decode (one result's reason that is
+    # not UTF-8 spoils the whole answer)
+    outcome = classify_batch(Classifier(), None, 3)
+    # Then, as with an answer of the wrong length, no message is charged for it: each is
+    # retried alone, no attempt counted, and the breaker hears nothing
+    assert [r.status for r in outcome.results] == [PROTOCOL_ERROR] * 3
+    assert all(r.alone and not r.counted and not r.service_failure for r in outcome.results)
+    assert outcome.breaker is None
+    assert "could not be decoded" in outcome.protocol_error
 
 
 def test_a_failed_call_applies_its_status_to_every_message_with_one_breaker_record() -> None:

@@ -177,33 +177,44 @@ def classify_batch(
 ) -> BatchOutcome:
     """An OK batch call's answer (None: it did not decode) for ``count`` messages."""
     if response is None:
-        result = classifier.from_status(
-            grpc.StatusCode.INTERNAL, "the service's batch response could not be decoded"
-        )
-        return BatchOutcome([result] * count, result, result.service_failure)
+        if count == 1:
+            # Alone, the broken answer is that message's own: a counted failure, as in
+            # unary mode.
+            result = classifier.from_status(
+                grpc.StatusCode.INTERNAL, "the service's batch response could not be decoded"
+            )
+            return BatchOutcome([result], result, result.service_failure)
+        # One result that does not decode (a reason that is not UTF-8) spoils the whole
+        # answer: like an answer of the wrong length, it is no one message's.
+        return _no_ones(count, "HandleMessageBatch's answer could not be decoded")
     answers = response.results
     if len(answers) != count:
         noun = "message" if count == 1 else "messages"
-        reason = clip_reason(
-            f"HandleMessageBatch answered {len(answers)} results for {count} {noun}"
+        return _no_ones(
+            count, f"HandleMessageBatch answered {len(answers)} results for {count} {noun}"
         )
-        # In a batch of one the broken answer is that message's own (counted) failure; in a
-        # larger batch it is no one's, and each message goes alone next.
-        retry = Classification(
-            Outcome.RETRY,
-            PROTOCOL_ERROR,
-            counted=count == 1,
-            service_failure=False,
-            reason=reason,
-            alone=count > 1,
-        )
-        return BatchOutcome([retry] * count, retry, None, protocol_error=reason)
     if count and response.ByteSize() == 2 * count:
         # Every result is empty (a plain ack): each encodes as its tag and a zero length, two
         # bytes, and any field set in one makes the answer longer. Read in C, not per result.
         return BatchOutcome([classifier.from_response(_EMPTY)] * count, _OK_CALL, False)
     from_response = classifier.from_response
     return summarize([from_response(answer) for answer in answers])
+
+
+def _no_ones(count: int, why: str) -> BatchOutcome:
+    """An answer that says nothing of any one message: in a batch of one it is that
+    message's own (counted) failure; in a larger batch it is no one's, and each message goes
+    alone next, no attempt counted. No breaker record either way (a protocol error)."""
+    reason = clip_reason(why)
+    retry = Classification(
+        Outcome.RETRY,
+        PROTOCOL_ERROR,
+        counted=count == 1,
+        service_failure=False,
+        reason=reason,
+        alone=count > 1,
+    )
+    return BatchOutcome([retry] * count, retry, None, protocol_error=reason)
 
 
 def summarize(results: Sequence[Classification]) -> BatchOutcome:

@@ -24,6 +24,11 @@ The rules:
   apart, and one probe a minute costs one UNIMPLEMENTED round trip.
 - A ``batch`` instance stays ``batch`` across disconnects: a replacement without the method is
   found by its first UNIMPLEMENTED, which costs nothing more than a probe would.
+
+With ``delivery.batch`` always there is no fallback: :class:`MissingMethod` says when the
+service is to be told not to serve the method (its first UNIMPLEMENTED) and when it serves it
+again (a success ``SERVES_AGAIN_S`` after the last UNIMPLEMENTED: instances of two builds
+behind one target, a rolling deploy, would flip it at every call).
 """
 
 from __future__ import annotations
@@ -32,7 +37,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["REPROBE_S", "SAYS_NOTHING", "BatchSupport", "Learnt", "Mode"]
+from .batching import NOT_IMPLEMENTED_REASON
+
+__all__ = [
+    "REPROBE_S",
+    "SAYS_NOTHING",
+    "SERVES_AGAIN_S",
+    "BatchSupport",
+    "Learnt",
+    "MissingMethod",
+    "Mode",
+]
 
 REPROBE_S = 60.0
 """A unary instance is asked again, with one batch call, at least this often."""
@@ -112,3 +127,32 @@ class BatchSupport:
         for mode in self.modes:
             out[mode] += 1
         return out
+
+
+SERVES_AGAIN_S = 30.0
+"""``MissingMethod``: how long after the last UNIMPLEMENTED a success says the method is back."""
+
+
+class MissingMethod:
+    """``delivery.batch`` always: whether the service is said not to serve
+    ``HandleMessageBatch`` (``problem``: why, for ``/readyz``; '' while it serves it)."""
+
+    __slots__ = ("_seen_at", "problem")
+
+    def __init__(self) -> None:
+        self.problem = ""
+        self._seen_at = 0.0
+
+    def answered(self, now: float, target: str, unimplemented: bool, ok: bool) -> bool:
+        """A batch call to ``target`` ended at ``now``: answered UNIMPLEMENTED, or ``ok`` (a
+        success of the service); True when ``problem`` changed (to log and tell, once)."""
+        if unimplemented:
+            self._seen_at = now
+            if self.problem:
+                return False
+            self.problem = f"{NOT_IMPLEMENTED_REASON} ({target} answered UNIMPLEMENTED)"
+            return True
+        if self.problem and ok and now - self._seen_at >= SERVES_AGAIN_S:
+            self.problem = ""
+            return True
+        return False
