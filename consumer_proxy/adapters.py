@@ -112,6 +112,7 @@ class RealEdges:
             hooks.listener,
             loop,
             callback_timeout_s=grace_s + REVOKE_MARGIN_MS / 1000.0,
+            from_start=[group.redrive_topic, *group.retry_topics],
         )
         fetcher.on_reached = link.confirm
         tracer = self._tracing.tracer(name) if self._tracing is not None else None

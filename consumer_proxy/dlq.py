@@ -502,6 +502,10 @@ def ensure_topics(kafka: KafkaConfig, group: GroupConfig, timeout_s: float = 30.
         _tell_orphan_tiers(admin, group, existing, timeout_s)
     except Exception as exc:  # noqa: BLE001 (a warning only: never a failed start)
         log.debug("group %s: reading leftover retry tiers failed: %s", group.name, exc)
+    try:
+        _tell_short_tier_retention(admin, group, existing, timeout_s)
+    except Exception as exc:  # noqa: BLE001 (as above)
+        log.debug("group %s: reading the retry tiers' retention failed: %s", group.name, exc)
     wanted = [group.dlq_topic, group.redrive_topic, *group.retry_topics]
     missing = [t for t in wanted if t not in existing]
     absent_sources = [t for t in group.topics if t not in existing]
@@ -528,9 +532,14 @@ def ensure_topics(kafka: KafkaConfig, group: GroupConfig, timeout_s: float = 30.
     widest = max((len(existing[t].partitions) for t in group.topics if t in existing), default=1)
     widths.update(dict.fromkeys(group.retry_topics, widest))
     config = _record_size_config(admin, [t for t in group.topics if t in existing], timeout_s)
+    configs = {t: config for t in missing}
+    for topic, tier in zip(group.retry_topics, group.delivery.retry_topics, strict=True):
+        # A tier record is its message's only copy (the source offset is committed): kept
+        # well past its delay, whatever the cluster's default retention.
+        configs[topic] = {**config, "retention.ms": str(tier_retention_ms(tier.delay_ms))}
     futures = admin.create_topics(
         [
-            NewTopic(t, num_partitions=widths[t], replication_factor=replication, config=config)
+            NewTopic(t, num_partitions=widths[t], replication_factor=replication, config=configs[t])
             for t in missing
         ],
         request_timeout=timeout_s,
@@ -557,6 +566,51 @@ def ensure_topics(kafka: KafkaConfig, group: GroupConfig, timeout_s: float = 30.
                 break
             time.sleep(0.1)
     return created
+
+
+TIER_RETENTION_MARGIN_MS = 7 * 24 * 3600 * 1000
+"""How much longer than its delay a retry tier topic the proxy creates keeps a record (outages,
+a backlog, restarts: a record fetched late must still be there)."""
+TIER_RETENTION_SHORT_MS = 24 * 3600 * 1000
+"""An existing tier topic whose retention leaves less than this past its delay is told of."""
+
+
+def tier_retention_ms(delay_ms: int) -> int:
+    """``retention.ms`` of a retry tier topic the proxy creates for a tier of ``delay_ms``."""
+    return delay_ms + TIER_RETENTION_MARGIN_MS
+
+
+def _tell_short_tier_retention(
+    admin: AdminClient, group: GroupConfig, existing: dict[str, Any], timeout_s: float
+) -> None:
+    """Tell (an error, once a start) of existing retry tier topics that may delete a record
+    before it is due and fetched: a tier record is its message's only copy, so that message
+    would be lost (the consumer skips to the log's start)."""
+    tiers = {
+        topic: tier.delay_ms
+        for topic, tier in zip(group.retry_topics, group.delivery.retry_topics, strict=True)
+        if topic in existing
+    }
+    if not tiers:
+        return
+    resources = [ConfigResource(ResourceType.TOPIC, t) for t in tiers]
+    for resource, future in admin.describe_configs(resources, request_timeout=timeout_s).items():
+        entry = future.result(timeout=timeout_s).get("retention.ms")
+        if entry is None or entry.value is None:
+            continue
+        retention, delay = int(entry.value), tiers[resource.name]
+        if 0 <= retention < delay + TIER_RETENTION_SHORT_MS:
+            log.error(
+                "group %s: retry tier topic %s keeps records %d ms (retention.ms), less than a "
+                "day past its delay_ms %d: a record deleted before it is fetched (an outage, a "
+                "backlog) is lost, its source offset committed; raise its retention.ms to at "
+                "least %d",
+                group.name,
+                resource.name,
+                retention,
+                delay,
+                tier_retention_ms(delay),
+            )
 
 
 def _tell_orphan_tiers(

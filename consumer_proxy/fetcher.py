@@ -28,7 +28,14 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    OFFSET_INVALID,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    TopicPartition,
+)
 
 from .config import KafkaConfig
 from .kafka_log import KafkaLogGate
@@ -176,9 +183,17 @@ class Fetcher:
         listener: RebalanceListener,
         loop: asyncio.AbstractEventLoop,
         callback_timeout_s: float = 60.0,
+        from_start: Sequence[str] = (),
     ) -> None:
+        """``from_start``: topics of the proxy's own (the redrive topic, the retry tiers) whose
+        partitions without a committed offset are read from their start, whatever
+        ``auto.offset.reset`` says: each record there is its message's only copy."""
         self._conf = conf
         self._topics = list(topics)
+        reset = str(conf.get("auto.offset.reset", "earliest")).lower()
+        self._from_start = (
+            frozenset(from_start) if reset not in {"earliest", "smallest", "beginning"} else None
+        )
         self._listener = listener
         self._loop = loop
         self._callback_timeout_s = callback_timeout_s
@@ -276,7 +291,27 @@ class Fetcher:
                 len(partitions),
             )
             committed = [TopicPartition(tp.topic, tp.partition) for tp in partitions]
+        elif self._from_start is not None:
+            self._assign_from_start(consumer, committed)
         self._call_listener(self._listener.partitions_assigned(committed))
+
+    def _assign_from_start(self, consumer: Consumer, committed: list[TopicPartition]) -> None:
+        """Assign the partitions (in place of the client's own assignment after this callback),
+        those of ``from_start`` topics without a committed offset at their start: with
+        ``auto.offset.reset`` latest, a tier record written before its partition's first
+        commit (a tier write confirmed during a shutdown's drain) would be skipped, lost."""
+        from_start = self._from_start
+        assert from_start is not None
+        starts = [
+            TopicPartition(
+                tp.topic,
+                tp.partition,
+                OFFSET_BEGINNING if tp.topic in from_start and tp.offset < 0 else OFFSET_INVALID,
+            )
+            for tp in committed
+        ]
+        if any(tp.offset == OFFSET_BEGINNING for tp in starts):
+            consumer.incremental_assign(starts)
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._positions_due = 0.0

@@ -495,3 +495,51 @@ def test_the_handler_sdk_reads_and_writes_the_retry_source() -> None:
     assert message.to_proto().source == handler_pb2.DELIVERY_SOURCE_RETRY
     unknown = handler_pb2.Message(topic="t", source=99)  # type: ignore[arg-type]
     assert Message.from_proto(unknown).source == "primary"
+
+
+def test_a_head_moved_from_an_in_memory_retry_wait_is_charged_no_attempt_it_did_not_make() -> None:
+    # Given max_attempts 2, in_memory_attempts 2 and head_block_ms: the head message fails
+    # its first attempt (counted) and waits for its in-memory retry; the message behind it
+    # is acked
+    rig = Rig(
+        head_block_ms=1000,
+        max_attempts=2,
+        in_memory_attempts=2,
+        backoff=BackoffConfig(initial_ms=60_000, max_ms=60_000),
+    )
+    rig.core.intake(TierRecord("t", 0))
+    rig.core.intake(TierRecord("t", 1))
+    head, retry = rig.push(FAIL)
+    assert retry.action is Action.RETRY and head.counted_here == 1
+    rig.push(ACK)
+    # When head-of-line unblocking moves it aside (nothing is under way for it: no call of it
+    # is abandoned)
+    rig.core.unblock(0.0)
+    [(moved, decision)] = rig.core.unblock(1.0)
+    assert moved is head
+    # Then it is charged only the one attempt it made: with max_attempts 2 it still has one
+    # left, so it goes to a tier, not to the DLQ "after 2 attempts", and the attempt it
+    # carries (cp-attempt: attempts made so far) is 1
+    assert decision.action is Action.TIER, (decision.action, decision.reason, moved.counted_here)
+    assert moved.attempt == 1 and moved.counted_here == 1
+
+
+def test_a_head_moved_from_an_in_memory_retry_wait_carries_the_attempts_it_made() -> None:
+    # Given max_attempts 10: the head fails its first attempt and waits for its retry
+    rig = Rig(
+        head_block_ms=1000,
+        max_attempts=10,
+        in_memory_attempts=3,
+        backoff=BackoffConfig(initial_ms=60_000, max_ms=60_000),
+    )
+    rig.core.intake(TierRecord("t", 0))
+    rig.core.intake(TierRecord("t", 1))
+    rig.push(FAIL)
+    rig.push(ACK)
+    rig.core.unblock(0.0)
+    # When it is moved to tier 1
+    [(moved, decision)] = rig.core.unblock(1.0)
+    assert decision.action is Action.TIER
+    # Then its tier record says one attempt was made (the handler saw attempt 1 only; read
+    # back, the next delivery is attempt 2, not 3), and one attempt of the budget is spent
+    assert (moved.attempt, moved.counted_here) == (1, 1)

@@ -15,13 +15,15 @@ import grpc
 import pytest
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
+from consumer_proxy.config import GroupConfig, KafkaConfig, ProxyConfig
 from consumer_proxy.core import records as rec
-from consumer_proxy.dlq import DeadLetterWriter
+from consumer_proxy.dlq import DeadLetterWriter, ensure_topics
 from consumer_proxy.errors import KafkaUnavailableError
 from consumer_proxy.proto.v1 import handler_pb2
 from consumer_proxy.status import collect_status, render_status
 from tests.support.kafka import (
     Broker,
+    admin,
     alter_topic,
     committed_offsets,
     consume_all,
@@ -32,9 +34,11 @@ from tests.support.kafka import (
 )
 from tests.support.ledger import Ledger
 from tests.support.proxy import (
+    FAST_CONSUMER,
     ProxyProcess,
     caught_up,
     caught_up_now,
+    config_dict,
     make_config,
     start_proxy,
     write_config,
@@ -491,3 +495,108 @@ async def test_tier_topics_left_by_a_config_with_more_tiers_are_told_with_what_t
     assert f"{group}.retry.2 (3 records)" in told[0]
     assert f"{group}.retry.3" not in told[0]
     assert "at least 2 tiers" in told[0]
+
+
+DAY_MS = 24 * 3600 * 1000
+
+
+def _retention_ms(bootstrap: str, topic: str) -> int:
+    from confluent_kafka.admin import ConfigResource, ResourceType  # type: ignore[attr-defined]
+
+    client = admin(bootstrap)
+    [future] = client.describe_configs(
+        [ConfigResource(ResourceType.TOPIC, topic)], request_timeout=30
+    ).values()
+    return int(future.result(timeout=30)["retention.ms"].value)
+
+
+async def test_tier_topics_keep_their_records_well_past_their_delay(
+    kafka: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a group whose tier 2 waits 3 days, on a cluster whose default retention is a day
+    # (this project's test broker: log.retention.hours=24, a common setting), and whose tier 3
+    # topic exists already, made by hand with a retention of an hour
+    bootstrap = kafka.bootstrap
+    topic, name = unique_name("keep"), unique_name("keep")
+    create_topic(bootstrap, topic)
+    create_topic(bootstrap, f"{name}.retry.3", config={"retention.ms": str(3600 * 1000)})
+    group = GroupConfig.model_validate(
+        {
+            "name": name,
+            "topics": [topic],
+            "service": {"endpoints": ["127.0.0.1:1"]},
+            "delivery": {
+                "retry_topics": [{"delay_ms": 60_000}, {"delay_ms": 3 * DAY_MS}, {"delay_ms": 1000}]
+            },
+        }
+    )
+    caplog.set_level(logging.WARNING, logger="consumer_proxy")
+    # When the proxy creates its missing topics (at start)
+    kafka_config = KafkaConfig(bootstrap_servers=bootstrap)
+    created = await asyncio.to_thread(ensure_topics, kafka_config, group)
+    # Then the tier topics it created keep a record a week past their delay: a tier record is
+    # its message's only copy (the source offset was committed when it was written), and one
+    # deleted before it is fetched would be skipped, its message lost
+    assert {f"{name}.retry.1", f"{name}.retry.2"} <= set(created)
+    assert _retention_ms(bootstrap, f"{name}.retry.1") == 60_000 + 7 * DAY_MS
+    assert _retention_ms(bootstrap, f"{name}.retry.2") == 3 * DAY_MS + 7 * DAY_MS
+    # ... and the tier topic made by hand with too short a retention is told of, once, with
+    # the retention to set
+    told = [r.getMessage() for r in caplog.records if "keeps records" in r.getMessage()]
+    assert len(told) == 1 and f"{name}.retry.3" in told[0], told
+    assert f"at least {1000 + 7 * DAY_MS}" in told[0]
+
+
+async def test_a_tier_record_before_its_partitions_first_commit_is_delivered_whatever_the_reset(
+    kafka: Broker,
+) -> None:
+    # Given a group whose kafka.client sets auto.offset.reset: latest (kafka.client overrides
+    # the consumer's defaults), and a record in its tier 1 that its previous run wrote (the
+    # source offset committed) before any commit of that tier partition: a tier write
+    # confirmed during a shutdown's drain (the intake stops first), or just before a kill -9
+    bootstrap = kafka.bootstrap
+    topic, group = unique_name("latest"), unique_name("latest")
+    create_topic(bootstrap, topic)
+    create_topic(bootstrap, f"{group}.retry.1")
+    await asyncio.to_thread(produce, bootstrap, topic, ["m"])
+    headers = rec.retry_headers(
+        [],
+        rec.Origin(topic, 0, 0, 1000, 1),
+        attempt=1,
+        status="INTERNAL",
+        reason="not yet",
+        endpoint="e",
+        group=group,
+        tier=1,
+        due_at_ms=0,
+    )
+    await asyncio.to_thread(
+        produce, bootstrap, f"{group}.retry.1", [{"value": b"m", "headers": headers}]
+    )
+    previous = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+    try:
+        previous.commit(offsets=[TopicPartition(topic, 0, 1)], asynchronous=False)
+    finally:
+        previous.close()
+    # When the proxy starts again
+    async with TestService() as service:
+        config = ProxyConfig(
+            **config_dict(
+                bootstrap,
+                group,
+                [topic],
+                [service.address],
+                client={"auto.offset.reset": "latest"},
+                delivery={"retry_topics": [{"delay_ms": 1000}]},
+            )
+        )
+        proxy, task = start_proxy(config, consumer_overrides=FAST_CONSUMER)
+        try:
+            # Then the message is delivered from its tier (its only copy), at its second
+            # attempt, not skipped by the reset meant for the source topics
+            await async_wait_until(lambda: len(service.deliveries) >= 1, timeout=60)
+            await async_wait_until(lambda: caught_up(bootstrap, group, f"{group}.retry.1"), 60)
+            assert [(d.coordinates, d.attempt) for d in service.deliveries] == [((topic, 0, 0), 2)]
+        finally:
+            await proxy.shutdown()
+            await task

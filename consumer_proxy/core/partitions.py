@@ -172,6 +172,7 @@ class Delivery:
     due_at_ms: int = 0  # with Action.TIER: when the tier record is due (epoch ms)
     moved: bool = False  # moved aside as it blocked its partition: a late result is ignored
     alone: bool = False  # batch mode: goes in a batch of its own (its batch's answer was bad)
+    retry_counted: bool = False  # waiting for an in-memory retry after a counted failure
     guard_probe: bool = False  # retried to probe a held dead-letter guard: its ack releases it
     trace: Any = None  # the shell's trace of it (tracing.MessageTrace); None with tracing off
     count: ClassVar[int] = 1  # messages in this ready item (a ``Run`` holds several)
@@ -1203,6 +1204,7 @@ class PartitionSet:
             part.calls += 1
         else:
             counters.retry += 1
+            delivery.retry_counted = decision.counted
             if decision.counted:
                 delivery.counted_here += 1
                 delivery.attempt += 1
@@ -1349,7 +1351,12 @@ class PartitionSet:
                 unblocks.popleft()
             if len(unblocks) >= self._max_unblock:
                 continue
-            decision = unblock(delivery.counted_here, delivery.tier, self._policy, waited)
+            # A message waiting for an in-memory retry after a counted failure has that
+            # failure charged already, and its next attempt was not made: moving it charges
+            # nothing more, and its record carries the attempts made.
+            waiting = retrying is not None and retrying[0] is delivery
+            charged = waiting and delivery.retry_counted
+            decision = unblock(delivery.counted_here - charged, delivery.tier, self._policy, waited)
             if decision.action is Action.DEAD_LETTER and self.guard is not None and self.guard.held:
                 continue  # a dead letter waits while the guard holds (no unblock spent)
             unblocks.append(now_s)
@@ -1362,7 +1369,10 @@ class PartitionSet:
                 del part.out[head]
                 delivery.moved = True  # its push's result, when it comes, is ignored
             self.counters.unblocks += 1
-            delivery.counted_here += 1
+            if charged:
+                delivery.attempt -= 1  # (the retry never came: attempts made so far)
+            else:
+                delivery.counted_here += 1
             part.calls += 1  # the write
             if decision.action is Action.TIER:
                 self.counters.tier += 1
