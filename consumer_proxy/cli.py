@@ -307,9 +307,20 @@ def _guard(args: argparse.Namespace, config: ProxyConfig) -> int:
     config.group(args.group)  # a ConfigError (exit 2) for a group the file does not name
     if args.token_file is not None:
         try:
-            token = args.token_file.read_text().strip()
-        except OSError as exc:
-            raise ConfigError([f"{args.token_file}: cannot read the admin token: {exc}"]) from exc
+            token = args.token_file.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            raise ConfigError(
+                [f"{args.token_file}: cannot read the admin token: {reason or exc}"]
+            ) from None
+        if not token or not token.isascii() or not token.isprintable() or " " in token:
+            # (never echoed: it is the secret, or most of it)
+            raise ConfigError(
+                [
+                    f"{args.token_file}: the admin token must be one line of printable ASCII "
+                    "without spaces (the proxy's admin.token)"
+                ]
+            )
     elif config.admin.token is not None:
         token = config.admin.token.get_secret_value()
     else:
@@ -374,7 +385,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_dlq_command(args, config)
     except ConfigError as exc:
         for problem in exc.problems:
-            print(problem, file=sys.stderr)
+            # Keys, group names and file names of a team's file: data, not terminal sequences.
+            print(printable(problem), file=sys.stderr)
         return EXIT_USAGE
     except ConsumerProxyError as exc:
         print(f"consumer-proxy: {exc}", file=sys.stderr)

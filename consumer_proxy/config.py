@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import logging
 import os
 import re
 import types
@@ -593,6 +594,19 @@ class GroupConfig(BaseModel):
                 f"{self.redrive_topic!r} is also the DLQ topic; dlq.topic and "
                 "dlq.redrive_topic must differ",
             )
+        # The group consumes its retry tiers: a DLQ or redrive topic among them would be read
+        # back as tier records (dead letters retried forever, none kept).
+        for label, topic in (
+            ("dlq.topic", self.dlq_topic),
+            ("dlq.redrive_topic", self.redrive_topic),
+        ):
+            if topic in self.retry_topics:
+                field = label.split(".")[1]
+                raise FieldProblem(
+                    ("dlq", field),
+                    f"{topic!r} is also a retry tier of the group (delivery.retry_topics "
+                    f"writes <group>.retry.<n>); the {label} must be a topic of its own",
+                )
         return self
 
     @property
@@ -656,7 +670,36 @@ class KafkaConfig(BaseModel):
         clash = sorted(PROXY_OWNED_CLIENT_PROPERTIES & set(value))
         if clash:
             raise ValueError(f"{', '.join(clash)} are set by the proxy and cannot be overridden")
+        _librdkafka_accepts(value)
         return value
+
+
+def _librdkafka_accepts(client: Mapping[str, Any]) -> None:
+    """ValueError with librdkafka's reason when it refuses a property or its value.
+
+    A client with no bootstrap.servers never connects: building one only parses the
+    properties (names, enums, numbers), as every client the proxy and its tools build will.
+    Built as plaintext, so that files named by ssl.* are not read here (they may exist only
+    where the proxy runs); security.protocol itself is checked by name.
+    """
+    from confluent_kafka import Consumer, KafkaException
+
+    protocol = str(client.get("security.protocol", "plaintext")).lower()
+    if protocol not in {"plaintext", "ssl", "sasl_plaintext", "sasl_ssl"}:
+        raise ValueError(
+            f"security.protocol {protocol!r} is not one of plaintext, ssl, sasl_plaintext, sasl_ssl"
+        )
+    conf: dict[str, Any] = {
+        **client,
+        "security.protocol": "plaintext",
+        "group.id": "consumer-proxy-validate",
+        "log_level": 0,
+    }
+    try:
+        Consumer(conf, logger=logging.getLogger("consumer_proxy.validate")).close()
+    except KafkaException as exc:
+        reason = exc.args[0].str() if exc.args and hasattr(exc.args[0], "str") else str(exc)
+        raise ValueError(f"librdkafka refuses it: {reason}") from None
 
 
 class MetricsConfig(BaseModel):
@@ -867,6 +910,37 @@ class ProxyConfig(BaseSettings):
                     also=first,
                 )
             seen[group.name] = index
+        return self
+
+    @model_validator(mode="after")
+    def _topics_of_one_group(self) -> ProxyConfig:
+        # A group's redrive topic and retry tiers are consumed by that group alone (the DLQ
+        # tools merge into and count them per group), and its DLQ topic is its own: merge and
+        # purge act on the whole topic. Source topics may be shared (each group reads all).
+        owner: dict[str, tuple[int, str]] = {}
+        for index, group in enumerate(self.groups):
+            roles = [("dlq.topic", group.dlq_topic), ("dlq.redrive_topic", group.redrive_topic)]
+            roles += [("delivery.retry_topics", t) for t in group.retry_topics]
+            for label, topic in roles:
+                if topic in owner:
+                    first, role = owner[topic]
+                    raise FieldProblem(
+                        ("groups", index, *label.split(".")),
+                        f"{topic!r} is already the {role} of groups.{first}; each group's "
+                        "DLQ, redrive and retry topics must be its own",
+                        also=first,
+                    )
+                owner[topic] = (index, label)
+        for index, group in enumerate(self.groups):
+            for topic in group.topics:
+                first, role = owner.get(topic, (index, ""))
+                if first != index and role != "dlq.topic":
+                    raise FieldProblem(
+                        ("groups", index, "topics"),
+                        f"{topic!r} is the {role} of groups.{first}, which only that group "
+                        "consumes",
+                        also=first,
+                    )
         return self
 
     @model_validator(mode="after")
@@ -1187,6 +1261,7 @@ def _format_error(
     if (
         err["type"] not in {"missing", "extra_forbidden"}
         and loc[:1] != ["kafka"]  # the passthrough, or the section as a string: may hold secrets
+        and loc[:1] != ["admin"]  # the token (a SecretStr: refused, it is still the secret)
         and not isinstance(shown, dict | list)
         and repr(shown) not in message
     ):

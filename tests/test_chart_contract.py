@@ -52,6 +52,14 @@ GROUP: dict[str, Any] = {
     "service": {"endpoints": ["billing:50051"]},
 }
 
+OTHER: dict[str, Any] = {
+    "name": "refunds",
+    "topics": ["rides"],
+    "service": {"endpoints": ["refunds:50051"]},
+}
+TIER = [{"delay_ms": 1000}]
+LONG = {"heartbeat_timeout_ms": 5000, "max_processing_ms": 30_000}
+
 
 def group(**changes: Any) -> dict[str, Any]:
     """Values with one group: GROUP with ``changes`` merged in (one level deep)."""
@@ -134,6 +142,66 @@ BAD: dict[str, Bad] = {
         group(dlq={"topic": "billing.again", "redrive_topic": "billing.again"}),
         "groups[0].dlq.redrive_topic",
         "groups.0(billing).dlq.redrive_topic",
+    ),
+    "retry-tiers-with-key-ordering": Bad(
+        group(delivery={"ordering": "key", "retry_topics": TIER}),
+        "groups[0].delivery.retry_topics",
+        "groups.0(billing).delivery",
+    ),
+    "head-block-without-retry-tiers": Bad(
+        group(delivery={"head_block_ms": 1000}),
+        "groups[0].delivery.head_block_ms",
+        "groups.0(billing).delivery",
+    ),
+    "long-running-cap-below-heartbeat-timeout": Bad(
+        group(delivery={"long_running": {"heartbeat_timeout_ms": 5000, "max_processing_ms": 4000}}),
+        "groups[0].delivery.long_running",
+        "groups.0(billing).delivery.long_running",
+    ),
+    "long-running-with-a-batch-section": Bad(
+        group(delivery={"long_running": LONG, "batch": {"max_messages": 10}}),
+        "groups[0].delivery.long_running",
+        "groups.0(billing).delivery",
+    ),
+    "revoke-grace-past-long-running-cap": Bad(
+        group(delivery={"long_running": LONG, "revoke_grace_ms": 60_000}),
+        "groups[0].delivery.revoke_grace_ms",
+        "groups.0(billing).delivery",
+    ),
+    "dlq-topic-is-a-retry-tier": Bad(
+        group(delivery={"retry_topics": TIER}, dlq={"topic": "billing.retry.1"}),
+        "groups[0].dlq.topic",
+        "groups.0(billing).dlq.topic",
+    ),
+    "redrive-topic-is-a-retry-tier": Bad(
+        group(delivery={"retry_topics": TIER}, dlq={"redrive_topic": "billing.retry.1"}),
+        "groups[0].dlq.redrive_topic",
+        "groups.0(billing).dlq.redrive_topic",
+    ),
+    "retry-tier-is-a-source": Bad(
+        group(topics=["trips", "billing.retry.1"], delivery={"retry_topics": TIER}),
+        "groups[0].delivery.retry_topics",
+        "groups.0(billing).delivery.retry_topics",
+    ),
+    "two-groups-share-a-redrive-topic": Bad(
+        {
+            "groups": [
+                {**GROUP, "dlq": {"redrive_topic": "shared.redrive"}},
+                {**OTHER, "dlq": {"redrive_topic": "shared.redrive"}},
+            ]
+        },
+        "groups[1].dlq.redrive_topic",
+        "groups.1(refunds).dlq.redrive_topic",
+    ),
+    "two-groups-share-a-dlq-topic": Bad(
+        {"groups": [GROUP, {**OTHER, "dlq": {"topic": "billing.dlq"}}]},
+        "groups[1].dlq.topic",
+        "groups.1(refunds).dlq.topic",
+    ),
+    "a-source-is-another-groups-redrive-topic": Bad(
+        {"groups": [GROUP, {**OTHER, "topics": ["rides", "billing.redrive"]}]},
+        "groups[1].topics",
+        "groups.1(refunds).topics",
     ),
     "tls-cert-without-key": Bad(
         group(service={"endpoints": ["billing:50051"], "tls": {"cert_file": "/tls/tls.crt"}}),

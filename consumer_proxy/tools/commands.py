@@ -279,6 +279,12 @@ def _spark_settings(args: argparse.Namespace) -> spark.SparkOptions:
 def _report(args: argparse.Namespace, kafka: KafkaConfig, group: GroupConfig) -> int:
     if args.top < 1:
         raise ConfigError([f"--top must be at least 1, got {args.top}"])
+    try:  # before the job: a bad --out must not cost a whole Spark run
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            [f"--out {args.out}: not a directory that can be written: {exc.strerror or exc}"]
+        ) from None
     spark.require_pipeline("report", chart=True)
     options = _spark_settings(args)
     state = kafka_ops.dlq_partitions(kafka, group)  # the bound: end offsets now

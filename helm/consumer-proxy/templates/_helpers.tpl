@@ -200,6 +200,7 @@ max.poll.interval.ms. */ -}}
 {{- end -}}
 {{- $defaults := include "consumer-proxy.groupDefaults" . | fromJson -}}
 {{- $names := dict -}}
+{{- $owners := dict -}}
 {{- range $i, $given := .Values.groups -}}
 {{- $at := printf "groups[%d]" $i -}}
 {{- if hasKey $names $given.name -}}
@@ -230,9 +231,75 @@ max.poll.interval.ms. */ -}}
 {{- if eq $dlq $redrive -}}
 {{- fail (printf "%s.dlq.redrive_topic: %q is also the DLQ topic; dlq.topic and dlq.redrive_topic must differ" $at $redrive) -}}
 {{- end -}}
+{{- /* The proxy's GroupConfig._dlq_not_a_source, the rest of it. */ -}}
+{{- $delivery := $group.delivery -}}
+{{- $tiers := list -}}
+{{- range $n, $_ := default (list) $delivery.retry_topics -}}
+{{- $tiers = append $tiers (printf "%s.retry.%d" $given.name (add $n 1)) -}}
+{{- end -}}
+{{- if and $tiers (ne (toString $delivery.ordering) "none") -}}
+{{- fail (printf "%s.delivery.retry_topics: retry tiers need ordering none: a message waiting in a tier would let the later messages of its key go first (ordering is %q)" $at (toString $delivery.ordering)) -}}
+{{- end -}}
+{{- $long := $delivery.long_running -}}
+{{- if $long -}}
+{{- if le (float64 $long.max_processing_ms) (float64 $long.heartbeat_timeout_ms) -}}
+{{- fail (printf "%s.delivery.long_running: max_processing_ms (%v) must be above heartbeat_timeout_ms (%v)" $at $long.max_processing_ms $long.heartbeat_timeout_ms) -}}
+{{- end -}}
+{{- $batch := get (default (dict) $given.delivery) "batch" -}}
+{{- $batchOn := false -}}
+{{- if kindIs "map" $batch -}}
+{{- $batchOn = ne (toString (get $batch "mode")) "auto" -}}
+{{- else if kindIs "string" $batch -}}
+{{- $batchOn = eq $batch "always" -}}
+{{- end -}}
+{{- if $batchOn -}}
+{{- fail (printf "%s.delivery.long_running: long-running calls push one message per streaming call: they cannot be combined with delivery.batch" $at) -}}
+{{- end -}}
+{{- if ge (float64 $delivery.revoke_grace_ms) (float64 $long.max_processing_ms) -}}
+{{- fail (printf "%s.delivery.revoke_grace_ms: %v ms is not below long_running.max_processing_ms (%v ms)" $at $delivery.revoke_grace_ms $long.max_processing_ms) -}}
+{{- end -}}
+{{- end -}}
+{{- if and (not (kindIs "invalid" $delivery.head_block_ms)) (not $tiers) -}}
+{{- fail (printf "%s.delivery.head_block_ms: head-of-line unblocking moves a message to a retry tier: it needs delivery.retry_topics" $at) -}}
+{{- end -}}
+{{- range $field := list "topic" "redrive_topic" -}}
+{{- $topic := ternary $dlq $redrive (eq $field "topic") -}}
+{{- if has $topic $tiers -}}
+{{- fail (printf "%s.dlq.%s: %q is also a retry tier of the group; the dlq.%s must be a topic of its own" $at $field $topic $field) -}}
+{{- end -}}
+{{- end -}}
+{{- range $tier := $tiers -}}
+{{- if has $tier $given.topics -}}
+{{- fail (printf "%s.delivery.retry_topics: %q (a retry tier) is also a source topic of the group" $at $tier) -}}
+{{- end -}}
+{{- end -}}
+{{- /* The proxy's ProxyConfig._topics_of_one_group: each group's DLQ, redrive and retry
+topics are its own. */ -}}
+{{- $roles := list (list "dlq.topic" $dlq) (list "dlq.redrive_topic" $redrive) -}}
+{{- range $tier := $tiers -}}
+{{- $roles = append $roles (list "delivery.retry_topics" $tier) -}}
+{{- end -}}
+{{- range $role := $roles -}}
+{{- $topic := index $role 1 -}}
+{{- with get $owners $topic -}}
+{{- fail (printf "%s.%s: %q is already the %s of groups[%v]; each group's DLQ, redrive and retry topics must be its own" $at (index $role 0) $topic (index . 1) (index . 0)) -}}
+{{- end -}}
+{{- $_ := set $owners $topic (list $i (index $role 0)) -}}
+{{- end -}}
 {{- with $group.service.tls -}}
 {{- if ne (empty .cert_file) (empty .key_file) -}}
 {{- fail (printf "%s.service.tls: cert_file and key_file go together (both for mTLS, or neither)" $at) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- /* A source topic may be another group's DLQ (read as data), not its redrive topic or a
+retry tier: those only their group consumes. */ -}}
+{{- range $i, $given := .Values.groups -}}
+{{- range $topic := $given.topics -}}
+{{- with get $owners $topic -}}
+{{- if and (ne (index . 0) $i) (ne (index . 1) "dlq.topic") -}}
+{{- fail (printf "groups[%d].topics: %q is the %s of groups[%v], which only that group consumes" $i $topic (index . 1) (index . 0)) -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
