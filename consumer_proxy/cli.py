@@ -198,6 +198,14 @@ def _check_worker_ports(path: Path, config: ProxyConfig, workers: int) -> None:
     """Worker i binds metrics.port + i and health.grpc_port + i: the two ranges must not meet."""
     metrics = config.metrics.port if config.metrics.enabled else 0
     health = config.health.grpc_port or 0
+    for field, port in (("metrics.port", metrics), ("health.grpc_port", health)):
+        if port and port + workers - 1 > 65535:
+            raise ConfigError(
+                [
+                    f"{path}: {field}: with --workers {workers}, worker {workers - 1} would "
+                    f"bind port {port + workers - 1}, past 65535; lower {field} or --workers"
+                ]
+            )
     if metrics and health and abs(metrics - health) < workers:
         raise ConfigError(
             [

@@ -194,13 +194,18 @@ def add_open_calls(report: dict[str, Any], url: str) -> None:
             raise ConsumerProxyError(f"{address}: HTTP {exc.code}{hint}") from exc
         except (OSError, ValueError) as exc:
             raise ConsumerProxyError(f"cannot read the proxy's state at {address}: {exc}") from exc
-        owned = {(r["topic"], r["partition"]): r for r in state.get("rows", [])}
-        for row in group["partitions"]:
-            mine = owned.get((row["topic"], row["partition"]))
-            call = mine.get("oldest_call") if mine else None
-            row["in_flight"] = mine["window"] if mine else None
-            row["oldest_call_age_s"] = call["age_s"] if call else None
-            row["oldest_call_offset"] = call["offset"] if call else None
+        try:
+            owned = {(r["topic"], r["partition"]): r for r in state.get("rows", [])}
+            for row in group["partitions"]:
+                mine = owned.get((row["topic"], row["partition"]))
+                call = mine.get("oldest_call") if mine else None
+                row["in_flight"] = mine["window"] if mine else None
+                row["oldest_call_age_s"] = call["age_s"] if call else None
+                row["oldest_call_offset"] = call["offset"] if call else None
+        except (AttributeError, KeyError, TypeError) as exc:
+            raise ConsumerProxyError(
+                f"{address} did not answer as a consumer-proxy console does ({exc!r:.100})"
+            ) from exc
         group["proxy"] = url
 
 

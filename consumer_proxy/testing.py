@@ -40,7 +40,9 @@ from dataclasses import dataclass
 from typing import Any, Literal, NoReturn, TypeAlias
 
 import grpc
+from pydantic import ValidationError
 
+from .config import DeliveryConfig
 from .core.outcomes import Classification, Classifier
 from .handler import (
     Handler,
@@ -184,7 +186,23 @@ def classify_status(
     """
     if code == grpc.StatusCode.OK:
         raise ValueError("an OK call is classified by its response, not its status")
-    return _outcome(Classifier(status_overrides).from_status(code, details), code, None)
+    classifier = Classifier(_checked_overrides(status_overrides))
+    return _outcome(classifier.from_status(code, details), code, None)
+
+
+def _checked_overrides(overrides: Mapping[str, str] | None) -> Mapping[str, str] | None:
+    """``overrides`` as the proxy's config checks them (a ValueError saying what is wrong):
+    a test must not pass a table the proxy would refuse to start with."""
+    if not overrides:
+        return overrides
+    try:
+        DeliveryConfig.model_validate({"status_overrides": dict(overrides)})
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'][1:])}: {e['msg']}" for e in exc.errors()
+        )
+        raise ValueError(f"status_overrides: {problems}") from None
+    return overrides
 
 
 def _outcome(found: Classification, code: grpc.StatusCode, error: BaseException | None) -> Outcome:
@@ -241,7 +259,7 @@ class HandlerEnvironment:
         self, handler: Handler, *, status_overrides: Mapping[str, str] | None = None
     ) -> None:
         self._handle = _as_function(handler)
-        self._classifier = Classifier(status_overrides)
+        self._classifier = Classifier(_checked_overrides(status_overrides))
 
     async def handle(self, message: Message) -> Outcome:
         """Call the handler with ``message`` as ``HandleMessage`` does; the outcome."""
@@ -260,7 +278,17 @@ class HandlerEnvironment:
     async def handle_batch(self, messages: Sequence[Message]) -> list[Outcome]:
         """Call the handler with every message as ``HandleMessageBatch`` does (concurrently);
         one outcome per message, in order. In a batch a raised error becomes that message's
-        status, classified like a unary call's (see :mod:`consumer_proxy.handler`)."""
+        status, classified like a unary call's (see :mod:`consumer_proxy.handler`). The messages
+        need distinct coordinates (topic, partition, offset), as a batch from Kafka has: pass
+        ``offset=`` to :func:`message`."""
+        seen = [_coordinates(m) for m in messages]
+        if len(set(seen)) != len(seen):
+            twice = sorted({c for c in seen if seen.count(c) > 1})
+            raise ValueError(
+                f"messages of a batch share coordinates {twice} (topic, partition, offset): "
+                "a batch from Kafka never does, and the outcomes could not be told apart; "
+                "give each message its own offset= (message(..., offset=i))"
+            )
         errors: dict[tuple[str, int, int], BaseException] = {}
         servicer = _MessageHandlerServicer(_recording(self._handle, errors), None)
         request = handler_pb2.HandleMessageBatchRequest(messages=[m.to_proto() for m in messages])

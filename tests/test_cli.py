@@ -196,6 +196,25 @@ def test_run_refuses_worker_ports_that_overlap(
     )
 
 
+def test_run_refuses_worker_ports_past_65535(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given metrics on the last port: worker 1 would need 65536
+    config = make_config("127.0.0.1:1", "g", ["t"], ["127.0.0.1:1"], metrics_port=65535)
+    path = tmp_path / "proxy.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
+
+    # When it is run with two workers
+    code = main(["run", "--config", str(path), "--workers", "2"])
+
+    # Then it is refused before any worker starts, naming the field
+    assert code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"{path}: metrics.port: with --workers 2, worker 1 would bind port 65536, past 65535; "
+        "lower metrics.port or --workers"
+    )
+
+
 # -- against the real broker ------------------------------------------------------------------
 
 

@@ -243,3 +243,49 @@ def test_dlq_report_refuses_an_out_that_is_a_file_before_running_the_job(
     # Then it is refused as a usage error naming --out, before Kafka or Spark is asked
     assert code == 2, out + err
     assert "--out" in err and "not a directory" in err
+
+
+# --- 6. a prompt answered with Ctrl-D; a --proxy that is not a console ----------------------
+
+
+def test_ctrl_d_at_a_confirmation_prompt_is_no(monkeypatch: pytest.MonkeyPatch) -> None:
+    from consumer_proxy.tools import commands
+
+    # Given an operator who answers a merge's or purge's [y/N] with Ctrl-D (end of input)
+    def ctrl_d(prompt: str) -> str:
+        raise EOFError
+
+    monkeypatch.setattr("builtins.input", ctrl_d)
+    # When asked, Then it is no (nothing is merged or deleted), not a traceback
+    assert commands._confirm("Delete 10 dead letters?") is False
+
+
+def test_status_proxy_answering_what_no_console_answers_is_a_clear_error() -> None:
+    import http.server
+    import threading
+
+    from consumer_proxy.errors import ConsumerProxyError
+    from consumer_proxy.status import add_open_calls
+
+    # Given an address that answers JSON, but not a console's (a list)
+    class Lists(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b"[1, 2]")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Lists)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    report = {"groups": [{"group": "billing", "partitions": [{"topic": "t", "partition": 0}]}]}
+    try:
+        # When status --proxy reads it, Then a clear error names the address (exit 1)
+        with pytest.raises(ConsumerProxyError, match="did not answer as a consumer-proxy console"):
+            add_open_calls(report, f"http://127.0.0.1:{server.server_port}")
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -181,6 +181,43 @@ def test_run_batch_from_a_sync_test() -> None:
     assert [o.kind for o in outcomes] == ["ack", "ack"]
 
 
+async def test_a_batch_of_messages_sharing_coordinates_is_refused_with_how_to_fix_it() -> None:
+    # Given a batch written with message()'s defaults: every message at t/0/0, so the
+    # outcome of one (the error it raised) cannot be told from another's
+    async def handle(msg: cp.Message) -> None:
+        if msg.value == b"bad":
+            raise ValueError("boom")
+
+    env = HandlerEnvironment(handle)
+    # When it is run, Then it is refused, saying what to pass (no outcome carrying another
+    # message's error)
+    with pytest.raises(ValueError, match=r"share coordinates.*offset="):
+        await env.handle_batch([message("good"), message("bad")])
+    # ... and with distinct offsets each outcome is its own
+    good, bad = await env.handle_batch([message("good", offset=0), message("bad", offset=1)])
+    assert (good.kind, good.error) == ("ack", None)
+    assert bad.kind == "retry" and isinstance(bad.error, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "problem"),
+    [
+        ({"not_found": "drop"}, "not_found"),
+        ({"OK": "drop"}, "OK"),
+        ({"NOT_FOUND": "x"}, "NOT_FOUND: Input should be 'ack'"),
+    ],
+)
+def test_status_overrides_the_proxy_would_refuse_are_refused(
+    overrides: dict[str, str], problem: str
+) -> None:
+    # Given a status table the proxy refuses to start with, When a test uses it, Then it is
+    # refused with the proxy's reason (not a KeyError, nor a table the proxy never runs)
+    with pytest.raises(ValueError, match=f"status_overrides: .*{problem}"):
+        HandlerEnvironment(acks, status_overrides=overrides)
+    with pytest.raises(ValueError, match="status_overrides"):
+        classify_status(grpc.StatusCode.NOT_FOUND, status_overrides=overrides)
+
+
 async def test_status_overrides_are_the_groups() -> None:
     async def handle(_msg: cp.Message) -> None:
         raise cp.HandlerError(grpc.StatusCode.NOT_FOUND, "no such customer")

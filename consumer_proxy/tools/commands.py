@@ -242,7 +242,11 @@ def _progress(line: str) -> None:
 
 
 def _confirm(question: str) -> bool:
-    answer = input(f"{question} [y/N] ")
+    try:
+        answer = input(f"{question} [y/N] ")
+    except EOFError:  # Ctrl-D, or stdin closed: no answer is no
+        print(file=sys.stderr)
+        return False
     return answer.strip().lower() in ("y", "yes")
 
 
