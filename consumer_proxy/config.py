@@ -582,6 +582,18 @@ class GroupConfig(BaseModel):
                 "head-of-line unblocking moves a message to a retry tier: it needs "
                 "delivery.retry_topics",
             )
+        head_block_ms = self.delivery.head_block_ms
+        if (
+            long_running is not None
+            and head_block_ms is not None
+            and head_block_ms <= long_running.max_processing_ms
+        ):
+            raise FieldProblem(
+                ("delivery", "head_block_ms"),
+                f"{head_block_ms} ms is not above long_running.max_processing_ms "
+                f"({long_running.max_processing_ms} ms): a long call still heartbeating would be "
+                "moved aside as a failed attempt, and pushed again from a tier while it runs",
+            )
         for topic in self.retry_topics:
             if topic in self.topics:
                 raise FieldProblem(

@@ -168,6 +168,11 @@ BAD: dict[str, Bad] = {
         "groups[0].delivery.revoke_grace_ms",
         "groups.0(billing).delivery",
     ),
+    "head-block-within-long-running-cap": Bad(
+        group(delivery={"long_running": LONG, "retry_topics": TIER, "head_block_ms": 30_000}),
+        "groups[0].delivery.head_block_ms",
+        "groups.0(billing).delivery.head_block_ms",
+    ),
     "dlq-topic-is-a-retry-tier": Bad(
         group(delivery={"retry_topics": TIER}, dlq={"topic": "billing.retry.1"}),
         "groups[0].dlq.topic",

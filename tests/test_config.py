@@ -714,3 +714,27 @@ def test_a_dumped_config_loads_back_with_the_same_batch_mode(tmp_path: Path, wri
     dumped.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
     # When it is loaded again, then "off" is still off (absent would mean auto)
     assert load_config(dumped).groups[0].delivery.batch == config.groups[0].delivery.batch
+
+
+def test_head_block_within_a_long_calls_cap_is_refused(tmp_path: Path) -> None:
+    # Given a long-running group with retry tiers whose head_block_ms is below the cap of a
+    # long call: a call still heartbeating would be moved aside as a failed attempt and
+    # pushed again from a tier while the first one runs
+    group = {
+        "name": "g",
+        "topics": ["t"],
+        "service": {"endpoints": ["127.0.0.1:1"]},
+        "delivery": {
+            "long_running": {"heartbeat_timeout_ms": 5000, "max_processing_ms": 600_000},
+            "retry_topics": [{"delay_ms": 1000}],
+            "head_block_ms": 60_000,
+        },
+    }
+    path = tmp_path / "proxy.yaml"
+    path.write_text(yaml.safe_dump({"kafka": {"bootstrap_servers": "k:9092"}, "groups": [group]}))
+    # When it is loaded, Then it is refused naming the field and why
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    [problem] = caught.value.problems
+    assert f"{path}: groups.0(g).delivery.head_block_ms: 60000 ms is not above" in problem
+    assert "max_processing_ms (600000 ms)" in problem

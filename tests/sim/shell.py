@@ -284,6 +284,9 @@ class ShellSim:
             self.in_memory_attempts = tiers.choice([1, 2])
             self.head_block_ms = tiers.choice([None, 300, 1500])
             self.max_unblock = tiers.choice([1, 10])
+            if self.head_block_ms is not None and self.long_running is not None:
+                # (config refuses a head block within a long call's cap)
+                self.head_block_ms += self.long_running.max_processing_ms
         self._topology()
         self.root: dict[int, int] = {}  # a tier record's ident -> the produced message's
         self.tiered: set[int] = set()  # produced messages moved to a tier

@@ -258,6 +258,9 @@ max.poll.interval.ms. */ -}}
 {{- if ge (float64 $delivery.revoke_grace_ms) (float64 $long.max_processing_ms) -}}
 {{- fail (printf "%s.delivery.revoke_grace_ms: %v ms is not below long_running.max_processing_ms (%v ms)" $at $delivery.revoke_grace_ms $long.max_processing_ms) -}}
 {{- end -}}
+{{- if and (not (kindIs "invalid" $delivery.head_block_ms)) (le (float64 $delivery.head_block_ms) (float64 $long.max_processing_ms)) -}}
+{{- fail (printf "%s.delivery.head_block_ms: %v ms is not above long_running.max_processing_ms (%v ms): a long call still heartbeating would be moved aside" $at $delivery.head_block_ms $long.max_processing_ms) -}}
+{{- end -}}
 {{- end -}}
 {{- if and (not (kindIs "invalid" $delivery.head_block_ms)) (not $tiers) -}}
 {{- fail (printf "%s.delivery.head_block_ms: head-of-line unblocking moves a message to a retry tier: it needs delivery.retry_topics" $at) -}}
