@@ -1,18 +1,13 @@
 """Batch mode's push: ``BatchPush``, call slots sending what is ready in one call each.
 
-    ReadyDeque -> call slot -> limiter, breaker, linger -> core.batching.take
+    ReadyDeque -> call slot -> limiter, breaker, linger -> core.batching.take -> rate
     -> PartitionSet.begin each -> push_batch -> breaker once -> finish each -> Tally
 
-In batch mode ``auto`` (``delivery.batch: auto``) a call slot picks its instance first: one
-that does not serve ``HandleMessageBatch`` (``Pusher.batches``, ``core.support``) gets one
-message in a unary call; an UNIMPLEMENTED answer to a batch call (the instance's first call,
-or a rolling deploy) sends the first of its messages again at once in a unary call to that
-instance, in the same slot, and gives the others back to be taken one per call (a slot is
-one call in flight: ``concurrency`` holds in both kinds), with nothing counted for the
-failed batch call.
-
-What it shares with the unary path (the flow objects, the breaker rule, call bookkeeping) is
-``push.Push``; what a batch's answer means is the core's (``core.batching``).
+Under ``delivery.batch: auto`` a slot picks its instance first: one without
+``HandleMessageBatch`` (``Pusher.batches``, ``core.support``) gets one message in a unary call;
+a batch answered UNIMPLEMENTED sends its first message again at once, unary, and gives the
+rest back (a slot is one call in flight: ``concurrency`` holds), nothing counted for it. What
+it shares with the unary path is ``push.Push``; what an answer means is ``core.batching``.
 """
 
 from __future__ import annotations
@@ -94,12 +89,19 @@ class BatchPush(Push):
                 whole = self.pusher.batches(endpoint)  # auto: False for a unary instance
                 if whole and linger_s and ready.fewer_than(limits.max_messages):
                     await asyncio.sleep(linger_s)
-                # From here to begin() nothing awaits: a taken message is always begun.
+                # To begin() only the rate awaits (cancelled: what was taken goes back).
                 taken = take(ready.items, limits if whole else self._one, drop)
                 if ready.items:
                     ready.wake()  # more is ready than this call takes: another slot goes
                 tracer = self._tracer  # (traced or unary: message by message)
                 batch = expand(taken) if tracer is not None or not whole else taken
+                if self.rate is not None and batch:  # (waiting for tokens is no push yet:
+                    try:  # head_block_ms must not move it aside as a failed attempt)
+                        await self.rate.acquire(sum(item.count for item in batch))
+                    except asyncio.CancelledError:
+                        ready.items.extendleft(reversed(taken))  # given back, in order
+                        ready.wake()
+                        raise
                 began = partitions.begin_batch(batch)
                 for d in began:
                     if d.tier:
@@ -112,8 +114,6 @@ class BatchPush(Push):
                     call = OpenCall(me, clock())
                     self.open[call] = began  # for ``cancel_calls``
                     try:
-                        if self.rate is not None:  # (messages: a ``Run`` holds several)
-                            await self.rate.acquire(sum(item.count for item in began))
                         started = clock()
                         if not whole:
                             outcome = await self._deliver_unary(

@@ -102,6 +102,9 @@ class Push:
         self.open: dict[OpenCall, Sequence[Ready]] = {}
         """Calls under way, each with its messages (one bookkeeping entry per call, not per
         message: a batch call's 500 entries cost more than its request)."""
+        self.probe_heard: set[asyncio.Task[Any]] = set()
+        """Workers whose half-open probe the breaker has heard already, before the call ended
+        (a long call's first heartbeat: ``stream.StreamPush``)."""
         self._m_push = parts.metrics.push_duration.labels(parts.name)
         self._m_in_flight = parts.metrics.in_flight.labels(parts.name)
 
@@ -247,8 +250,9 @@ class UnaryPush(Push):
                     self._m_push.observe(rtt)
             finally:
                 self.pushing.discard(me)
-                if probe and result is None:
+                if probe and result is None and me not in self.probe_heard:
                     self.breaker.abandon_probe()
+                self.probe_heard.discard(me)
                 if began and result is None:
                     partitions.abandon(delivery)
                 self.limiter.release(rtt, result)

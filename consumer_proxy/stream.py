@@ -83,6 +83,20 @@ class StreamPush(UnaryPush):
                 observe(gap_s)
                 trace.heartbeat(gap_s, watch.progress)
 
+        if probe:
+            # A half-open probe's first heartbeat is the evidence the breaker waits for: the
+            # service is up. Waiting for the result would hold the group at one call for a
+            # whole handler (up to max_processing_ms).
+            me = asyncio.current_task()
+            assert me is not None
+            beat = on_gap
+
+            def on_gap(gap_s: float) -> None:
+                beat(gap_s)
+                if me not in self.probe_heard:
+                    self.probe_heard.add(me)
+                    self.breaker.record(False, probe=True)
+
         self._m_open.inc()
         try:
             result = await self._one_call(
@@ -99,4 +113,5 @@ class StreamPush(UnaryPush):
         expiry = watch.expired(asyncio.get_running_loop().time())
         if expiry is not None and result.status in {"DEADLINE_EXCEEDED", MAX_PROCESSING_STATUS}:
             self._m_expired[expiry].inc()
-        return self._settle(delivery, result, probe, endpoint)
+        heard = probe and asyncio.current_task() in self.probe_heard
+        return self._settle(delivery, result, probe and not heard, endpoint)

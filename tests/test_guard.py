@@ -196,3 +196,68 @@ def test_a_disabled_guard_dead_letters_as_before() -> None:
     for offset in range(30):
         rig.core.intake(Rec("t", offset))
     assert all(rig.push(POISON) is Action.DEAD_LETTER for _ in range(30))
+
+
+class TwoPartitionRig(CoreRig):
+    """A guarded group of two partitions; ``push_next`` finishes the oldest ready message
+    of one of them."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            DeliveryConfig(max_attempts=3, backoff=BackoffConfig(initial_ms=10, jitter=0.0)),
+            tps=(("t", 0), ("t", 1)),
+            guard=GUARD,
+        )
+        self.dead: list[Delivery] = []
+
+    def push_next(self, result: Classification, tp: tuple[str, int]) -> Action | None:
+        """Push the oldest ready message of ``tp`` and finish it with ``result``."""
+        delivery = next(d for d in self.ready if (d.part.topic, d.part.partition) == tp)
+        self.ready.remove(delivery)
+        assert self.core.begin(delivery)
+        self.breaker.record(result.service_failure, probe=False)
+        decision = self.core.finish(delivery, result, probe=False)
+        if decision is not None and decision.action is Action.DEAD_LETTER:
+            self.dead.append(delivery)
+            self.core.dead_lettered(delivery)
+        return decision.action if decision is not None else None
+
+
+def test_a_guard_whose_held_messages_all_left_with_their_partition_is_released() -> None:
+    # Given a bad deploy that tripped the guard while only partition t-0 had traffic: every
+    # held message is on t-0
+    rig = TwoPartitionRig()
+    for offset in range(40):
+        rig.core.intake(Rec("t", offset, partition=0))
+    for _ in range(40):
+        rig.push_next(POISON, ("t", 0))
+    state = rig.core.guard_state()
+    assert state is not None and state[0].held and state[1] > 0
+    # When t-0 is revoked (its new owner probes and redelivers it), and the service is rolled
+    # back: t-1's messages are all acked
+    rig.core.forget(rig.core.parts[("t", 0)])
+    for offset in range(200):
+        rig.core.intake(Rec("t", offset, partition=1))
+    for _ in range(200):
+        assert rig.push_next(ACK, ("t", 1)) is Action.ACK
+    rig.clock.advance(60.0)  # many probe intervals, a whole guard window
+    # Then the guard, holding nothing and with nothing to probe, does not stay held (/readyz
+    # 503, guard_held 1) for ever ...
+    state = rig.core.guard_state()
+    assert state is not None
+    view, held = state
+    assert held == 0
+    # ... and a single genuine poison pill on t-1 (1 in 201 finished: far below max_ratio)
+    # is dead-lettered, not held with its partition paused for good
+    rig.core.intake(Rec("t", 200, partition=1))
+    action = rig.push_next(POISON, ("t", 1))
+    for _ in range(10):  # ten probes: each is rejected again (it is real poison)
+        rig.clock.advance(1.0)
+        for _probe in [d for d in rig.ready if d.guard_probe]:
+            rig.push_next(POISON, ("t", 1))
+    plan = rig.core.pause_plan()
+    assert (view.held, action, ("t", 1) in plan.pause or rig.core.parts[("t", 1)].paused) == (
+        False,
+        Action.DEAD_LETTER,
+        False,
+    )

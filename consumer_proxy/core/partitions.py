@@ -502,6 +502,7 @@ class PartitionSet:
         self.guard = DeadLetterGuard(guard) if guard is not None and guard.enabled else None
         self._held: deque[Held] = deque()  # what the guard holds, oldest first (probes)
         self._probe: Handle | None = None
+        self._probes: set[Delivery] = set()  # guard probes emitted that may still come back
         self._rng = rng or random.Random()
         # The ordering hooks are chosen once: with ordering none the per-message path is the
         # same as without a gate (``_admit`` is ``emit``, ``_complete`` is ``_done``).
@@ -1185,6 +1186,9 @@ class PartitionSet:
         )
         action = decision.action
         counters = self.counters
+        if delivery.guard_probe and action is not Action.RETRY:
+            delivery.guard_probe = False  # (held again: a later probe flags it again)
+            self._probes.discard(delivery)
         if action is Action.ACK:
             counters.ack += 1
             self._complete(delivery)
@@ -1506,8 +1510,25 @@ class PartitionSet:
             del delivery.part.held[delivery.offset]
             self._held = deque(h for h in self._held if h is not held)
             delivery.guard_probe = True
+            self._probes.add(delivery)
             self._emit(delivery)
             break
+        else:
+            # Nothing held is left to probe (the held messages left with their partitions,
+            # or were cut from their log) and no probe can come back: nothing can release
+            # the guard any more, so it goes now; the window starts afresh.
+            self._probes = {d for d in self._probes if not (d.stale or d.moved)}
+            if not self._probes:
+                since = guard.since or self._clock()
+                self._held.clear()
+                guard.release()
+                log.warning(
+                    "group %s: dead-letter guard released after %.1fs: it holds no message "
+                    "any more (their partitions were revoked or cut), so no probe can decide",
+                    self.group,
+                    self._clock() - since,
+                )
+                return
         self._schedule_probe()
 
     def _probe_acked(self) -> None:
@@ -1521,6 +1542,7 @@ class PartitionSet:
             self._emit(delivery)  # attempts counted from where they were
         since = guard.since or self._clock()
         self._held.clear()
+        self._probes.clear()
         guard.release()
         log.warning(
             "group %s: dead-letter guard released after %.1fs: a held message was acked (the "
@@ -1553,6 +1575,7 @@ class PartitionSet:
             delivery.part.calls += 1  # the DLQ write
         self.counters.dead_letter += len(released)
         self._held.clear()
+        self._probes.clear()
         since = guard.since or self._clock()
         guard.release()
         if self._probe is not None:
