@@ -167,10 +167,12 @@ class Breaker:
                 async with asyncio.timeout(timeout):
                     await changed.wait()
 
-    def record(self, service_failure: bool, probe: bool) -> None:
-        """Report a finished push: ``service_failure`` as the classification says."""
+    def record(self, service_failure: bool, probe: bool, answered: bool = True) -> None:
+        """Report a finished push: ``service_failure`` as the classification says.
+        ``answered`` False: a success that is no answer (a long call's heartbeat: an instance
+        that dies mid-call heartbeats too), so no evidence that the service answers others."""
         cb = self._cb
-        if not service_failure:
+        if not service_failure and answered:
             self.successes += 1
         if not (service_failure or probe) and cb.fail_counter == 0 and cb.current_state == CLOSED:
             return  # the common case, once per push: nothing for pybreaker to learn

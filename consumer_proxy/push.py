@@ -268,12 +268,19 @@ class UnaryPush(Push):
         return None if result is None else self._settle(delivery, result, probe, endpoint)
 
     def _settle(
-        self, delivery: Delivery, result: Classification, probe: bool, endpoint: Any
+        self,
+        delivery: Delivery,
+        result: Classification,
+        probe: bool,
+        endpoint: Any,
+        heard: bool = False,
     ) -> Classification:
-        """A one-message call's answer: the breaker hears it, then the core decides."""
+        """A one-message call's answer: the breaker hears it, then the core decides.
+        ``heard``: the breaker heard this probe already (its first heartbeat), so it hears the
+        answer as any call's; the core still weighs it as the probe's (never charged)."""
         if result.service_failure:
             self.last_failure = f"{result.status} from {endpoint.target}: {result.reason}"
-        self._tell_breaker(result.service_failure, endpoint, probe)
+        self._tell_breaker(result.service_failure, endpoint, probe and not heard)
         decision = self.partitions.finish(delivery, result, probe)
         if decision is not None:
             self.tally.settled(delivery, decision, result.status, endpoint.target)

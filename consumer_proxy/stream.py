@@ -84,9 +84,10 @@ class StreamPush(UnaryPush):
                 trace.heartbeat(gap_s, watch.progress)
 
         if probe:
-            # A half-open probe's first heartbeat is the evidence the breaker waits for: the
-            # service is up. Waiting for the result would hold the group at one call for a
-            # whole handler (up to max_processing_ms).
+            # A half-open probe's first heartbeat closes the breaker: the service is up.
+            # Waiting for the result would hold the group at one call for a whole handler (up
+            # to max_processing_ms). It is no answer, though: no other call's silence is
+            # charged on its evidence (an instance dying mid-call heartbeats too).
             me = asyncio.current_task()
             assert me is not None
             beat = on_gap
@@ -95,7 +96,7 @@ class StreamPush(UnaryPush):
                 beat(gap_s)
                 if me not in self.probe_heard:
                     self.probe_heard.add(me)
-                    self.breaker.record(False, probe=True)
+                    self.breaker.record(False, probe=True, answered=False)
 
         self._m_open.inc()
         try:
@@ -114,4 +115,4 @@ class StreamPush(UnaryPush):
         if expiry is not None and result.status in {"DEADLINE_EXCEEDED", MAX_PROCESSING_STATUS}:
             self._m_expired[expiry].inc()
         heard = probe and asyncio.current_task() in self.probe_heard
-        return self._settle(delivery, result, probe and not heard, endpoint)
+        return self._settle(delivery, result, probe, endpoint, heard)

@@ -104,9 +104,9 @@ async def test_a_record_too_large_for_the_service_is_dead_lettered_as_such_not_s
         slow_downs: list[bool] = []
         record, release = runner.breaker.record, runner.limiter.release
 
-        def breaker_spy(service_failure: bool, probe: bool) -> None:
+        def breaker_spy(service_failure: bool, probe: bool, answered: bool = True) -> None:
             breaker_failures.append(service_failure)
-            record(service_failure, probe)
+            record(service_failure, probe, answered)
 
         def limiter_spy(rtt_s: float, result: Classification | None) -> None:
             if result is not None:
