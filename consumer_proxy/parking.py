@@ -144,6 +144,7 @@ class Parking:
             group=self.name,
             tier=tier,
             due_at_ms=delivery.due_at_ms,
+            counted=delivery.counted_here,
         )
         errors = self._metrics.retry_tier_writes.labels(self.name, str(tier), "error")
         try:

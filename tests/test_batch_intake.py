@@ -141,10 +141,11 @@ HEADERS: list[list[tuple[str, bytes]] | None] = [
     None,
     [("h", b"x" * 3)],
     [("traceparent", TRACEPARENT), ("cp-mine", b"u")],  # (a user's own cp- name)
-    [(H_TOPIC, b"src"), ("h", b"y"), (H_ATTEMPT, b"2")],  # (the proxy's: dropped)
-    [(H_ATTEMPT, b"2")],  # (no user headers left)
+    [(H_TOPIC, b"src"), ("h", b"y"), (H_ATTEMPT, b"2")],  # (the proxy's names: data here)
+    [(H_ATTEMPT, b"2")],  # (only one of the proxy's names)
 ]
-"""A record's headers in ``records_strategy``: none, the user's, the proxy's among them."""
+"""A record's headers in ``records_strategy``: none, the user's, the proxy's names among them
+(on a source topic, the producer's data: kept as they are)."""
 
 records_strategy = st.lists(
     st.tuples(
@@ -682,15 +683,17 @@ def test_a_run_holds_records_with_headers() -> None:
     records = [Rec("t", o, headers=headers.get(o)) for o in range(5)]
     rig.core.intake_batch(records + [Rec("t", o, partition=1) for o in range(2)])
     # Then each partition's records are one run, and the windows and bytes count every
-    # message and its user headers (the proxy's dropped, as record by record)
+    # message and all its headers (on a source topic the proxy's names are the producer's
+    # data, kept as record by record keeps them)
     items = list(rig.items)
     assert [item.offsets if isinstance(item, Run) else [item.offset] for item in items] == [
         [0, 1, 2, 3, 4],
         [0, 1],
     ]
-    user = [("traceparent", TRACEPARENT), ("cp-mine", b"u")]
+    user = [("traceparent", TRACEPARENT), (H_TOPIC, b"src"), ("cp-mine", b"u")]
+    third = 11 + len(TRACEPARENT) + len(H_TOPIC) + 3 + 8
     windows = [(p.tracker.in_flight, p.bytes) for p in rig.core.parts.values() if p.tracker]
-    assert windows == [(5, 5 + 2 + 11 + len(TRACEPARENT) + 8), (2, 2)]
+    assert windows == [(5, 5 + 2 + third), (2, 2)]
     # ... and a run becomes the messages the record-by-record path makes, headers and all
     first, second = items
     assert isinstance(first, Run) and isinstance(second, Run) and second.headers is None
@@ -698,7 +701,7 @@ def test_a_run_holds_records_with_headers() -> None:
         (0, 1, [], Origin("t", 0, 0, 7, 0)),
         (1, 1, [], Origin("t", 0, 1, 7, 0)),
         (2, 3, [("h", b"x")], Origin("t", 0, 2, 7, 0)),
-        (3, 1 + 11 + len(TRACEPARENT) + 8, user, Origin("t", 0, 3, 7, 0)),
+        (3, 1 + third, user, Origin("t", 0, 3, 7, 0)),
         (4, 1, [], Origin("t", 0, 4, 7, 0)),
     ]
 
@@ -729,7 +732,7 @@ def test_a_run_with_headers_goes_out_as_message_by_message() -> None:
     assert [[(h.key, h.value) for h in m.headers] for m in decoded][1:4] == [
         [("h", b"xxx")],
         [("traceparent", TRACEPARENT), ("cp-mine", b"u")],
-        [("h", b"y")],
+        [(H_TOPIC, b"src"), ("h", b"y"), (H_ATTEMPT, b"2")],
     ]
 
 

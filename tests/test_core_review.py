@@ -23,7 +23,7 @@ from consumer_proxy.core.batching import PROTOCOL_ERROR, BatchLimits, classify_b
 from consumer_proxy.core.codec import AckState, decode, encode
 from consumer_proxy.core.decision import Action, Evidence, Policy, decide
 from consumer_proxy.core.outcomes import Classification, Classifier
-from consumer_proxy.core.records import Origin, retry_headers
+from consumer_proxy.core.records import Origin, dlq_headers, retry_headers
 from consumer_proxy.core.tracker import PartitionTracker
 from consumer_proxy.proto.v1 import handler_pb2
 from tests.support.core import ACK, WALL_CLOCK_START, CoreRig
@@ -382,3 +382,38 @@ def test_a_restored_ack_state_over_the_budget_keeps_fetching_its_range() -> None
         rig.core.intake(Rec("t", offset, partition=1))
         rig.core.pause_plan()
         assert not part.paused, rig.core.views()
+
+
+def test_a_group_consuming_another_groups_dlq_sees_the_dead_letters_cp_headers() -> None:
+    # Given group g consuming "billing.dlq" as a source topic, which the config allows
+    # (ProxyConfig._topics_of_one_group lets a DLQ topic be another group's source), holding a
+    # dead letter of group billing
+    from consumer_proxy.config import ProxyConfig
+
+    ProxyConfig.model_validate({
+        "kafka": {"bootstrap_servers": "k:9092"},
+        "groups": [
+            {"name": "billing", "topics": ["trips"], "service": {"endpoints": ["a:1"]}},
+            {"name": "g", "topics": ["billing.dlq"], "service": {"endpoints": ["b:1"]}},
+        ],
+    })  # fmt: skip
+    rig = CoreRig(
+        DeliveryConfig(
+            max_attempts=5, backoff=BackoffConfig(initial_ms=100, max_ms=1000, jitter=0.0)
+        ),
+        tps=(("billing.dlq", 0),),
+    )
+    headers = dlq_headers(
+        [("user", b"x")], Origin("t", 0, 9, 1000, 0), attempt=3, status="INVALID_ARGUMENT",
+        reason="bad schema", endpoint="e", group="billing",
+    )  # fmt: skip
+    rig.core.intake(Rec("billing.dlq", 0, headers=headers))
+
+    # When it is delivered to g's service
+    [delivery] = rig.ready
+
+    # Then the record's headers reach the service as they are in the topic: the reason,
+    # status and origin group billing wrote are g's data, not g's own metadata
+    assert delivery.headers == [
+        (k, v if isinstance(v, bytes) else (v or "").encode()) for k, v in headers
+    ]

@@ -1034,3 +1034,44 @@ def test_a_merge_whose_mark_would_overflow_writes_what_fits_and_loses_nothing(
                          "--merged", "--dry-run", "--json")  # fmt: skip
     assert code == 0, err
     assert json.loads(out)["to_delete"] == n
+
+
+def _dead_letter(i: int, key: bytes, value: bytes) -> dict[str, Any]:
+    """A dead letter as the proxy writes it (its cp-* headers), to produce to a DLQ."""
+    origin = dlq_records.Origin("orders", 0, 1000 + i, BASE_MS, 1)
+    headers = dlq_records.dlq_headers(
+        [], origin, attempt=1, status="INVALID_ARGUMENT", reason="r", endpoint="e",
+        group="g", now_ms=BASE_MS + i,
+    )  # fmt: skip
+    return {"key": key, "value": value, "headers": headers, "timestamp": BASE_MS + i}
+
+
+MIB = 1024 * 1024
+BIG_TOPIC = {"max.message.bytes": str(16 * MIB)}
+BIG_PRODUCER = {"message.max.bytes": 16 * MIB}
+
+
+@pytest.mark.parametrize("rate", [None, "100"], ids=["spark-sink", "paced-writer"])
+def test_a_dead_letter_over_1_mb_is_merged_back(
+    kafka: Broker, spark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    rate: str | None,
+) -> None:  # fmt: skip
+    # Given a DLQ and redrive topic that allow 16 MiB records (as ensure_topics creates them
+    # for a source topic that does), holding a small dead letter and one of 2 MiB (the proxy's
+    # DLQ writer writes it: its producer allows 64 MiB)
+    bootstrap, group = kafka.bootstrap, unique_name("bigm")
+    create_topic(bootstrap, f"{group}.dlq", config=BIG_TOPIC)
+    create_topic(bootstrap, f"{group}.redrive", config=BIG_TOPIC)
+    big = b"\x07" * (2 * MIB)
+    letters = [_dead_letter(0, b"a", b"small"), _dead_letter(1, b"b", big)]
+    produce(bootstrap, f"{group}.dlq", letters, BIG_PRODUCER)
+    path = group_config(bootstrap, tmp_path, group)
+
+    # When they are merged back
+    args = ["--rate", rate] if rate else []
+    code, _out, err = cli(capsys, "dlq", "merge", "--config", path, "--group", group, "--yes",
+                          *args)  # fmt: skip
+
+    # Then the merge succeeds and both are in the redrive topic, the big one whole
+    assert code == 0, err[-600:]
+    assert [m.value() for m in consume_all(bootstrap, f"{group}.redrive")] == [b"small", big]

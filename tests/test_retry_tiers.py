@@ -22,12 +22,13 @@ from consumer_proxy.config import (
 )
 from consumer_proxy.core.decision import Action, Evidence, Policy, decide, unblock
 from consumer_proxy.core.outcomes import Classification, Classifier
-from consumer_proxy.core.partitions import SOURCE_RETRY, backlog_bound
+from consumer_proxy.core.partitions import SOURCE_REDRIVE, SOURCE_RETRY, Delivery, backlog_bound
 from consumer_proxy.core.records import (
     H_ATTEMPT,
     H_DUE_AT,
     H_RETRY_TIER,
     Origin,
+    dlq_headers,
     due_at_from_headers,
     origin_from_headers,
     retry_headers,
@@ -36,6 +37,7 @@ from consumer_proxy.core.records import (
 from consumer_proxy.handler import Message
 from consumer_proxy.proto.v1 import handler_pb2
 from tests.support.core import WALL_CLOCK_START, CoreRig
+from tests.support.records import Rec
 
 C = grpc.StatusCode
 CLASSIFY = Classifier()
@@ -543,3 +545,73 @@ def test_a_head_moved_from_an_in_memory_retry_wait_carries_the_attempts_it_made(
     # Then its tier record says one attempt was made (the handler saw attempt 1 only; read
     # back, the next delivery is attempt 2, not 3), and one attempt of the budget is spent
     assert (moved.attempt, moved.counted_here) == (1, 1)
+
+
+REDRIVE_BACKOFF = BackoffConfig(initial_ms=100, max_ms=1000, jitter=0.0)
+REDRIVE_ORIGIN = Origin("t", 0, 9, 1000, 0)
+
+
+def _redriven_dead_letter(attempt: int) -> list[Any]:
+    """A DLQ record's headers as the proxy writes them (merge copies them unchanged)."""
+    return dlq_headers(
+        [("user", b"x")], REDRIVE_ORIGIN, attempt=attempt, status="INTERNAL", reason="gave up",
+        endpoint="e", group="g",
+    )  # fmt: skip
+
+
+def _tier_record_of(delivery: Delivery, tier: int) -> Rec:
+    """The tier record the proxy writes for ``delivery`` (parking._write_tier's headers)."""
+    headers = retry_headers(
+        delivery.headers, delivery.origin, attempt=delivery.attempt, status="INTERNAL",
+        reason="flaky", endpoint="e", group="g", tier=tier, due_at_ms=0,
+        counted=delivery.counted_here,
+    )  # fmt: skip
+    return Rec(f"g.retry.{tier}", 0, headers=headers)
+
+
+def _failures_until_dlq_without_tiers(rig: CoreRig) -> int:
+    n = 0
+    while True:
+        if not rig.ready:
+            rig.clock.run_until(rig.clock.now + 60)
+        _, decision = rig.finish_next(FAIL)
+        n += 1
+        assert decision is not None
+        if decision.action is Action.DEAD_LETTER:
+            return n
+
+
+def test_a_redriven_dead_letter_gets_the_same_attempts_with_retry_tiers_as_without() -> None:
+    # Given a dead letter that used up max_attempts (5), merged back to the redrive topic
+    redriven = Rec("g.redrive", 0, headers=_redriven_dead_letter(attempt=5))
+
+    # When it keeps failing in a group without tiers
+    plain = CoreRig(
+        DeliveryConfig(max_attempts=5, backoff=REDRIVE_BACKOFF),
+        tps=(("g.redrive", 0),),
+        start=WALL_CLOCK_START,
+    )
+    plain.core.intake(redriven)
+    assert plain.ready[0].source == SOURCE_REDRIVE and plain.ready[0].attempt == 6
+    # Then it gets max_attempts attempts again before it goes back to the DLQ
+    assert _failures_until_dlq_without_tiers(plain) == 5
+
+    # When the same record keeps failing in a group with two retry tiers (2 s, 5 s)
+    tiers = [RetryTopicConfig(delay_ms=2000), RetryTopicConfig(delay_ms=5000)]
+    rig = CoreRig(
+        DeliveryConfig(max_attempts=5, backoff=REDRIVE_BACKOFF, retry_topics=tiers),
+        tps=(("g.redrive", 0), ("g.retry.1", 0), ("g.retry.2", 0)),
+        retry_topics=["g.retry.1", "g.retry.2"],
+        start=WALL_CLOCK_START,
+    )
+    rig.core.intake(redriven)
+    delivery, first = rig.finish_next(FAIL)
+    assert first is not None and first.action is Action.TIER and first.tier == 1
+    rig.core.tier_written(delivery)
+    rig.core.intake(_tier_record_of(delivery, 1))
+    delivery, second = rig.finish_next(FAIL)
+
+    # Then it goes through its tiers like any message (tier 2 next), not back to the DLQ
+    # after two attempts as "gave up after 7 attempts" of a max_attempts of 5
+    assert second is not None
+    assert (second.action, second.tier, second.reason) == (Action.TIER, 2, "flaky")

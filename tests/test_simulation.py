@@ -922,3 +922,14 @@ def test_a_poll_that_was_not_full_has_its_calls_sent_before_the_next_consume_is_
         following = next(what for what, _ in events[i + 1 :] if what in ("sent", "queued"))
         sent_first += following == "sent"
     assert sent_first / len(trickles) > 0.9, (sent_first, len(trickles))
+
+
+def test_a_hung_outage_under_long_calls_whose_probes_heartbeat_dead_letters_nothing() -> None:
+    # Found by the soak (seed 220) when a half-open probe's first heartbeat came to close the
+    # breaker of a long-running group: during a hung outage (a dead instance heartbeats a
+    # while, then nothing) each probe beat once, the breaker closed, and that beat counted as
+    # "the service answers others", so every silence after it was charged: an ok message was
+    # dead-lettered after five. Given that seed's schedule (long-running calls, hung outages),
+    # When it runs, Then every invariant holds: no good message dead-lettered by an outage
+    stats, _ = run_shell(220, 2000)
+    assert stats.long_schedules == 1 and stats.silences > 0 and stats.outages > 0

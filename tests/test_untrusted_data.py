@@ -44,7 +44,7 @@ from tests.support.waiting import async_wait_until
 
 
 @pytest.mark.kafka
-async def test_user_headers_named_cp_arrive_at_the_service_and_in_the_dlq_copy(
+async def test_user_headers_named_cp_and_forged_ones_arrive_at_the_service_and_in_the_dlq_copy(
     kafka: Broker,
 ) -> None:
     # Given records with a user header named like the proxy's (cp-tenant) and forged values
@@ -72,21 +72,23 @@ async def test_user_headers_named_cp_arrive_at_the_service_and_in_the_dlq_copy(
         await proxy.shutdown()
         await task
 
-    # Then the service saw the user's headers, cp-tenant included, in order, and none of the
-    # forged ones
+    # Then the service saw every header as the producer wrote it, in order: cp-tenant, and
+    # the values forged for the proxy's names too (a source topic's headers are the
+    # producer's data; the attempt the service is told is the proxy's own, 1)
     assert not service.errors
     assert len(service.deliveries) == 2
     for delivery in service.deliveries:
-        assert delivery.headers == (*user_headers, ("verdict", delivery.key))
+        assert delivery.headers == (*user_headers, *forged, ("verdict", delivery.key))
         assert delivery.attempt == 1
-    # and the DLQ copy keeps them, with the proxy's own cp-attempt and cp-reason only
+    # and the DLQ copy keeps them, followed by the proxy's block, which alone is read back as
+    # the proxy's (its cp-attempt 1 and cp-reason, not the forged ones before it)
     [dead] = await asyncio.to_thread(consume_all, bootstrap, dlq_topic)
     headers = dead.headers()
     assert isinstance(headers, list)
     user, ours = dlq_records.split_headers(headers)
-    assert user == [*user_headers, ("verdict", b"poison")]
-    assert [v for k, v in headers if k == dlq_records.H_ATTEMPT] == [b"1"]
-    assert [v for k, v in headers if k == dlq_records.H_REASON] == [b"rejected"]
+    assert user == [*user_headers, *forged, ("verdict", b"poison")]
+    assert [v for k, v in headers if k == dlq_records.H_ATTEMPT] == [b"99", b"1"]
+    assert (ours[dlq_records.H_ATTEMPT], ours[dlq_records.H_REASON]) == ("1", "rejected")
     assert ours[dlq_records.H_STATUS] == "INVALID_ARGUMENT"
 
 
@@ -101,6 +103,19 @@ def test_only_the_proxys_own_header_names_are_taken_out_of_a_record() -> None:
     # Then the user's stay the user's, and only the proxy's names are the proxy's
     assert got_user == user
     assert set(got_ours) == dlq_records.PROXY_HEADERS
+
+    # When the proxy's names come before the user's last header too (a producer's forged
+    # values, kept as data in a DLQ copy), Then only the block the proxy appended is its
+    forged = [("cp-attempt", b"99"), ("cp-original-offset", b"7")]
+    got_user, got_ours = dlq_records.split_headers([*forged, *user, *proxy_owned])
+    assert got_user == [*forged, *user]
+    assert got_ours[dlq_records.H_ATTEMPT] == "1"
+    # ... a name twice in the trailing run: the earlier one is the user's
+    got_user, got_ours = dlq_records.split_headers([*user, ("cp-attempt", b"9"), *proxy_owned])
+    assert got_user == [*user, ("cp-attempt", b"9")] and got_ours[dlq_records.H_ATTEMPT] == "1"
+    # ... and on a source topic (take_ours False) every header is the user's
+    everything = [*forged, *user, *proxy_owned]
+    assert dlq_records.split_headers(everything, take_ours=False) == (everything, {})
 
 
 # --------------------------------------------------------------------------- JAAS quoting

@@ -35,6 +35,7 @@ from .outcomes import Classification, Outcome
 from .records import (
     Origin,
     UserHeaders,
+    counted_from_headers,
     due_at_from_headers,
     origin_from_headers,
     split_headers,
@@ -753,7 +754,7 @@ class PartitionSet:
             size = len(key or b"") + len(value or b"")
             headers = record.headers()
             if headers:
-                user = split_headers(headers)[0]
+                user = split_headers(headers, False)[0]  # (a source topic's: all the user's)
                 for name, data in user:  # (measured: a third of ``sum`` over a generator)
                     size += len(name) + len(data)
                 if runs:
@@ -975,8 +976,9 @@ class PartitionSet:
         if not tracker.track(offset):
             return  # done before a restart or rebalance: the commit metadata says so
         headers = record.headers()
+        own = bool(part.tier) or part.topic == self._redrive  # (its cp-* headers are ours)
         if headers:
-            user, ours = split_headers(headers)
+            user, ours = split_headers(headers, own)
         else:
             user, ours = _NO_USER_HEADERS, _NO_HEADERS
         key = record.key()
@@ -984,7 +986,7 @@ class PartitionSet:
         source = SOURCE_PRIMARY
         origin = None
         attempt = 1
-        if part.tier or part.topic == self._redrive:
+        if own:
             origin = origin_from_headers(ours)
             if origin is not None:
                 source = SOURCE_RETRY if part.tier else SOURCE_REDRIVE
@@ -1003,7 +1005,7 @@ class PartitionSet:
         if part.tier and source == SOURCE_RETRY:
             # The attempts already made count towards max_attempts across the tiers.
             delivery.tier = part.tier
-            delivery.counted_here = origin.attempt
+            delivery.counted_here = counted_from_headers(ours, origin)
             wait_s = min(due_at_from_headers(ours) / 1000.0 - self._clock(), self._max_due_s)
             if wait_s > 0:
                 self._hold_until_due(delivery, wait_s)

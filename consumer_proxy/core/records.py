@@ -7,7 +7,6 @@ tools, so it lives in the core: no I/O, no Kafka client.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from .outcomes import clip_reason
@@ -26,6 +25,7 @@ H_DEAD_LETTERED_AT = "cp-dead-lettered-at"
 H_RETRY_TIER = "cp-retry-tier"  # only on records of a retry tier topic
 H_DUE_AT = "cp-due-at"  # epoch ms: when a retry tier's record is due
 H_ORDERING = "cp-ordering"  # only on records of a group with delivery.ordering key/partition
+H_COUNTED = "cp-counted"  # only on retry tier records: attempts charged to max_attempts so far
 
 # The names the proxy writes and reads. Only these are taken out of a record's headers (a
 # producer's values for them are never trusted: the proxy writes its own); any other header,
@@ -45,6 +45,7 @@ PROXY_HEADERS: frozenset[str] = frozenset(
         H_RETRY_TIER,
         H_DUE_AT,
         H_ORDERING,
+        H_COUNTED,
     }
 )
 
@@ -65,24 +66,34 @@ class Origin(NamedTuple):
     attempt: int  # counted attempts already made before this record was written
 
 
-def split_headers(headers: Any) -> tuple[UserHeaders, dict[str, str]]:
-    """User headers (in order, the proxy's names removed) and the proxy's headers decoded.
+def split_headers(headers: Any, take_ours: bool = True) -> tuple[UserHeaders, dict[str, str]]:
+    """User headers (in order, the proxy's removed) and the proxy's headers decoded.
 
-    Only the names in ``PROXY_HEADERS`` are the proxy's; other ``cp-`` names are the user's.
+    The proxy's are the names in ``PROXY_HEADERS`` in the block it appends after the user's
+    (``dlq_headers``, ``retry_headers``): the trailing run of such names, each once. Other
+    ``cp-`` names are the user's, and so are the proxy's names before that block (a
+    producer's, kept as data, never read as ours). ``take_ours`` False (a record of a source
+    topic, where the proxy's names are the producer's data: another group's dead letters,
+    say) keeps every header the user's.
 
     Accepts what confluent-kafka returns (a list of pairs, or None) or a dict.
     """
-    user: UserHeaders = []
-    ours: dict[str, str] = {}
-    pairs: Iterable[tuple[str, str | bytes | None]] = (
+    pairs: list[tuple[str, str | bytes | None]] = list(
         headers.items() if isinstance(headers, dict) else headers or ()
     )
-    for key, value in pairs:
+    start = len(pairs)
+    if take_ours:
+        seen: set[str] = set()
+        while start and pairs[start - 1][0] in PROXY_HEADERS and pairs[start - 1][0] not in seen:
+            start -= 1
+            seen.add(pairs[start][0])
+    user: UserHeaders = []
+    for key, value in pairs[:start]:
+        user.append((key, value.encode() if isinstance(value, str) else value or b""))
+    ours: dict[str, str] = {}
+    for key, value in pairs[start:]:
         data = value.encode() if isinstance(value, str) else value or b""
-        if key in PROXY_HEADERS:
-            ours[key] = data.decode("utf-8", "replace")
-        else:
-            user.append((key, data))
+        ours[key] = data.decode("utf-8", "replace")
     return user, ours
 
 
@@ -176,9 +187,12 @@ def retry_headers(
     tier: int,
     due_at_ms: int,
     now_ms: int | None = None,
+    counted: int | None = None,
 ) -> Headers:
     """A retry tier record's headers: the DLQ record's, plus ``cp-retry-tier`` and
-    ``cp-due-at`` (epoch ms). ``cp-attempt`` is the attempts made so far."""
+    ``cp-due-at`` (epoch ms). ``cp-attempt`` is the attempts made so far; ``cp-counted``
+    (``counted``) those charged to ``max_attempts`` since the message last came from its
+    source or redrive topic (fewer than ``cp-attempt`` for a redriven message)."""
     headers = dlq_headers(
         user_headers,
         origin,
@@ -191,7 +205,18 @@ def retry_headers(
     )
     headers.append((H_RETRY_TIER, str(tier).encode()))
     headers.append((H_DUE_AT, str(due_at_ms).encode()))
+    if counted is not None:
+        headers.append((H_COUNTED, str(counted).encode()))
     return headers
+
+
+def counted_from_headers(ours: dict[str, str], origin: Origin) -> int:
+    """The attempts a tier record's message was charged (``cp-counted``), at most its
+    ``cp-attempt``; its ``cp-attempt`` when absent or unreadable (an older writer's)."""
+    counted = _int(ours.get(H_COUNTED))
+    if counted is None:
+        return origin.attempt
+    return min(max(counted, 0), origin.attempt)
 
 
 def due_at_from_headers(ours: dict[str, str]) -> int:

@@ -63,6 +63,9 @@ if TYPE_CHECKING:
 # Per task when a DLQ partition is big: smaller tasks spread over the cores and show progress.
 RECORDS_PER_TASK = 250_000
 PROGRESS_EVERY_S = 2.0
+MAX_RECORD_BYTES = 64 * 1024 * 1024
+"""The largest record a merge writes, as the proxy's DLQ producer (``dlq.producer_config``):
+the redrive topic's own ``max.message.bytes`` decides, not the clients' 1 MB defaults."""
 
 Ranges = dict[int, tuple[int, int]]
 """DLQ partition -> [start, end) offsets to read."""
@@ -553,6 +556,7 @@ def write_selected(
     seconds the write took once every record is acknowledged (acks=all); PipelineError when
     it failed.
     """
+    from py4j.protocol import Py4JJavaError
     from pyspark.errors import PySparkException
     from pyspark.sql import functions as F
 
@@ -581,6 +585,8 @@ def write_selected(
                     .option("kafka.compression.type", "lz4")
                     .option("kafka.linger.ms", "20")
                     .option("kafka.batch.size", str(512 * 1024))
+                    .option("kafka.max.request.size", str(MAX_RECORD_BYTES))
+                    .option("kafka.buffer.memory", str(2 * MAX_RECORD_BYTES))
                     .save()
                 )
             else:
@@ -595,7 +601,7 @@ def write_selected(
                         rate=target.rate,
                     )
                 )
-    except PySparkException as exc:
+    except (PySparkException, Py4JJavaError) as exc:
         raise PipelineError(
             f"writing to {target.topic} failed; some records may have been written and "
             f"will be written again by the next merge (the mark did not move): "
@@ -618,6 +624,7 @@ def paced_write(rows: Iterable[Any], *, conf: dict[str, Any], topic: str, rate: 
             "enable.idempotence": True,
             "linger.ms": 5,
             "compression.type": "lz4",
+            "message.max.bytes": MAX_RECORD_BYTES,
         }
     )
     failures: list[str] = []
