@@ -283,6 +283,8 @@ class Result:
     reason: str = ""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.reason, str):  # dead_letter(exc): its text, not a failed answer
+            object.__setattr__(self, "reason", _text(self.reason))
         if self.retry_after_ms < 0:
             raise ValueError(f"retry_after_ms must be >= 0, got {self.retry_after_ms}")
 
@@ -330,8 +332,12 @@ class HandlerError(Exception):
     """
 
     def __init__(self, code: grpc.StatusCode, message: str = "") -> None:
+        if not isinstance(code, grpc.StatusCode):
+            raise TypeError(f"HandlerError needs a grpc.StatusCode, got {code!r}")
         if code == grpc.StatusCode.OK:
             raise ValueError("HandlerError needs a non-OK status code")
+        # raise Unavailable(exc): the exception's text, so that the answer keeps its status
+        message = _text(message)
         super().__init__(message)
         self.code: grpc.StatusCode = code
         self.message = message
@@ -394,9 +400,24 @@ def _status_result(code: grpc.StatusCode, details: str) -> handler_pb2.HandleMes
     )
 
 
+def _text(value: object) -> str:
+    """``value`` as text, never raising (an exception whose ``__str__`` fails included)."""
+    if isinstance(value, str):
+        return value
+    try:
+        return str(value)
+    except Exception:  # noqa: BLE001 - text for an answer; the answer must not fail
+        return f"<{type(value).__name__}: str() failed>"
+
+
+_LATE_TEXT: Final = "no answer before the batch call's deadline"
+
+
 def _truncate(text: str, limit: int = MAX_REASON_BYTES) -> str:
     # "replace": a lone surrogate (no UTF-8 form, e.g. from os.fsdecode) becomes "?" instead
     # of failing the answer; protobuf and gRPC take only valid UTF-8 as text.
+    if not isinstance(text, str):
+        text = _text(text)
     raw = text.encode("utf-8", "replace")
     if len(raw) <= limit:
         return raw.decode()
@@ -404,8 +425,16 @@ def _truncate(text: str, limit: int = MAX_REASON_BYTES) -> str:
 
 
 def _describe(exc: BaseException) -> str:
-    text = str(exc)
+    try:
+        text = str(exc)
+    except Exception:  # noqa: BLE001 - an exception whose __str__ fails is still INTERNAL
+        text = "<str() failed>"
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+_LATE: Final = _status_result(grpc.StatusCode.DEADLINE_EXCEEDED, _LATE_TEXT)
+"""A batch message's result when its handler had not answered shortly before the call's
+deadline: retried and counted, as a unary call of it that ran into the deadline would be."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -431,7 +460,14 @@ Handler: TypeAlias = HandlerFunc | HandlerObject
 
 def _as_function(handler: Handler) -> HandlerFunc:
     if isinstance(handler, HandlerObject):
-        return handler.handle
+        handle = handler.handle
+        if not callable(handle):
+            raise TypeError(f"the handler's handle is not callable: {handle!r}")
+        if inspect.isclass(handler) and inspect.isfunction(
+            inspect.getattr_static(handler, "handle")
+        ):
+            raise TypeError(f"pass an instance of the handler class, not {handler!r}")
+        return handle
     if callable(handler):
         return handler
     raise TypeError(f"a handler is an async function or has a handle() method, got {handler!r}")
@@ -445,6 +481,18 @@ async def _call_handler(handle: HandlerFunc, message: Message) -> Result | None:
     if result is not None and not isinstance(result, Result):
         raise TypeError(f"the handler must return a Result or None, got {type(result).__name__}")
     return result
+
+
+def _answer_margin_s(remaining_s: float) -> float:
+    """How long before a batch call's deadline the SDK answers it: a tenth of the time left,
+    from 20 ms to 1 s (the answer still has to reach the proxy)."""
+    return min(1.0, max(0.02, remaining_s * 0.1))
+
+
+def _cancel_late(tasks: list[asyncio.Task[Any]]) -> None:
+    for task in tasks:
+        if not task.done():
+            task.cancel()
 
 
 STOP_WAIT_S = 10.0
@@ -462,6 +510,14 @@ def _cancelled_by_itself() -> bool:
     and the proxy would wait out its deadline and count a timeout, an outage's sign."""
     task = asyncio.current_task()
     return task is not None and task.cancelling() == 0
+
+
+def _reraise(exc: BaseException) -> bool:
+    """Whether a handler's exception is not the handler's failure but must propagate: the
+    process is being interrupted or exited, or the call is being cancelled."""
+    if isinstance(exc, asyncio.CancelledError):
+        return not _cancelled_by_itself()
+    return isinstance(exc, (KeyboardInterrupt, SystemExit))
 
 
 def _response(result: Result | None) -> handler_pb2.HandleMessageResponse:
@@ -620,17 +676,18 @@ class _MessageHandlerServicer(handler_pb2_grpc.MessageHandlerServicer):
     ) -> tuple[grpc.StatusCode, str, handler_pb2.HandleMessageResponse]:
         try:
             result = await _call_handler(self._handle, message)
+            response = _response(result)
         except HandlerError as exc:
             log.debug("%s: handler raised %r", _where(message), exc)
             self._spans.failed(exc.code)
             return exc.code, exc.message, handler_pb2.HandleMessageResponse()
-        except (Exception, asyncio.CancelledError) as exc:
-            if isinstance(exc, asyncio.CancelledError) and not _cancelled_by_itself():
+        except BaseException as exc:
+            if _reraise(exc):
                 raise
             log.exception("%s: handler failed", _where(message))
             self._spans.failed(grpc.StatusCode.INTERNAL)
             return grpc.StatusCode.INTERNAL, _describe(exc), handler_pb2.HandleMessageResponse()
-        return grpc.StatusCode.OK, "", _response(result)
+        return grpc.StatusCode.OK, "", response
 
     async def HandleMessageStream(
         self, request: handler_pb2.HandleMessageStreamRequest, context: Any
@@ -710,19 +767,47 @@ class _MessageHandlerServicer(handler_pb2_grpc.MessageHandlerServicer):
         with self._admit() as admitted:
             if admitted:
                 metadata = context.invocation_metadata()
-                async with asyncio.TaskGroup() as group:
-                    tasks = [
-                        group.create_task(self._batch_item(m, metadata)) for m in request.messages
-                    ]
+                remaining = context.time_remaining()
+                timer: asyncio.TimerHandle | None = None
+                try:
+                    async with asyncio.TaskGroup() as group:
+                        tasks = [
+                            group.create_task(self._batch_item(m, metadata))
+                            for m in request.messages
+                        ]
+                        if remaining is not None and tasks:
+                            # Answer the messages that are done before the call's deadline:
+                            # a hung one must not cost its batch-mates their answers.
+                            timer = asyncio.get_running_loop().call_later(
+                                max(0.0, remaining - _answer_margin_s(remaining)),
+                                _cancel_late,
+                                tasks,
+                            )
+                finally:
+                    if timer is not None:
+                        timer.cancel()
                 # Added in place: an ack is an empty result (no message built and copied).
                 response = handler_pb2.HandleMessageBatchResponse()
                 results = response.results
+                late = 0
                 for task in tasks:
+                    if task.cancelled():  # cancelled by the timer: no answer in time
+                        late += 1
+                        results.append(_LATE)
+                        continue
                     result = task.result()
                     if result is None:
                         results.add()
                     else:
                         results.append(result)
+                if late:
+                    log.warning(
+                        "%d of %d message(s) of a batch had no answer %.0f ms before the "
+                        "call's deadline: answered DEADLINE_EXCEEDED",
+                        late,
+                        len(tasks),
+                        _answer_margin_s(remaining or 0.0) * 1000,
+                    )
                 return response
         await context.abort(
             grpc.StatusCode.RESOURCE_EXHAUSTED, f"over max_concurrency={self._max_concurrency}"
@@ -744,8 +829,8 @@ class _MessageHandlerServicer(handler_pb2_grpc.MessageHandlerServicer):
                 log.debug("%s: handler raised %r", _where(message), exc)
                 self._spans.failed(exc.code)
                 return _status_result(exc.code, exc.message)
-            except (Exception, asyncio.CancelledError) as exc:
-                if isinstance(exc, asyncio.CancelledError) and not _cancelled_by_itself():
+            except BaseException as exc:
+                if _reraise(exc):
                     raise
                 log.exception("%s: handler failed", _where(message))
                 self._spans.failed(grpc.StatusCode.INTERNAL)

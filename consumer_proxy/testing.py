@@ -242,6 +242,10 @@ class _Context:
         """The call's metadata: none (no trace context from a proxy in a unit test)."""
         return ()
 
+    def time_remaining(self) -> float | None:
+        """The call's time left: no deadline (the handler runs to its end)."""
+        return None
+
 
 class HandlerEnvironment:
     """Runs a handler the way the SDK serves it and classifies the answers like the proxy.

@@ -486,3 +486,206 @@ async def test_stop_reports_not_serving_and_lets_in_flight_calls_finish() -> Non
         release.set()
         assert (await call).action == Response.DROP
         await asyncio.wait_for(asyncio.gather(stopping, also_stopping), 10)
+
+
+# -- answers whatever the handler raises or returns (a review, 2026-11-27) ----------------
+
+SDK_CODE = grpc.StatusCode
+
+
+def batch(n: int) -> handler_pb2.HandleMessageBatchRequest:
+    return handler_pb2.HandleMessageBatchRequest(messages=[wire_message(o) for o in range(n)])
+
+
+def summary(response: handler_pb2.HandleMessageBatchResponse) -> list[tuple[int, int, str]]:
+    return [(r.status_code, r.action, r.reason) for r in response.results]
+
+
+# ------------------------------------------------------------------ 1: non-str error texts
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (cp.Unavailable(ConnectionError("db down")), SDK_CODE.UNAVAILABLE),  # type: ignore[arg-type]
+        (cp.PoisonPill(ValueError("db down")), SDK_CODE.INVALID_ARGUMENT),  # type: ignore[arg-type]
+    ],
+)
+async def test_a_handler_error_built_from_an_exception_keeps_its_status_in_a_unary_call(
+    error: cp.HandlerError, code: grpc.StatusCode
+) -> None:
+    # Given a handler that wraps the exception it caught: raise cp.Unavailable(exc)
+    async def handle(_message: cp.Message) -> None:
+        raise error
+
+    async with serving(handle) as (_server, stub):
+        # When the proxy calls HandleMessage
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.HandleMessage(request(), timeout=5)
+    # Then the call fails with the error's status (UNAVAILABLE: an outage, not counted)
+    assert (caught.value.code(), caught.value.details()) == (code, "db down")
+
+
+async def test_a_handler_error_built_from_an_exception_fails_only_its_message_in_a_batch() -> None:
+    # Given a batch where one message's handler raises cp.Unavailable(exc)
+    async def handle(message: cp.Message) -> None:
+        if message.offset == 1:
+            raise cp.Unavailable(ConnectionError("db down"))  # type: ignore[arg-type]
+
+    async with serving(handle) as (_server, stub):
+        # When the proxy sends a batch of three
+        response = await stub.HandleMessageBatch(batch(3), timeout=5)
+    # Then only that message fails, with UNAVAILABLE; the others are acked
+    assert summary(response) == [
+        (0, Response.ACTION_UNSPECIFIED, ""),
+        (SDK_CODE.UNAVAILABLE.value[0], Response.RETRY, "db down"),
+        (0, Response.ACTION_UNSPECIFIED, ""),
+    ]
+
+
+async def test_a_dead_letter_whose_reason_is_an_exception_is_a_dead_letter_in_a_unary_call() -> (
+    None
+):
+    # Given a handler that answers cp.dead_letter(exc)
+    async def handle(_message: cp.Message) -> cp.Result:
+        return cp.dead_letter(ValueError("not json"))  # type: ignore[arg-type]
+
+    async with serving(handle) as (_server, stub):
+        # When the proxy calls HandleMessage
+        response = await stub.HandleMessage(request(), timeout=5)
+    # Then the answer is DEAD_LETTER with the exception's text
+    assert (response.action, response.reason) == (Response.DEAD_LETTER, "not json")
+
+
+# ------------------------------------------------------------ 2: errors that cannot be printed
+
+
+class Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("str() failed")
+
+
+async def test_an_error_that_cannot_be_printed_fails_only_its_own_message_in_a_batch() -> None:
+    # Given a batch where one message's handler raises an exception whose str() raises
+    async def handle(message: cp.Message) -> None:
+        if message.offset == 1:
+            raise Unprintable()
+
+    async with serving(handle) as (_server, stub):
+        # When the proxy sends a batch of three
+        response = await stub.HandleMessageBatch(batch(3), timeout=5)
+    # Then that message alone fails INTERNAL; the other two are acked
+    assert [(r.status_code, r.action) for r in response.results] == [
+        (0, Response.ACTION_UNSPECIFIED),
+        (SDK_CODE.INTERNAL.value[0], Response.RETRY),
+        (0, Response.ACTION_UNSPECIFIED),
+    ]
+
+
+async def test_an_error_that_cannot_be_printed_is_internal_in_a_unary_call() -> None:
+    # Given a handler raising an exception whose str() raises
+    async def handle(_message: cp.Message) -> None:
+        raise Unprintable()
+
+    async with serving(handle) as (_server, stub):
+        # When the proxy calls HandleMessage
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.HandleMessage(request(), timeout=5)
+    # Then the status is INTERNAL ("any other exception"), with the type's name
+    assert caught.value.code() == SDK_CODE.INTERNAL
+    assert "Unprintable" in (caught.value.details() or "")
+
+
+# ------------------------------------------------------- 3: one hung message holds its batch
+
+
+async def test_a_hung_message_does_not_cost_its_batch_mates_their_answers() -> None:
+    # Given a batch where message 1's handler never returns and the others ack at once
+    handled: list[int] = []
+
+    async def handle(message: cp.Message) -> None:
+        if message.offset == 1:
+            await asyncio.sleep(3600)
+        handled.append(message.offset)
+
+    async with serving(handle) as (_server, stub):
+        # When the proxy sends the batch with a 2 s deadline (service.timeout_ms)
+        started = time.monotonic()
+        response = await stub.HandleMessageBatch(batch(3), timeout=2)
+        took = time.monotonic() - started
+    # Then the SDK answers before the deadline: the done messages acked, the hung one
+    # failed alone as a deadline (retried, counted), as a unary call of it would have been
+    assert took < 2
+    assert handled == [0, 2]
+    assert [(r.status_code, r.action) for r in response.results] == [
+        (0, Response.ACTION_UNSPECIFIED),
+        (SDK_CODE.DEADLINE_EXCEEDED.value[0], Response.RETRY),
+        (0, Response.ACTION_UNSPECIFIED),
+    ]
+
+
+# ------------------------------------------------------ 4: BaseException subclasses: no answer
+
+
+class LibraryAbort(BaseException):
+    """A library's BaseException (gevent.Timeout, trio.Cancelled and the like)."""
+
+
+@pytest.mark.parametrize("error", [LibraryAbort, GeneratorExit])
+async def test_a_base_exception_from_the_handler_is_answered_internal_at_once(
+    error: type[BaseException],
+) -> None:
+    # Given a handler raising a BaseException that is not Exception (nor a cancellation)
+    async def handle(_message: cp.Message) -> None:
+        raise error()
+
+    async with serving(handle) as (_server, stub):
+        # When the proxy calls HandleMessage with a 3 s deadline
+        started = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.HandleMessage(request(), timeout=3)
+        took = time.monotonic() - started
+    # Then the call fails INTERNAL at once, not at the proxy's deadline
+    assert caught.value.code() == SDK_CODE.INTERNAL
+    assert took < 1
+
+
+async def test_a_base_exception_in_a_batch_fails_only_its_own_message() -> None:
+    # Given a batch where one message's handler raises a library's BaseException
+    async def handle(message: cp.Message) -> None:
+        if message.offset == 1:
+            raise LibraryAbort()
+
+    async with serving(handle) as (_server, stub):
+        # When the proxy sends a batch of three with a 3 s deadline
+        response = await stub.HandleMessageBatch(batch(3), timeout=3)
+    # Then that message fails INTERNAL and the other two are acked
+    assert [(r.status_code, r.action) for r in response.results] == [
+        (0, Response.ACTION_UNSPECIFIED),
+        (SDK_CODE.INTERNAL.value[0], Response.RETRY),
+        (0, Response.ACTION_UNSPECIFIED),
+    ]
+
+
+# ------------------------------------------------------------- 5: handlers that cannot work
+
+
+class NotCallableHandle:
+    handle = "billing"
+
+
+class AHandlerClass:
+    async def handle(self, message: cp.Message) -> None:
+        return None
+
+
+@pytest.mark.parametrize("handler", [NotCallableHandle(), AHandlerClass], ids=["attr", "class"])
+def test_a_handler_that_can_never_be_called_is_refused_when_the_server_is_built(
+    handler: Any,
+) -> None:
+    # Given an object whose handle is not callable, or a handler class instead of an instance
+    # When a Server is built with it
+    # Then it is refused at once, as a non-callable handler is (not INTERNAL for every
+    # message, each logged with a traceback, each dead-lettered after max_attempts)
+    with pytest.raises(TypeError):
+        cp.Server(handler)
