@@ -216,6 +216,33 @@ def _check_worker_ports(path: Path, config: ProxyConfig, workers: int) -> None:
         )
 
 
+KAFKA_FILE_PROPERTIES = (
+    "ssl.ca.location",
+    "ssl.certificate.location",
+    "ssl.key.location",
+    "ssl.crl.location",
+    "ssl.keystore.location",
+)
+"""librdkafka properties naming a file the clients read when they are built."""
+
+
+def _check_kafka_files(path: Path, config: ProxyConfig) -> None:
+    """The TLS files kafka.client names exist here (in a pod: its Secret mounts), as the
+    service TLS files of the groups must; librdkafka would otherwise refuse every client at
+    start-up. ssl.ca.location may also be a directory or 'probe'."""
+    problems = []
+    for prop in KAFKA_FILE_PROPERTIES:
+        value = config.kafka.client.get(prop)
+        if not isinstance(value, str) or (prop == "ssl.ca.location" and value == "probe"):
+            continue
+        where = Path(value)
+        if where.is_file() or (prop == "ssl.ca.location" and where.is_dir()):
+            continue
+        problems.append(f"{path}: kafka.client.{prop}: {value!r} is not a readable file")
+    if problems:
+        raise ConfigError(problems)
+
+
 def _run_workers(args: argparse.Namespace, config: ProxyConfig) -> int:
     if args.workers == 1:
         return _run_one(args.config, args.log_level, args.log_format, 0)
@@ -373,6 +400,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     try:
         config = load_config(args.config)
+        if args.command in ("validate", "run"):
+            _check_kafka_files(args.config, config)
         if args.command == "validate":
             groups = ", ".join(g.name for g in config.groups)
             count = len(config.groups)

@@ -147,6 +147,22 @@ def group_verdict(group: GroupView) -> tuple[bool, str]:
     return True, "consumer up, Kafka reachable, circuit closed" + (f"; {detail}" if detail else "")
 
 
+def pod_verdict(group: GroupView) -> tuple[bool, str]:
+    """(up, why) for one group, as far as the pod itself goes: its consumer polled, it runs
+    (not stopping, commits not failing for a minute) and Kafka is reachable. What other teams'
+    services do (breaker, dead-letter guard, a missing batch method, a DLQ that refuses)
+    is not the pod's: a rollout must not wait for it (Kubernetes' readiness probe)."""
+    if not group.started.is_set():
+        return False, "starting: the consumer has not polled Kafka yet"
+    running = getattr(group, "run_problem", "")
+    if running:
+        return False, running
+    link = group.kafka_link
+    if link.enabled and link.reachable is not True:
+        return False, link.detail
+    return True, "consumer up, Kafka reachable"
+
+
 class ProxyHealth:
     """Verdicts for every group, published to grpc.health.v1 when a port is configured.
 
@@ -184,6 +200,16 @@ class ProxyHealth:
             f"{g.name}: {detail}" for g in self._groups if (detail := getattr(g, "push_detail", ""))
         ]
         return True, "; ".join(["ready", *pushing])
+
+    def pod_ready(self) -> tuple[bool, str]:
+        """The /readyz/pod answer (the chart's readiness probe): every group's consumer is up
+        and reaches Kafka; what the services behind the groups do is /readyz's to say."""
+        if self._stopping:
+            return False, "shutting down"
+        failing = [
+            f"{g.name}: {why}" for g in self._groups for ok, why in [pod_verdict(g)] if not ok
+        ]
+        return (False, "; ".join(failing)) if failing else (True, "pod ready")
 
     def changed(self) -> None:
         """A group's state changed: publish soon (callable from the event loop only)."""

@@ -313,6 +313,7 @@ class HttpEndpoint:
     an admin token is configured.
 
     ``ready`` returns (ok, detail); /readyz answers 503 with the detail while not ready.
+    ``pod_ready`` the same for /readyz/pod (the pod's own part: Kubernetes' readiness probe).
     ``admin`` performs an operator action, only for a request that carries ``admin_token``.
 
     Bounded, as it faces whatever can reach its port: at most ``max_connections`` open at once
@@ -335,9 +336,11 @@ class HttpEndpoint:
         admin: Admin | None = None,
         admin_token: str | None = None,
         pages: Pages | None = None,
+        pod_ready: Callable[[], tuple[bool, str]] | None = None,
     ) -> None:
         self._metrics = metrics
         self._ready = ready
+        self._pod_ready = pod_ready or ready
         self._admin = admin
         self._pages = pages
         self._admin_token = admin_token.encode() if admin_token else None
@@ -505,8 +508,8 @@ class HttpEndpoint:
             return Answer("200 OK", CONTENT_TYPE_LATEST, self._metrics.exposition())
         if path == "/healthz":
             return Answer("200 OK", "text/plain", b"ok\n")
-        if path == "/readyz":
-            ok, detail = self._ready()
+        if path in ("/readyz", "/readyz/pod"):
+            ok, detail = (self._ready if path == "/readyz" else self._pod_ready)()
             return Answer(
                 ("200 OK" if ok else "503 Service Unavailable"),
                 "text/plain",

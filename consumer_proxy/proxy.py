@@ -108,6 +108,7 @@ class Proxy:
                 max_connections=http.max_connections,
                 request_timeout_s=http.request_timeout_ms / 1000,
                 admin=self.admin,
+                pod_ready=self.health.pod_ready,
                 admin_token=(
                     self.config.admin.token.get_secret_value()
                     if self.config.admin.token is not None

@@ -51,23 +51,23 @@ def say(text: str) -> None:
     print(text, flush=True)
 
 
-def start_kafka() -> str:
+class DemoError(Exception):
+    """A failure told as one message (no traceback), exit code 1."""
+
+
+def start_kafka(keep: bool) -> str:
     say("• starting Kafka (first run downloads the broker jars from Maven Central) ...")
     started = time.monotonic()
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "kafka"),
-            "start",
-            "--dir",
-            str(DEMO / "kafka"),
-            "--port",
-            "0",
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
+    cmd = [sys.executable, str(ROOT / "scripts" / "kafka"), "start", "--dir", str(DEMO / "kafka")]
+    cmd += ["--port", "0"]
+    if not keep:  # the broker goes with the demo, however the demo ends (kill, SIGKILL)
+        cmd += ["--watch-pid", str(os.getpid())]
+    # stderr is scripts/kafka's word to the user (Maven fetch, java not found, the broker's
+    # last log lines): shown, never swallowed.
+    proc = subprocess.run(cmd, check=False, stdout=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise DemoError(f"could not start Kafka (scripts/kafka exit {proc.returncode}; see above)")
+    out = proc.stdout
     bootstrap = next(
         line.split("=", 1)[1] for line in out.splitlines() if line.startswith("bootstrap=")
     )
@@ -230,6 +230,10 @@ def dlq_count(bootstrap: str) -> int:
         consumer.close()
 
 
+def _interrupted(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--messages", type=int, default=5000, help="messages to produce")
@@ -241,12 +245,16 @@ def main() -> int:
         "--batch", action="store_true", help="push with HandleMessageBatch (delivery.batch)"
     )
     args = parser.parse_args()
+    # SIGTERM (kill, timeout, a CI cancel) and SIGHUP (the terminal closed) stop the demo as
+    # Ctrl-C does: through the cleanup below, which stops the services, the proxy and Kafka.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupted)
     logs = DEMO / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     procs: list[subprocess.Popen[bytes]] = []
     kafka_started = False
     try:
-        bootstrap = start_kafka()
+        bootstrap = start_kafka(args.keep)
         kafka_started = True
         reset_topics(bootstrap, args.partitions)
         services, endpoints = start_services(logs)
@@ -346,6 +354,9 @@ def main() -> int:
             procs.clear()
             kafka_started = False
         return 0 if ok else 1
+    except DemoError as exc:
+        say(f"\ndemo: {exc}")
+        return 1
     finally:
         for proc in reversed(procs):
             with contextlib.suppress(ProcessLookupError):

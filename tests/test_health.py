@@ -101,6 +101,9 @@ async def _service_outage(bootstrap: str) -> None:
             assert f"{group}: circuit" in detail and "the service is failing" in detail
             _, healthz = await http_get(proxy.http.port, "/healthz")
             assert healthz == "ok\n"  # alive all the same: a restart would not help
+            # ... and the pod itself is ready (the chart's readiness probe): another team's
+            # outage must not hold a rollout of the proxy
+            assert await http_get(proxy.http.port, "/readyz/pod") == (200, "pod ready\n")
 
             # When the service comes back on the same port
             await service.restart()

@@ -10,6 +10,7 @@ so the Dockerfile is checked statically.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import math
@@ -22,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from fnmatch import fnmatch
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import kubernetes_validate
@@ -30,7 +32,9 @@ import yaml
 from pydantic import BaseModel
 
 from consumer_proxy.config import GroupConfig, KafkaConfig, TracingConfig, load_config
-from consumer_proxy.metrics import ProxyMetrics
+from consumer_proxy.health import KafkaLink, ProxyHealth
+from consumer_proxy.metrics import HttpEndpoint, ProxyMetrics
+from tests.support.scrape import http_get
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "consumer-proxy"
@@ -676,7 +680,7 @@ def test_probes_and_metrics_ports_follow_the_workers(helm: Helm) -> None:
     assert selector.items() <= service["metadata"]["labels"].items()
     # and the probes ask worker 0 whether it is alive and ready
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
-    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz/pod", "port": "metrics"}
 
 
 def test_every_worker_declares_its_grpc_health_port(helm: Helm) -> None:
@@ -916,3 +920,74 @@ def test_cached_helm_needs_no_go_toolchain(helm: Helm) -> None:
     assert proc.stdout.strip() == helm.binary
     version = helm.run("version", "--short")
     assert version.stdout.startswith("v3."), version.stdout + version.stderr
+
+
+def _group_whose_service_is_down(name: str, down: bool = True) -> SimpleNamespace:
+    """A running group (consumer up, Kafka reachable) whose service fails (breaker open)."""
+    started = asyncio.Event()
+    started.set()
+    state = "open" if down else "closed"
+    return SimpleNamespace(
+        name=name,
+        started=started,
+        breaker=SimpleNamespace(is_open=down, state=state),
+        kafka_link=KafkaLink(),  # (not attached: Kafka's reachability not in question here)
+        writer=None,
+    )
+
+
+async def test_another_teams_outage_does_not_freeze_rollouts(helm: Helm) -> None:
+    # Given the chart's Deployment (one pod replaced at a time, maxUnavailable 0) and a proxy
+    # whose pods, Kafka and group payments are fine while group refunds' service is down
+    deployment = one(helm.render(), "Deployment")
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    probe = proxy_container([deployment])["readinessProbe"]["httpGet"]
+    groups = [_group_whose_service_is_down("payments", down=False)]
+    groups.append(_group_whose_service_is_down("refunds"))
+    health = ProxyHealth(groups)
+    http = HttpEndpoint(ProxyMetrics(), health.ready, "127.0.0.1", 0, pod_ready=health.pod_ready)
+    await http.start()
+    try:
+        # When the kubelet asks the readiness probe's path, and a person asks /readyz
+        probed = await http_get(http.port, probe["path"])
+        asked = await http_get(http.port, "/readyz")
+        health.shutting_down()
+        stopping = await http_get(http.port, probe["path"])
+    finally:
+        await http.close()
+    # Then the pod is Ready (an old pod can be replaced: the rollout goes on), while /readyz
+    # still says which group's service fails; a pod shutting down is not Ready
+    assert probed == (200, "pod ready\n")
+    assert asked[0] == 503 and "refunds: circuit open" in asked[1]
+    assert stopping == (503, "shutting down\n")
+
+
+def test_init_container_refuses_a_kafka_tls_file_missing_from_its_secret(
+    helm: Helm,
+    tmp_path: Path,
+) -> None:
+    # Given the example values: Kafka's CA from the Secret kafka-ca, referenced by
+    # kafka.client ssl.ca.location, and the init container that runs `consumer-proxy validate`
+    manifests = helm.render("-f", str(EXAMPLE_VALUES))
+    init = one(manifests, "Deployment")["spec"]["template"]["spec"]["initContainers"][0]
+    config_path = materialise_config(manifests, tmp_path)
+
+    # When the Secret lacks the CA file the config names (say it was created with key ca.pem)
+    missing = next(tmp_path.rglob("kafka/ca.crt"))
+    missing.unlink()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONSUMER_PROXY_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "consumer_proxy", *init["args"][:2], str(config_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
+    )
+
+    # Then the check fails, so the new pod stops in Init:Error naming the field
+    # (docs/kubernetes.md: "What only the pod can know (a TLS file missing from its Secret ...)
+    # is checked by consumer-proxy validate itself ... in an init container"); the proxy itself
+    # would fail at start with librdkafka's "ssl.ca.location failed" and crash-loop instead
+    assert proc.returncode == 2, f"validate exit {proc.returncode}: {proc.stdout}{proc.stderr}"
+    assert "ssl.ca.location" in proc.stderr
