@@ -18,11 +18,15 @@ from consumer_proxy.core.decision import Action
 from consumer_proxy.core.guard import DeadLetterGuard
 from consumer_proxy.core.outcomes import Classification, Classifier
 from consumer_proxy.core.partitions import Delivery
+from consumer_proxy.proto.v1 import handler_pb2
 from tests.support.core import ACK, CoreRig
 from tests.support.records import Rec
 
 CLASSIFY = Classifier()
 POISON = CLASSIFY.from_status(grpc.StatusCode.INVALID_ARGUMENT, "bad deploy")
+DROP = CLASSIFY.from_response(
+    handler_pb2.HandleMessageResponse(action=handler_pb2.HandleMessageResponse.DROP)
+)
 GUARD = DeadLetterGuardConfig(min_messages=20, window_ms=60_000, probe_interval_ms=1000)
 
 
@@ -139,6 +143,24 @@ def test_a_probe_that_is_acked_releases_the_guard_and_every_held_message_is_retr
     tracker = rig.core.parts[("t", 0)].tracker
     assert tracker is not None and tracker.committable() == 60
     assert rig.core.pause_plan().resume == [("t", 0)]
+
+
+def test_a_probe_the_service_drops_releases_the_guard_as_an_ack_does() -> None:
+    # Given a tripped guard holding a bad deploy's dead letters
+    rig = Rig()
+    for offset in range(60):
+        rig.core.intake(Rec("t", offset))
+    for _ in range(60):
+        rig.push(POISON)
+    dead = len(rig.dead)
+    # When the probe goes out and the fixed service drops it (an answer it decided: DROP)
+    rig.clock.run_until(rig.clock.now + 1.0)
+    assert len(rig.ready) == 1
+    assert rig.push(DROP) is Action.DROP
+    # Then the guard is released and every other held message comes again
+    state = rig.core.guard_state()
+    assert state is not None and not state[0].held and state[1] == 0
+    assert len(rig.ready) == 60 - dead - 1
 
 
 def test_a_probe_rejected_again_stays_held_and_the_next_probe_follows() -> None:

@@ -12,10 +12,11 @@ written before it trips, however many acks came before.
 
 While it is held, a message that would be dead-lettered stays in its window instead
 (``PartitionSet`` parks it and pauses its partition), with no attempt spent. One held message
-is retried every ``probe_interval_ms``, and its ack releases the guard: the held messages are
-retried, their attempts counted from where they were. An operator may release the guard
-instead (the held messages then go to the DLQ), or hold a group by hand (no probe releases a
-hold made by hand).
+is retried every ``probe_interval_ms``, and its ack (or a DROP: the service decided it)
+releases the guard; so does having nothing left to probe (the held messages left with their
+partitions). The held messages are retried, their attempts counted from where they were. An
+operator may release the guard instead (the held messages then go to the DLQ), or hold a group
+by hand (no probe releases a hold made by hand).
 
 The ratio is read from the group's cumulative counts, sampled when a dead letter is decided
 and at the group's pause ticks, so the ack path costs nothing. Bounded: at most

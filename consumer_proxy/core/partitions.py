@@ -1188,7 +1188,8 @@ class PartitionSet:
         )
         action = decision.action
         counters = self.counters
-        if delivery.guard_probe and action is not Action.RETRY:
+        probe = delivery.guard_probe
+        if probe and action is not Action.RETRY:
             delivery.guard_probe = False  # (held again: a later probe flags it again)
             self._probes.discard(delivery)
         if action is Action.ACK:
@@ -1196,6 +1197,8 @@ class PartitionSet:
             self._complete(delivery)
         elif action is Action.DROP:
             counters.drop += 1
+            if probe:  # the service decided it, as an ack would: the service works again
+                self._probe_acked()
             self._complete(delivery)
         elif action is Action.DEAD_LETTER:
             if self.guard is not None and self._guard_holds(delivery, decision, result.status):
