@@ -96,9 +96,11 @@ def test_random_schedules_through_the_real_shell_keep_every_invariant() -> None:
     assert total.silences > 250 and total.capped > 250 and total.calls_cancelled > 15
     # ... and retry tiers (half the seeds of ordering none), some waiting far longer than the
     # run, and head-of-line unblocking (52 unblocks on 2026-11-26 before the committer's gap
-    # could end early, 37 since: the schedules moved, the same invariants hold)
+    # could end early, 37 since: the schedules moved, the same invariants hold; 30 since
+    # 2026-11-27, when config came to refuse a head block within a long call's cap and the
+    # long-running schedules' head blocks moved past it: few of their calls block that long)
     assert 8 < total.tier_schedules < 30 and total.long_tier_schedules > 3
-    assert total.tier_writes > 300 and total.unblocks > 30
+    assert total.tier_writes > 300 and total.unblocks > 20
     # ... and bad deploys that reject every message: the dead-letter guard trips and holds
     # (held: over 800 until commits were sent without waiting and the intake stopped
     # hurrying for a sent commit's answer, 706 since: the schedules moved)
