@@ -7,6 +7,7 @@ tools, so it lives in the core: no I/O, no Kafka client.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from .outcomes import clip_reason
@@ -78,22 +79,26 @@ def split_headers(headers: Any, take_ours: bool = True) -> tuple[UserHeaders, di
 
     Accepts what confluent-kafka returns (a list of pairs, or None) or a dict.
     """
-    pairs: list[tuple[str, str | bytes | None]] = list(
-        headers.items() if isinstance(headers, dict) else headers or ()
+    pairs: Sequence[tuple[str, str | bytes | None]] = (
+        list(headers.items()) if isinstance(headers, dict) else headers or ()
     )
-    start = len(pairs)
-    if take_ours:
-        seen: set[str] = set()
-        while start and pairs[start - 1][0] in PROXY_HEADERS and pairs[start - 1][0] not in seen:
-            start -= 1
-            seen.add(pairs[start][0])
     user: UserHeaders = []
-    for key, value in pairs[:start]:
-        user.append((key, value.encode() if isinstance(value, str) else value or b""))
+    if not take_ours:  # (a source topic's record: every header as it is, no copy of the list)
+        for key, value in pairs:
+            user.append((key, value.encode() if isinstance(value, str) else value or b""))
+        return user, {}
+    start = len(pairs)
+    seen: set[str] = set()
+    while start and pairs[start - 1][0] in PROXY_HEADERS and pairs[start - 1][0] not in seen:
+        start -= 1
+        seen.add(pairs[start][0])
     ours: dict[str, str] = {}
-    for key, value in pairs[start:]:
+    for i, (key, value) in enumerate(pairs):
         data = value.encode() if isinstance(value, str) else value or b""
-        ours[key] = data.decode("utf-8", "replace")
+        if i < start:
+            user.append((key, data))
+        else:
+            ours[key] = data.decode("utf-8", "replace")
     return user, ours
 
 
